@@ -1,0 +1,6 @@
+"""Data for the default runs: the Python standard library's source, tokenized with a local byte-level BPE."""
+
+from lightning_flce.data.dataset import TokenBlockDataset
+from lightning_flce.data.stdlib import PythonStdlibDataModule
+
+__all__ = ["PythonStdlibDataModule", "TokenBlockDataset"]
