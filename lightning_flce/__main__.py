@@ -1,0 +1,6 @@
+"""``python -m lightning_flce fit --config configs/default.yaml``: same as the ``lightning-flce`` command."""
+
+from lightning_flce.cli import main
+
+if __name__ == "__main__":
+    main()
