@@ -196,14 +196,15 @@ class PythonStdlibDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
-    def _split_files(self) -> tuple[list[Path], list[Path]]:
+    def split_files(self) -> tuple[list[Path], list[Path]]:
+        """The corpus files (before the ``max_chars`` cap) as ``(train_files, val_files)``."""
         files = find_source_files(self.root, include_tests=self.include_tests)
         train_files = [f for i, f in enumerate(files) if i % self.val_every != self.val_every - 1]
         val_files = [f for i, f in enumerate(files) if i % self.val_every == self.val_every - 1]
         return train_files, val_files
 
     def _read_split(self) -> tuple[list[str], list[str]]:
-        train_files, val_files = self._split_files()
+        train_files, val_files = self.split_files()
         # One character budget for both splits, shared in proportion to their file counts.
         val_chars = max(1, self.max_chars // self.val_every)
         return read_texts(train_files, self.max_chars - val_chars), read_texts(val_files, val_chars)
