@@ -1,29 +1,242 @@
-"""TEMPORARY naive stand-in; replaced by the chunked op (same signature)."""
+"""Public API: :func:`fused_linear_cross_entropy` and :func:`fused_linear_cross_entropy_with_stats`.
+
+Thin wrappers: check the arguments (clear exceptions before any kernel runs), resolve autocast and
+the implementation, and call the custom op of :mod:`lightning_flce.op`.
+"""
+
+from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_flce._compat import triton_usable
+from lightning_flce.op import flce_forward, flce_op_available_on
+
+_REDUCTIONS = ("mean", "sum", "none")
+_IMPLS = ("auto", "triton", "torch")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class FLCEOutput(NamedTuple):
-    loss: torch.Tensor
-    lse: torch.Tensor
-    correct: torch.Tensor
-    entropy: torch.Tensor
+    """Result of :func:`fused_linear_cross_entropy_with_stats`.
+
+    Attributes:
+        loss: as :func:`fused_linear_cross_entropy` returns it (differentiable).
+        lse: [N] fp32 log-sum-exp of each token's (softcapped) logits; 0 for ignored tokens.
+        correct: [N] bool, ``argmax(logits) == target`` (first maximum on ties); False for ignored tokens.
+        entropy: [N] fp32 entropy of each token's softmax; 0 for ignored tokens.
+
+    The statistics carry no gradient.
+    """
+
+    loss: Tensor
+    lse: Tensor
+    correct: Tensor
+    entropy: Tensor
 
 
 def fused_linear_cross_entropy(
-    input, weight, target, bias=None, *, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-    class_weight=None, lse_square_scale=0.0, softcap=None, accum_dtype=None, chunk_size=None, impl="auto",
-):
-    logits = F.linear(input, weight, bias).float().flatten(0, -2)
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    target = target.flatten()
-    return F.cross_entropy(logits, target, weight=class_weight, ignore_index=ignore_index,
-                           reduction=reduction, label_smoothing=label_smoothing)
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: Optional[Tensor] = None,
+    lse_square_scale: float = 0.0,
+    softcap: Optional[float] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    chunk_size: Optional[int] = None,
+    impl: str = "auto",
+) -> Tensor:
+    """Cross-entropy of ``input @ weight.T + bias`` against ``target``, without materializing the logits.
+
+    Equal to ``F.cross_entropy(softcap(F.linear(input, weight, bias).float()), target,
+    weight=class_weight, ignore_index=ignore_index, reduction=reduction,
+    label_smoothing=label_smoothing)`` plus the z-loss ``lse_square_scale * logsumexp(logits) ** 2``
+    of every non-ignored token, computed in chunks of tokens: peak extra memory is one chunk's
+    logits, not [N, V].
+
+    Args:
+        input: [..., H] hidden states; leading dimensions are flattened to N tokens.
+        weight: [V, H] head weight.
+        target: [...] integer class indices with the leading shape of ``input``.
+        bias: optional [V] head bias.
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        reduction: ``"mean"`` (over non-ignored tokens, weighted by ``class_weight`` as in
+            ``F.cross_entropy``; the z-loss is averaged over non-ignored tokens), ``"sum"``, or
+            ``"none"`` (per-token [N] losses, 0 for ignored tokens).
+        label_smoothing: in [0, 1], as in ``F.cross_entropy``.
+        class_weight: optional [V] weight per class, as ``F.cross_entropy``'s ``weight``.
+        lse_square_scale: z-loss coefficient (PaLM uses 1e-4).
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
+        accum_dtype: ``torch.float32`` accumulates dW (and d bias) in fp32 across chunks and returns
+            them in the parameter dtype; None accumulates in the weight's dtype.
+        chunk_size: tokens per chunk; None picks it from a memory budget (a quarter of dX + dW).
+        impl: ``"triton"`` (CUDA; the CPU only under ``TRITON_INTERPRET=1``), ``"torch"``, or
+            ``"auto"`` (Triton on CUDA, PyTorch elsewhere).
+
+    Returns:
+        The fp32 loss: a scalar, or [N] for ``reduction="none"``.
+
+    Edge cases (documented and tested): an all-ignored batch gives 0 (also for "mean") with zero
+    gradients and the graph connected; N = 0 gives 0 ("none": an empty tensor); NaN/Inf in the
+    input propagate to the loss as they would in the reference. Under ``torch.autocast`` the GEMMs
+    run in the autocast dtype like ``nn.Linear``'s, and an fp32 weight gets an fp32 gradient.
+    """
+    return _call(
+        input,
+        weight,
+        target,
+        bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        class_weight=class_weight,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        impl=impl,
+        compute_stats=False,
+    ).loss
 
 
-def fused_linear_cross_entropy_with_stats(input, weight, target, bias=None, **kw):
-    raise NotImplementedError
+def fused_linear_cross_entropy_with_stats(
+    input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, **kwargs
+) -> FLCEOutput:
+    """:func:`fused_linear_cross_entropy` plus per-token LSE, correctness and entropy (:class:`FLCEOutput`).
+
+    Takes the same arguments. The statistics come from the same pass over each chunk's logits, so
+    token accuracy or entropy monitoring costs no logits either.
+    """
+    return _call(input, weight, target, bias, compute_stats=True, **kwargs)
+
+
+def _call(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: Optional[Tensor] = None,
+    lse_square_scale: float = 0.0,
+    softcap: Optional[float] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    chunk_size: Optional[int] = None,
+    impl: str = "auto",
+    compute_stats: bool,
+) -> FLCEOutput:
+    compute_dtype = _check_inputs(input, weight, target, bias, class_weight)
+    _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
+    impl = _resolve_impl(impl, input.device)
+    grad_enabled = torch.is_grad_enabled()
+    loss, lse, correct, entropy, *_ = flce_forward(
+        input,
+        weight,
+        target,
+        bias,
+        class_weight,
+        int(ignore_index),
+        reduction,
+        float(label_smoothing),
+        float(lse_square_scale),
+        float(softcap) if softcap is not None else 0.0,
+        compute_dtype,
+        accum_dtype == torch.float32,
+        int(chunk_size) if chunk_size is not None else 0,
+        impl,
+        grad_enabled and input.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+        compute_stats,
+    )
+    return FLCEOutput(loss, lse, correct, entropy)
+
+
+def _check_inputs(
+    input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor]
+) -> torch.dtype:
+    """Validate shapes, dtypes and devices; return the dtype the GEMMs run in."""
+    if input.dim() < 1 or weight.dim() != 2:
+        raise ValueError(
+            f"expected input [..., H] and weight [V, H], got {tuple(input.shape)} and {tuple(weight.shape)}"
+        )
+    hidden = input.shape[-1]
+    if weight.shape[1] != hidden:
+        raise ValueError(
+            f"hidden size mismatch: input has H={hidden}, weight is {tuple(weight.shape)} (expected [V, {hidden}])"
+        )
+    if target.shape != input.shape[:-1]:
+        raise ValueError(
+            f"target shape {tuple(target.shape)} does not match input's leading shape {tuple(input.shape[:-1])}"
+        )
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer class indices, got {target.dtype}")
+    vocab = weight.shape[0]
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"bias must be [V]=[{vocab}], got {tuple(bias.shape)}")
+    if class_weight is not None:
+        if class_weight.shape != (vocab,):
+            raise ValueError(f"class_weight must be [V]=[{vocab}], got {tuple(class_weight.shape)}")
+        if not class_weight.dtype.is_floating_point:
+            raise TypeError(f"class_weight must be floating point, got {class_weight.dtype}")
+    for name, tensor in (
+        ("weight", weight),
+        ("target", target),
+        ("bias", bias),
+        ("class_weight", class_weight),
+    ):
+        if tensor is not None and tensor.device != input.device:
+            raise ValueError(f"{name} is on {tensor.device} but input is on {input.device}")
+    for name, tensor in (("input", input), ("weight", weight), ("bias", bias)):
+        if tensor is not None and tensor.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} dtype {tensor.dtype} is not supported (fp16, bf16, fp32, fp64)")
+
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Like nn.Linear under autocast: GEMM operands in the autocast dtype, grads in the param dtypes.
+        return torch.get_autocast_dtype(device_type)
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is not None and tensor.dtype != input.dtype:
+            raise TypeError(
+                f"{name} dtype {tensor.dtype} differs from input dtype {input.dtype} outside autocast "
+                "(cast one of them, or run under torch.autocast as mixed precision does)"
+            )
+    return input.dtype
+
+
+def _check_options(
+    reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl
+) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if lse_square_scale < 0.0:
+        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
+    if softcap is not None and not softcap > 0.0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+    if accum_dtype not in (None, torch.float32):
+        raise ValueError(f"accum_dtype must be None or torch.float32, got {accum_dtype}")
+    if chunk_size is not None and chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size}")
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl == "auto":
+        return flce_op_available_on(device)
+    if impl == "triton" and not triton_usable(device):
+        raise RuntimeError(
+            f"impl='triton' needs Triton and a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors); got {device}"
+        )
+    return impl

@@ -1,0 +1,223 @@
+"""Triton kernel: cross-entropy loss, LSE and d loss / d logits for one chunk of logits, in place.
+
+One program per row. Pass 1 streams the row once with an online softmax (running max ``m`` and
+``d = sum(exp(z - m))``), collecting what the loss needs: the smoothing term ``sum(w_j z_j)``, and for
+the optional statistics the argmax and ``sum(exp(z - m) z)`` (entropy = lse - E_p[z]). Pass 2 streams
+the row again and overwrites it with the gradient, so the chunk needs no second [C, V] buffer.
+
+With logits ``z`` (after the optional softcap ``z = c tanh(r / c)``), target ``t``, class weights
+``w`` (1 without), smoothing ``eps`` and z-loss scale ``lam``, a row's terms are
+
+    ce     = (1 - eps) w_t (lse - z_t) + eps / V * (W lse - sum_j w_j z_j),     W = sum_j w_j
+    z_loss = lam lse^2
+    d/dz_j = ce_scale ((1 - eps) w_t + eps W / V) p_j - ce_scale eps w_j / V - ce_scale (1 - eps) w_t [j == t]
+             + z_scale 2 lam lse p_j
+
+which is ``F.cross_entropy(..., weight=w, label_smoothing=eps)`` term by term; the softcap adds the
+factor ``1 - (z / c)^2``. Rows whose target is ``ignore_index`` skip both passes and write zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_flce.kernels import ChunkOutputs, LossOptions
+
+# Elements of a row handled per loop iteration. Large blocks amortize the per-iteration reductions;
+# one warp per 256 elements keeps 8 elements per thread.
+_MAX_BLOCK_V = 8192
+
+
+@triton.jit
+def _tanh(x):
+    # exp-based tanh: portable (interpreter included) and exact at both tails (exp -> inf gives 1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
+    z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_SOFTCAP:
+        # Re-mask: tanh(-inf) is -1, not -inf.
+        z = tl.where(mask, softcap * _tanh(z / softcap), float("-inf"))
+    return z
+
+
+@triton.jit
+def _cross_entropy_chunk_kernel(
+    logits_ptr,  # [C, V] chunk logits in the compute dtype; overwritten with the gradient
+    logits_row_stride,
+    target_ptr,  # [C] int64, already validated to be in [0, V) or ignore_index
+    class_weight_ptr,  # [V] fp32 (read only with HAS_CLASS_WEIGHT)
+    class_weight_sum_ptr,  # [1] fp32 sum of class weights (read only with HAS_CLASS_WEIGHT)
+    ce_scale_ptr,  # fp32 multiplier of the CE term, [1] or [C]
+    z_scale_ptr,  # fp32 multiplier of the z-loss term, [1] or [C]
+    scale_stride,  # 0 for a shared scale, 1 for per-row scales
+    loss_ptr,  # [C] fp32 out: scaled loss per row
+    lse_ptr,  # [C] fp32 out
+    correct_ptr,  # [C] int8 out (only with COMPUTE_STATS)
+    entropy_ptr,  # [C] fp32 out (only with COMPUTE_STATS)
+    V: tl.constexpr,  # constexpr: fixed per model, and the interpreter cannot loop to a runtime bound
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    COMPUTE_STATS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_row_stride
+    target = tl.load(target_ptr + row)
+    offsets = tl.arange(0, BLOCK_V)
+
+    if target == ignore_index:
+        if COMPUTE_GRAD:
+            for start in range(0, V, BLOCK_V):
+                cols = start + offsets
+                zeros = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
+                tl.store(row_ptr + cols, zeros, mask=cols < V)
+        tl.store(loss_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
+        if COMPUTE_STATS:
+            tl.store(correct_ptr + row, 0)
+            tl.store(entropy_ptr + row, 0.0)
+    else:
+        # Pass 1: online logsumexp (+ smoothing and statistics terms).
+        m = float("-inf")
+        d = 0.0
+        weighted_z_sum = 0.0
+        exp_z_sum = 0.0
+        best = float("-inf")
+        best_idx = 0
+        for start in range(0, V, BLOCK_V):
+            cols = start + offsets
+            mask = cols < V
+            z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+            block_max = tl.max(z, 0)
+            m_new = tl.maximum(m, block_max)
+            rescale = tl.exp(m - m_new)
+            e = tl.exp(z - m_new)
+            d = d * rescale + tl.sum(e, 0)
+            # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
+            z_finite = tl.where(mask, z, 0.0)
+            if HAS_SMOOTHING:
+                if HAS_CLASS_WEIGHT:
+                    w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
+                    weighted_z_sum += tl.sum(w * z_finite, 0)
+                else:
+                    weighted_z_sum += tl.sum(z_finite, 0)
+            if COMPUTE_STATS:
+                exp_z_sum = exp_z_sum * rescale + tl.sum(e * z_finite, 0)
+                block_arg = tl.argmax(z, 0).to(tl.int32)
+                # Strict '>' keeps the first maximum, as torch.argmax does.
+                best_idx = tl.where(block_max > best, start + block_arg, best_idx)
+                best = tl.maximum(best, block_max)
+            m = m_new
+        lse = m + tl.log(d)
+
+        z_target = tl.load(row_ptr + target).to(tl.float32)
+        if HAS_SOFTCAP:
+            z_target = softcap * _tanh(z_target / softcap)
+        if HAS_CLASS_WEIGHT:
+            w_target = tl.load(class_weight_ptr + target)
+            w_total = tl.load(class_weight_sum_ptr)
+        else:
+            w_target = 1.0
+            w_total = V * 1.0
+        ce = (1.0 - label_smoothing) * w_target * (lse - z_target)
+        if HAS_SMOOTHING:
+            ce += label_smoothing / V * (w_total * lse - weighted_z_sum)
+        ce_scale = tl.load(ce_scale_ptr + row * scale_stride)
+        z_scale = tl.load(z_scale_ptr + row * scale_stride)
+        tl.store(loss_ptr + row, ce_scale * ce + z_scale * lse_square_scale * lse * lse)
+        tl.store(lse_ptr + row, lse)
+        if COMPUTE_STATS:
+            tl.store(correct_ptr + row, (best_idx == target).to(tl.int8))
+            tl.store(entropy_ptr + row, lse - exp_z_sum / d)
+
+        if COMPUTE_GRAD:
+            # Pass 2: overwrite the row with d loss / d logits.
+            p_coef = ce_scale * (1.0 - label_smoothing) * w_target + z_scale * 2.0 * lse_square_scale * lse
+            if HAS_SMOOTHING:
+                p_coef += ce_scale * label_smoothing * w_total / V
+            target_coef = ce_scale * (1.0 - label_smoothing) * w_target
+            for start in range(0, V, BLOCK_V):
+                cols = start + offsets
+                mask = cols < V
+                z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+                grad = tl.exp(z - lse) * p_coef
+                if HAS_SMOOTHING:
+                    if HAS_CLASS_WEIGHT:
+                        w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
+                        grad -= ce_scale * label_smoothing / V * w
+                    else:
+                        grad -= ce_scale * label_smoothing / V
+                grad = tl.where(cols == target, grad - target_coef, grad)
+                if HAS_SOFTCAP:
+                    capped = z / softcap
+                    grad = grad * (1.0 - capped * capped)
+                tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def cross_entropy_chunk_triton(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    options: LossOptions,
+    *,
+    ce_scale: torch.Tensor,
+    z_scale: torch.Tensor,
+    compute_grad: bool,
+    compute_stats: bool,
+) -> ChunkOutputs:
+    """Launch :func:`_cross_entropy_chunk_kernel` on a [C, V] chunk (contract in ``lightning_flce.kernels``)."""
+    n_rows, vocab = logits.shape
+    assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
+    device = logits.device
+    loss = torch.empty(n_rows, dtype=torch.float32, device=device)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
+    correct = torch.empty(n_rows if compute_stats else 0, dtype=torch.int8, device=device)
+    entropy = torch.empty(n_rows if compute_stats else 0, dtype=torch.float32, device=device)
+    if n_rows == 0:
+        return ChunkOutputs(
+            loss, lse, correct.bool() if compute_stats else None, entropy if compute_stats else None
+        )
+    has_class_weight = options.class_weight is not None
+    class_weight = options.class_weight if has_class_weight else loss  # dummy pointer, never read
+    class_weight_sum = options.class_weight_sum if has_class_weight else loss
+    scale_stride = 1 if ce_scale.numel() > 1 else 0
+    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    _cross_entropy_chunk_kernel[(n_rows,)](
+        logits,
+        logits.stride(0),
+        target,
+        class_weight,
+        class_weight_sum,
+        ce_scale,
+        z_scale,
+        scale_stride,
+        loss,
+        lse,
+        correct,
+        entropy,
+        vocab,
+        options.ignore_index,
+        options.label_smoothing,
+        options.lse_square_scale,
+        options.softcap,
+        HAS_CLASS_WEIGHT=has_class_weight,
+        HAS_SMOOTHING=options.label_smoothing > 0.0,
+        HAS_SOFTCAP=options.softcap > 0.0,
+        COMPUTE_GRAD=compute_grad,
+        COMPUTE_STATS=compute_stats,
+        BLOCK_V=block_v,
+        num_warps=max(4, block_v // 256),
+    )
+    if not compute_stats:
+        return ChunkOutputs(loss, lse)
+    return ChunkOutputs(loss, lse, correct.bool(), entropy)

@@ -1,0 +1,533 @@
+"""The fused linear cross-entropy op: the chunk loop, and its registration as ``torch.library`` custom ops.
+
+Forward (``lightning_flce::flce_forward``), per chunk of C tokens::
+
+    logits = x_c @ W.T (+ b)                      # [C, V] in the compute dtype, one reused buffer
+    kernel(logits) -> loss rows, LSE; logits := d loss / d logits
+    dX_c = logits @ W                              # written into grad_input
+    dW (+)= logits.T @ x_c                         # lightning_flce.accumulate, no [V, H] temporary
+    db += logits.sum(0)
+
+so for "mean"/"sum" the gradients exist when forward returns, and backward
+(``lightning_flce::flce_scale_grads_``) only multiplies them by grad_output — skipped on the device
+when it is 1. For "none" each token has its own grad_output, which dW cannot absorb after the fact:
+forward computes only the loss, and backward (``lightning_flce::flce_backward``) recomputes the
+chunks with the per-token scales.
+
+Rows whose target is ``ignore_index`` are dropped before the GEMMs (they cost nothing but a gather).
+Targets are validated and counted with one host sync per call, before any kernel runs; the mean's
+normalizer stays on the device.
+
+Being custom ops with fake implementations, the op is a single opaque node under ``torch.compile``
+and has FLOP formulas for ``torch.utils.flop_counter`` (Lightning's ``measure_flops``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from lightning_flce._compat import triton_usable
+from lightning_flce.accumulate import accumulate_grad_weight, choose_path
+from lightning_flce.kernels import LossOptions, cross_entropy_chunk
+from lightning_flce.kernels.scale import scale_
+
+_MiB = 1 << 20
+# A chunk's logits may take a quarter of the memory floor (dX + dW), within these bounds.
+_MIN_CHUNK_BYTES = 32 * _MiB
+_MAX_CHUNK_BYTES = 2048 * _MiB
+_CHUNK_ALIGN = 64
+# The PyTorch path works on about three fp32 copies of a chunk.
+_TORCH_PATH_BYTES_PER_LOGIT = 12
+
+
+def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, use_triton: bool) -> int:
+    """Tokens per chunk: the chunk's logits workspace gets about a quarter of the memory floor."""
+    floor_bytes = (n_rows + vocab) * hidden * itemsize
+    budget = min(max(floor_bytes // 4, _MIN_CHUNK_BYTES), _MAX_CHUNK_BYTES)
+    bytes_per_row = vocab * (itemsize if use_triton else _TORCH_PATH_BYTES_PER_LOGIT)
+    rows = max(_CHUNK_ALIGN, budget // bytes_per_row // _CHUNK_ALIGN * _CHUNK_ALIGN)
+    return int(min(rows, max(n_rows, 1)))
+
+
+def _check_targets(target: Tensor, valid: Tensor, vocab: int, ignore_index: int) -> int:
+    """Raise on targets outside [0, V) other than ignore_index; return the number of valid rows.
+
+    One host sync for both answers.
+    """
+    out_of_range = valid & ((target < 0) | (target >= vocab))
+    n_bad, n_valid = torch.stack([out_of_range.sum(), valid.sum()]).tolist()
+    if n_bad:
+        bad = target[out_of_range][:5].tolist()
+        raise ValueError(
+            f"{n_bad} target(s) outside [0, {vocab}) and not ignore_index={ignore_index}, e.g. {bad}"
+        )
+    return int(n_valid)
+
+
+def _chunk_loop(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    options: LossOptions,
+    *,
+    ce_scale: Tensor,
+    z_scale: Tensor,
+    compute_dtype: torch.dtype,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+    compute_stats: bool,
+    accum_fp32: bool,
+    chunk_size: int,
+    impl: str,
+) -> Tuple[Tensor, ...]:
+    """The shared loop: per-token loss/LSE/stats [N] and the gradients (empty when not needed).
+
+    ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token).
+    """
+    hidden = x.shape[-1]
+    vocab = weight.shape[0]
+    x2 = x.reshape(-1, hidden)
+    target = target.reshape(-1)
+    n_rows = x2.shape[0]
+    device = x.device
+    use_triton = impl == "triton"
+
+    valid = target != options.ignore_index
+    n_valid = _check_targets(target, valid, vocab, options.ignore_index)
+    # Gather only the rows that carry a loss: ignored rows never reach a GEMM.
+    rows = None
+    if n_valid < n_rows:
+        rows = torch.argsort(valid.to(torch.int8), descending=True, stable=True)[:n_valid]
+
+    weight_c = weight.to(compute_dtype)
+    bias_c = bias.to(compute_dtype) if bias is not None else None
+    per_row_scale = ce_scale.numel() > 1
+
+    loss = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    lse = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    correct = torch.zeros(n_rows if compute_stats else 0, dtype=torch.bool, device=device)
+    entropy = torch.zeros(n_rows if compute_stats else 0, dtype=torch.float32, device=device)
+    compute_grad = need_grad_input or need_grad_weight or need_grad_bias
+
+    # Unused outputs are distinct empty tensors: custom-op outputs may not alias each other.
+    grad_input = x.new_empty(0)
+    if need_grad_input:
+        # Ignored rows keep a zero gradient; when every row is valid the chunks fill it all.
+        grad_input = (torch.empty if rows is None else torch.zeros)(
+            n_rows, hidden, dtype=x.dtype, device=device
+        )
+    grad_weight = x.new_empty(0)
+    accum_path = None
+    if need_grad_weight:
+        accum_dtype = torch.float32 if accum_fp32 else weight.dtype
+        grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
+        accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_grad_bias else x.new_empty(0)
+
+    logits_buffer = None
+    for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
+        end = min(start + chunk_size, n_valid)
+        if rows is None:
+            x_c, t_c, scale_rows = x2[start:end], target[start:end], slice(start, end)
+        else:
+            scale_rows = rows[start:end]
+            x_c, t_c = x2.index_select(0, scale_rows), target.index_select(0, scale_rows)
+        x_c = x_c.to(compute_dtype)
+        if logits_buffer is None:
+            logits_buffer = torch.empty(min(chunk_size, n_valid), vocab, dtype=compute_dtype, device=device)
+        logits = logits_buffer[: end - start]
+        if bias_c is not None:
+            torch.addmm(bias_c, x_c, weight_c.t(), out=logits)
+        else:
+            torch.mm(x_c, weight_c.t(), out=logits)
+
+        out = cross_entropy_chunk(
+            logits,
+            t_c,
+            options,
+            ce_scale=ce_scale[scale_rows] if per_row_scale else ce_scale,
+            z_scale=z_scale[scale_rows] if per_row_scale else z_scale,
+            compute_grad=compute_grad,
+            compute_stats=compute_stats,
+            use_triton=use_triton,
+        )
+        _write_rows(loss, scale_rows, out.loss)
+        _write_rows(lse, scale_rows, out.lse)
+        if compute_stats:
+            _write_rows(correct, scale_rows, out.correct)
+            _write_rows(entropy, scale_rows, out.entropy)
+
+        if need_grad_input:
+            if rows is None and grad_input.dtype == compute_dtype:
+                torch.mm(logits, weight_c, out=grad_input[start:end])
+            else:
+                _write_rows(grad_input, scale_rows, torch.mm(logits, weight_c))
+        if need_grad_weight:
+            accumulate_grad_weight(grad_weight, logits, x_c, first=chunk_index == 0, path=accum_path)
+        if need_grad_bias:
+            grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
+
+    if need_grad_weight:
+        if n_valid == 0:
+            grad_weight.zero_()
+        grad_weight = grad_weight.to(weight.dtype)
+    if need_grad_bias:
+        grad_bias = grad_bias.to(bias.dtype)
+    if need_grad_input:
+        grad_input = grad_input.view(x.shape)
+    return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias
+
+
+def _write_rows(dest: Tensor, rows, values: Tensor) -> None:
+    if isinstance(rows, slice):
+        dest[rows] = values
+    else:
+        dest.index_copy_(0, rows, values.to(dest.dtype))
+
+
+def _loss_scales(
+    target: Tensor, reduction: str, options: LossOptions, device: torch.device
+) -> Tuple[Tensor, Tensor]:
+    """fp32 [1] multipliers of the CE and z-loss terms, computed on the device (no host sync).
+
+    "mean" divides CE by the summed class weight of the valid targets (the count without weights), as
+    ``F.cross_entropy`` does, and the z-loss by the count; an all-ignored batch gets 0, not NaN.
+    """
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    if reduction != "mean":
+        return one, one
+    target = target.reshape(-1)
+    valid = target != options.ignore_index
+    count = valid.sum(dtype=torch.float32).reshape(1)
+    if options.class_weight is not None:
+        safe = torch.where(valid, target, 0)
+        ce_norm = (options.class_weight[safe] * valid).sum().reshape(1)
+    else:
+        ce_norm = count
+    ce_scale = torch.where(ce_norm > 0, 1.0 / ce_norm, 0.0)
+    z_scale = torch.where(count > 0, 1.0 / count, 0.0)
+    return ce_scale, z_scale
+
+
+def _options(
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    class_weight: Optional[Tensor],
+) -> LossOptions:
+    class_weight_sum = None
+    if class_weight is not None:
+        class_weight = class_weight.float().contiguous()
+        class_weight_sum = class_weight.sum().reshape(1)
+    return LossOptions(
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        class_weight=class_weight,
+        class_weight_sum=class_weight_sum,
+    )
+
+
+def _resolve_chunk_size(
+    chunk_size: int, x: Tensor, weight: Tensor, compute_dtype: torch.dtype, impl: str
+) -> int:
+    if chunk_size > 0:
+        return chunk_size
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    return default_chunk_size(n_rows, weight.shape[0], weight.shape[1], itemsize, impl == "triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("lightning_flce::flce_forward", mutates_args=())
+def flce_forward(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    class_weight: Optional[Tensor],
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    compute_dtype: torch.dtype,
+    accum_fp32: bool,
+    chunk_size: int,
+    impl: str,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+    compute_stats: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (loss, lse, correct, entropy, grad_input, grad_weight, grad_bias); unused ones are empty.
+
+    For "none" no gradient is computed here (backward recomputes); the need_grad_* flags then only
+    say what backward will produce.
+    """
+    options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight)
+    grads_now = reduction != "none"
+    with torch.autocast(x.device.type, enabled=False):
+        ce_scale, z_scale = _loss_scales(target, reduction, options, x.device)
+        loss, lse, correct, entropy, gx, gw, gb = _chunk_loop(
+            x,
+            weight,
+            target,
+            bias,
+            options,
+            ce_scale=ce_scale,
+            z_scale=z_scale,
+            compute_dtype=compute_dtype,
+            need_grad_input=need_grad_input and grads_now,
+            need_grad_weight=need_grad_weight and grads_now,
+            need_grad_bias=need_grad_bias and grads_now,
+            compute_stats=compute_stats,
+            accum_fp32=accum_fp32,
+            chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl),
+            impl=impl,
+        )
+    if reduction != "none":
+        loss = loss.sum()
+    if not compute_stats:
+        lse = lse.new_empty(0)
+    return loss, lse, correct, entropy, gx, gw, gb
+
+
+@flce_forward.register_fake
+def _(
+    x,
+    weight,
+    target,
+    bias,
+    class_weight,
+    ignore_index,
+    reduction,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    compute_dtype,
+    accum_fp32,
+    chunk_size,
+    impl,
+    need_grad_input,
+    need_grad_weight,
+    need_grad_bias,
+    compute_stats,
+):
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    grads_now = reduction != "none"
+    fp32 = torch.float32
+    loss = x.new_empty((n_rows,) if reduction == "none" else (), dtype=fp32)
+    n_stats = n_rows if compute_stats else 0
+    return (
+        loss,
+        x.new_empty(n_stats, dtype=fp32),
+        x.new_empty(n_stats, dtype=torch.bool),
+        x.new_empty(n_stats, dtype=fp32),
+        torch.empty_like(x) if need_grad_input and grads_now else x.new_empty(0),
+        torch.empty_like(weight) if need_grad_weight and grads_now else x.new_empty(0),
+        torch.empty_like(bias) if need_grad_bias and grads_now else x.new_empty(0),
+    )
+
+
+@torch.library.custom_op(
+    "lightning_flce::flce_scale_grads_", mutates_args=("grad_input", "grad_weight", "grad_bias")
+)
+def flce_scale_grads_(grad_input: Tensor, grad_weight: Tensor, grad_bias: Tensor, scale: Tensor) -> None:
+    """Multiply the gradients computed in forward by grad_output (a no-op when it is 1)."""
+    for grad in (grad_input, grad_weight, grad_bias):
+        scale_(grad, scale)
+
+
+@flce_scale_grads_.register_fake
+def _(grad_input, grad_weight, grad_bias, scale):
+    return None
+
+
+@torch.library.custom_op("lightning_flce::flce_backward", mutates_args=())
+def flce_backward(
+    grad_loss: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    class_weight: Optional[Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    compute_dtype: torch.dtype,
+    accum_fp32: bool,
+    chunk_size: int,
+    impl: str,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward of reduction="none": recompute each chunk with the per-token grad_output as its scale."""
+    options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight)
+    scale = grad_loss.reshape(-1).float()
+    with torch.autocast(x.device.type, enabled=False):
+        *_, gx, gw, gb = _chunk_loop(
+            x,
+            weight,
+            target,
+            bias,
+            options,
+            ce_scale=scale,
+            z_scale=scale,
+            compute_dtype=compute_dtype,
+            need_grad_input=need_grad_input,
+            need_grad_weight=need_grad_weight,
+            need_grad_bias=need_grad_bias,
+            compute_stats=False,
+            accum_fp32=accum_fp32,
+            chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl),
+            impl=impl,
+        )
+    return gx, gw, gb
+
+
+@flce_backward.register_fake
+def _(
+    grad_loss,
+    x,
+    weight,
+    target,
+    bias,
+    class_weight,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    compute_dtype,
+    accum_fp32,
+    chunk_size,
+    impl,
+    need_grad_input,
+    need_grad_weight,
+    need_grad_bias,
+):
+    return (
+        torch.empty_like(x) if need_grad_input else x.new_empty(0),
+        torch.empty_like(weight) if need_grad_weight else x.new_empty(0),
+        torch.empty_like(bias) if need_grad_bias else x.new_empty(0),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+
+# Positions of flce_forward's arguments, for setup_context.
+_X, _WEIGHT, _TARGET, _BIAS, _CLASS_WEIGHT = range(5)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    (
+        x,
+        weight,
+        target,
+        bias,
+        class_weight,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        lse_square_scale,
+        softcap,
+        compute_dtype,
+        accum_fp32,
+        chunk_size,
+        impl,
+        need_grad_input,
+        need_grad_weight,
+        need_grad_bias,
+        _,
+    ) = inputs
+    ctx.reduction = reduction
+    ctx.needs = (need_grad_input, need_grad_weight, need_grad_bias)
+    if reduction == "none":
+        ctx.save_for_backward(x, weight, target, bias, class_weight)
+        ctx.options = (
+            ignore_index,
+            label_smoothing,
+            lse_square_scale,
+            softcap,
+            compute_dtype,
+            accum_fp32,
+            chunk_size,
+            impl,
+        )
+    else:
+        ctx.save_for_backward(*output[4:])
+
+
+def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
+    need_grad_input, need_grad_weight, need_grad_bias = ctx.needs
+    if ctx.reduction == "none":
+        x, weight, target, bias, class_weight = ctx.saved_tensors
+        gx, gw, gb = flce_backward(grad_loss, x, weight, target, bias, class_weight, *ctx.options, *ctx.needs)
+    else:
+        gx, gw, gb = ctx.saved_tensors
+        flce_scale_grads_(gx, gw, gb, grad_loss)
+    grads: List[Optional[Tensor]] = [None] * 18
+    grads[_X] = gx if need_grad_input else None
+    grads[_WEIGHT] = gw if need_grad_weight else None
+    grads[_BIAS] = gb if need_grad_bias else None
+    return tuple(grads)
+
+
+flce_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOP counts (model FLOPs: a recompute in backward is not counted, as with activation checkpointing)
+# ----------------------------------------------------------------------------------------------
+
+
+def _gemm_flops(x_shape, weight_shape) -> int:
+    n_rows = 1
+    for dim in x_shape[:-1]:
+        n_rows *= dim
+    vocab, hidden = weight_shape
+    return 2 * n_rows * hidden * vocab
+
+
+def _register_flop_formulas() -> None:
+    try:
+        from torch.utils.flop_counter import register_flop_formula
+    except ImportError:  # pragma: no cover - older torch
+        return
+
+    @register_flop_formula(torch.ops.lightning_flce.flce_forward)
+    def _forward_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+        reduction = args[4]
+        need_grad_input, need_grad_weight = args[12], args[13]
+        flops = _gemm_flops(x_shape, weight_shape)
+        if reduction != "none":
+            flops *= 1 + int(need_grad_input) + int(need_grad_weight)
+        return flops
+
+    @register_flop_formula(torch.ops.lightning_flce.flce_backward)
+    def _backward_flops(grad_shape, x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+        need_grad_input, need_grad_weight = args[11], args[12]
+        return _gemm_flops(x_shape, weight_shape) * (int(need_grad_input) + int(need_grad_weight))
+
+
+_register_flop_formulas()
+
+
+def flce_op_available_on(device: torch.device) -> str:
+    """The implementation "auto" picks for ``device``."""
+    return "triton" if device.type == "cuda" and triton_usable(device) else "torch"
