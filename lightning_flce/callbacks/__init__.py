@@ -1,0 +1,5 @@
+"""Lightning callbacks of lightning_flce."""
+
+from lightning_flce.callbacks.memory import FLCEMemoryCallback
+
+__all__ = ["FLCEMemoryCallback"]

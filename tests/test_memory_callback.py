@@ -1,0 +1,627 @@
+"""Tests of FLCEMemoryCallback: real CPU fits with a CSVLogger, the CUDA branch with mocks, and a real GPU run."""
+
+import csv
+import os
+import pickle
+import sys
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_flce.callbacks import FLCEMemoryCallback
+from lightning_flce.callbacks import memory as memory_module
+
+MIB = 2**20
+HIDDEN, VOCAB, SEQ, BATCH = 8, 32, 5, 2
+TOKENS = BATCH * SEQ  # N of each loss call
+
+
+class TinyLM(LightningModule):
+    """An LM head on random hidden states; it reports its logits shape and bytes like FLCEMixin does."""
+
+    def __init__(self, num_batches: int = 16, report_bytes: bool = True, big_alloc_step: int = -1) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+        self.num_batches = num_batches
+        self.report_bytes = report_bytes
+        self.big_alloc_step = big_alloc_step
+
+    def training_step(self, batch, batch_idx):
+        hidden, target = batch
+        if self.global_step == self.big_alloc_step:
+            # a known 64 MiB spike, to check that the peak window sees it and is reset after the log
+            spike = torch.empty(64 * MIB, dtype=torch.uint8, device=self.device)
+            spike.fill_(1)
+            del spike
+        logits = self.head(hidden)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+        self.flce_last_logits_shape = (target.numel(), VOCAB)
+        if self.report_bytes:
+            self.flce_last_logits_bytes = target.numel() * VOCAB * 4
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(self.num_batches * BATCH, SEQ, HIDDEN, generator=generator)
+        target = torch.randint(0, VOCAB, (self.num_batches * BATCH, SEQ), generator=generator)
+        return DataLoader(TensorDataset(hidden, target), batch_size=BATCH)
+
+
+def _trainer(tmp_path, callback, **kwargs):
+    kwargs.setdefault("log_every_n_steps", 1)
+    return Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _read_metrics(trainer):
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as file:
+        return list(csv.DictReader(file))
+
+
+def _rows_with(rows, name):
+    return [row for row in rows if row.get(name)]
+
+
+def _proc_status_kib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+CUDA_FUNCTIONS = (
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "reset_peak_memory_stats",
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks against /proc/self/status")
+def test_cpu_metrics_in_csv(tmp_path):
+    callback = FLCEMemoryCallback()
+    trainer = _trainer(tmp_path, callback, max_steps=4)
+    with mock.patch.multiple(torch.cuda, **{name: mock.DEFAULT for name in CUDA_FUNCTIONS}) as cuda_mocks:
+        trainer.fit(TinyLM())
+    for name, cuda_mock in cuda_mocks.items():
+        assert not cuda_mock.called, f"torch.cuda.{name} called on CPU"
+    peak_hwm_mib = _proc_status_kib("VmHWM") / 1024
+
+    rows = _rows_with(_read_metrics(trainer), "memory/peak_rss_mib")
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3]
+    for row in rows:
+        peak_rss, rss = float(row["memory/peak_rss_mib"]), float(row["memory/rss_mib"])
+        # the kernel's high-water mark read after the fit bounds every peak logged during it
+        assert 0 < peak_rss <= peak_hwm_mib
+        # rss is read before the peak; 1 MiB of slack for the kernel's batched RSS counters
+        assert 0 < rss <= peak_rss + 1
+        assert float(row["memory/logits_avoided_mib"]) == pytest.approx(TOKENS * VOCAB * 4 / MIB, rel=1e-12)
+        assert not row.get("memory/peak_allocated_mib")
+    # the in-memory history holds what the logger got
+    assert [row["step"] for row in callback.history] == [0, 1, 2, 3]
+    for logged, kept in zip(rows, callback.history):
+        assert float(logged["memory/peak_rss_mib"]) == pytest.approx(kept["memory/peak_rss_mib"], rel=1e-6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_rss_readers_match_proc_status():
+    current = memory_module._current_rss_bytes()
+    peak = memory_module._peak_rss_bytes()
+    vm_rss, vm_hwm = _proc_status_kib("VmRSS") * 1024, _proc_status_kib("VmHWM") * 1024
+    # both read the same kernel counters a moment apart: a few MiB of tolerance
+    assert abs(current - vm_rss) < 8 * MIB
+    assert abs(peak - vm_hwm) < 8 * MIB
+
+
+def test_logits_bytes_from_shape_when_bytes_missing(tmp_path):
+    callback = FLCEMemoryCallback()
+    _trainer(tmp_path, callback, max_steps=2).fit(TinyLM(report_bytes=False))
+    assert [row["memory/logits_avoided_mib"] for row in callback.history] == [TOKENS * VOCAB * 4 / MIB] * 2
+
+
+def test_no_logits_metric_without_attributes():
+    module = SimpleNamespace()
+    assert memory_module._logits_bytes(module) is None
+    module.flce_last_logits_shape = (3, 5)
+    assert memory_module._logits_bytes(module) == 3 * 5 * 4
+    module.flce_last_logits_bytes = 7
+    assert memory_module._logits_bytes(module) == 7
+
+
+@pytest.mark.parametrize("shape", [(3,), (3, 5, 7), (3.5, 5), (-1, 5), "ab"])
+def test_bad_logits_shape_raises(shape):
+    with pytest.raises(ValueError, match="flce_last_logits_shape"):
+        memory_module._logits_bytes(SimpleNamespace(flce_last_logits_shape=shape))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"snapshot_steps": [2, -1]}, "snapshot_steps"), ({"snapshot_max_entries": 0}, "snapshot_max_entries")],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FLCEMemoryCallback(**kwargs)
+
+
+@pytest.mark.parametrize(("max_steps", "every", "accumulate"), [(7, 3, 1), (4, 2, 2)])
+def test_log_every_n_steps(tmp_path, max_steps, every, accumulate):
+    callback = FLCEMemoryCallback()
+    trainer = _trainer(
+        tmp_path, callback, max_steps=max_steps, log_every_n_steps=every, accumulate_grad_batches=accumulate
+    )
+    trainer.fit(TinyLM())
+    expected_steps = [step - 1 for step in range(1, max_steps + 1) if step % every == 0]
+    rows = _read_metrics(trainer)
+    memory_steps = [int(row["step"]) for row in _rows_with(rows, "memory/peak_rss_mib")]
+    assert memory_steps == expected_steps
+    # the same steps at which Lightning wrote the module's own `self.log` values
+    assert memory_steps == [int(row["step"]) for row in _rows_with(rows, "train_loss")]
+    assert [row["step"] for row in callback.history] == expected_steps
+
+
+def test_prog_bar(tmp_path):
+    trainer = _trainer(tmp_path, FLCEMemoryCallback(prog_bar=True), max_steps=1)
+    trainer.fit(TinyLM())
+    assert set(trainer.progress_bar_metrics) == {"memory/peak_rss_mib"}
+    trainer = _trainer(tmp_path, FLCEMemoryCallback(), max_steps=1)
+    trainer.fit(TinyLM())
+    assert trainer.progress_bar_metrics == {}
+
+
+def test_plot_written(tmp_path):
+    callback = FLCEMemoryCallback(plot=True, verbose=False)
+    trainer = _trainer(tmp_path, callback, max_steps=3)
+    trainer.fit(TinyLM())
+    with open(os.path.join(trainer.log_dir, "memory.png"), "rb") as image:
+        assert image.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_needs_matplotlib(monkeypatch):
+    monkeypatch.setattr(memory_module, "_MATPLOTLIB_AVAILABLE", False)
+    with pytest.raises(ModuleNotFoundError, match="matplotlib"):
+        FLCEMemoryCallback(plot=True)
+
+
+def test_summary_table(tmp_path):
+    callback = FLCEMemoryCallback()
+    callback.history = [
+        {"step": 0, "memory/peak_rss_mib": 10.0, "memory/logits_avoided_mib": 2.0},
+        {"step": 1, "memory/peak_rss_mib": 30.0, "memory/logits_avoided_mib": 2.0},
+        {"step": 2, "memory/peak_rss_mib": 14.0, "memory/logits_avoided_mib": 4.0},
+    ]
+    lines = callback.summary().splitlines()
+    assert "3 logged steps" in lines[0]
+    assert lines[2].split() == ["memory/peak_rss_mib", "30.0", "14.0"]
+    assert lines[3].split() == ["memory/logits_avoided_mib", "4.0", "2.0"]
+
+
+def test_summary_printed_at_train_end(tmp_path):
+    callback = FLCEMemoryCallback()
+    with mock.patch.object(memory_module, "rank_zero_info") as info:
+        _trainer(tmp_path, callback, max_steps=2).fit(TinyLM())
+    info.assert_called_once_with(callback.summary())
+
+
+def test_history_survives_resume(tmp_path):
+    first = FLCEMemoryCallback()
+    trainer = _trainer(tmp_path, first, max_steps=3)
+    trainer.fit(TinyLM())
+    ckpt_path = str(tmp_path / "after3.ckpt")
+    trainer.save_checkpoint(ckpt_path)
+    assert (
+        torch.load(ckpt_path, weights_only=False)["callbacks"]["FLCEMemoryCallback"]["history"]
+        == first.history
+    )
+
+    resumed = FLCEMemoryCallback()
+    _trainer(tmp_path, resumed, max_steps=6).fit(TinyLM(), ckpt_path=ckpt_path)
+    assert [row["step"] for row in resumed.history] == [0, 1, 2, 3, 4, 5]
+    assert resumed.history[:3] == first.history
+
+
+# --- the CUDA branch on CPU, with torch.cuda mocked and the hooks driven by hand ---
+
+
+def _fake_trainer(tmp_path, **overrides):
+    attributes = {
+        "global_step": 0,
+        "log_every_n_steps": 1,
+        "should_stop": False,
+        "world_size": 1,
+        "global_rank": 0,
+        "is_global_zero": True,
+        "loggers": [object()],
+        "log_dir": str(tmp_path / "logs"),
+        "default_root_dir": str(tmp_path),
+        "strategy": mock.Mock(),
+    }
+    attributes.update(overrides)
+    return SimpleNamespace(**attributes)
+
+
+def _fake_cuda_module():
+    return SimpleNamespace(
+        device=torch.device("cuda", 0),
+        log=mock.Mock(),
+        log_dict=mock.Mock(),
+        flce_last_logits_shape=(TOKENS, VOCAB),
+    )
+
+
+def _run_steps(callback, trainer, module, num_steps):
+    for batch_idx in range(num_steps):
+        callback.on_train_batch_start(trainer, module, None, batch_idx)
+        trainer.global_step += 1
+        callback.on_train_batch_end(trainer, module, None, None, batch_idx)
+
+
+@pytest.fixture
+def cuda_mocks():
+    manager = mock.Mock()
+    values = {
+        "max_memory_allocated": 300 * MIB,
+        "max_memory_reserved": 512 * MIB,
+        "memory_allocated": 100 * MIB,
+    }
+    with mock.patch.multiple(torch.cuda, **{name: mock.DEFAULT for name in CUDA_FUNCTIONS}) as mocks:
+        for name, cuda_mock in mocks.items():
+            cuda_mock.return_value = values.get(name)
+            manager.attach_mock(cuda_mock, name)
+        yield manager
+
+
+def test_cuda_branch_mocked(tmp_path, cuda_mocks):
+    callback = FLCEMemoryCallback(prog_bar=True)
+    trainer, module = _fake_trainer(tmp_path, log_every_n_steps=2), _fake_cuda_module()
+    cuda_mocks.attach_mock(module.log, "log")
+    cuda_mocks.attach_mock(module.log_dict, "log_dict")
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    callback.on_train_start(trainer, module)
+    with mock.patch.object(memory_module, "_peak_rss_bytes") as peak_rss:
+        _run_steps(callback, trainer, module, 5)
+    peak_rss.assert_not_called()
+
+    device = module.device
+    one_log = [
+        mock.call.max_memory_allocated(device),
+        mock.call.max_memory_reserved(device),
+        mock.call.memory_allocated(device),
+        mock.call.log(
+            "memory/peak_allocated_mib", 300.0, prog_bar=True, logger=True, on_step=True, on_epoch=False
+        ),
+        mock.call.log_dict(
+            {
+                "memory/allocated_mib": 100.0,
+                "memory/logits_avoided_mib": TOKENS * VOCAB * 4 / MIB,
+                "memory/peak_reserved_mib": 512.0,
+            },
+            logger=True,
+            on_step=True,
+            on_epoch=False,
+        ),
+        mock.call.reset_peak_memory_stats(device),
+    ]
+    # a reset when training starts, then each logged step (global steps 2 and 4) ends with a reset
+    assert cuda_mocks.mock_calls == [mock.call.reset_peak_memory_stats(device), *one_log, *one_log]
+    assert [row["step"] for row in callback.history] == [1, 3]
+    assert callback.history[0]["memory/peak_reserved_mib"] == 512.0
+
+
+def test_cuda_metrics_max_over_ranks(tmp_path, cuda_mocks):
+    callback = FLCEMemoryCallback()
+    other_rank = torch.tensor([0.0, 4.0, 999.0, 1.0], dtype=torch.float64)
+
+    def reduce(tensor, reduce_op):
+        assert reduce_op == "max"
+        return torch.maximum(tensor, other_rank)
+
+    trainer = _fake_trainer(tmp_path, world_size=2, strategy=SimpleNamespace(reduce=reduce))
+    module = _fake_cuda_module()
+    module.device = torch.device("cpu")  # the tensor sent to the collective is made on the module's device
+    callback._cuda_device = torch.device("cuda", 0)
+    _run_steps(callback, trainer, module, 1)
+    # sorted names: allocated, logits_avoided, peak_allocated, peak_reserved
+    assert callback.history == [
+        {
+            "step": 0,
+            "memory/allocated_mib": 100.0,
+            "memory/logits_avoided_mib": 4.0,
+            "memory/peak_allocated_mib": 999.0,
+            "memory/peak_reserved_mib": 512.0,
+        }
+    ]
+
+
+def test_missing_metric_on_every_rank_is_dropped(tmp_path, cuda_mocks):
+    callback = FLCEMemoryCallback()
+    trainer = _fake_trainer(
+        tmp_path, world_size=2, strategy=SimpleNamespace(reduce=lambda tensor, reduce_op: tensor)
+    )
+    module = _fake_cuda_module()
+    del module.flce_last_logits_shape
+    module.device = torch.device("cpu")
+    callback._cuda_device = torch.device("cuda", 0)
+    _run_steps(callback, trainer, module, 1)
+    assert "memory/logits_avoided_mib" not in callback.history[0]
+
+
+@pytest.fixture
+def snapshot_mocks():
+    manager = mock.Mock()
+    record_patch = mock.patch.object(torch.cuda.memory, "_record_memory_history")
+    dump_patch = mock.patch.object(torch.cuda.memory, "_dump_snapshot")
+    with record_patch as record, dump_patch as dump:
+        manager.attach_mock(record, "record")
+        manager.attach_mock(dump, "dump")
+        yield manager
+
+
+def test_snapshot_steps_mocked(tmp_path, cuda_mocks, snapshot_mocks):
+    callback = FLCEMemoryCallback(
+        snapshot_steps=[1], snapshot_dir=str(tmp_path / "snaps"), snapshot_max_entries=77
+    )
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    callback.on_train_batch_start(trainer, module, None, 0)
+    trainer.global_step = 1
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    assert snapshot_mocks.mock_calls == []
+
+    callback.on_train_batch_start(trainer, module, None, 1)
+    assert snapshot_mocks.mock_calls == [mock.call.record(enabled="all", max_entries=77)]
+    trainer.global_step = 2
+    callback.on_train_batch_end(trainer, module, None, None, 1)
+    path = str(tmp_path / "snaps" / "memory_snapshot_step1_rank0.pickle")
+    assert snapshot_mocks.mock_calls[1:] == [mock.call.dump(path), mock.call.record(enabled=None)]
+    assert callback.snapshot_paths == [path]
+
+    _run_steps(callback, trainer, module, 2)
+    callback.on_train_end(trainer, module)
+    assert len(snapshot_mocks.mock_calls) == 3
+
+
+def test_snapshot_of_last_step_dumped_at_train_end(tmp_path, cuda_mocks, snapshot_mocks):
+    callback = FLCEMemoryCallback(snapshot_steps=[0], verbose=False)
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    callback.on_train_batch_start(trainer, module, None, 0)
+    callback.on_train_batch_end(trainer, module, None, None, 0)  # no optimizer step: training stopped early
+    callback.on_train_end(trainer, module)
+    path = str(tmp_path / "logs" / "memory_snapshot_step0_rank0.pickle")
+    assert snapshot_mocks.mock_calls[1:] == [mock.call.dump(path), mock.call.record(enabled=None)]
+
+
+def test_record_on_oom_mocked(tmp_path, cuda_mocks, snapshot_mocks):
+    callback = FLCEMemoryCallback(record_on_oom=True, snapshot_steps=[0])
+    trainer, module = _fake_trainer(tmp_path, global_rank=1, is_global_zero=False), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    assert snapshot_mocks.mock_calls == [mock.call.record(enabled="all", max_entries=100_000)]
+    # the step snapshot leaves the out-of-memory recording running
+    _run_steps(callback, trainer, module, 1)
+    step_path = str(tmp_path / "logs" / "memory_snapshot_step0_rank1.pickle")
+    assert snapshot_mocks.mock_calls[1:] == [mock.call.dump(step_path)]
+
+    oom_path = str(tmp_path / "logs" / "memory_snapshot_oom_rank1.pickle")
+    with pytest.warns(UserWarning, match=r"\[rank: 1\].*" + oom_path.replace("\\", "\\\\")):
+        callback.on_exception(trainer, module, torch.cuda.OutOfMemoryError("CUDA out of memory."))
+    assert snapshot_mocks.mock_calls[2:] == [mock.call.dump(oom_path), mock.call.record(enabled=None)]
+    assert callback.snapshot_paths == [step_path, oom_path]
+
+
+def test_other_exception_stops_recording_without_dump(tmp_path, cuda_mocks, snapshot_mocks):
+    callback = FLCEMemoryCallback(record_on_oom=True)
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    callback.on_exception(trainer, module, RuntimeError("not memory"))
+    assert snapshot_mocks.mock_calls == [
+        mock.call.record(enabled="all", max_entries=100_000),
+        mock.call.record(enabled=None),
+    ]
+
+
+def test_failed_oom_dump_keeps_quiet_about_itself(tmp_path, cuda_mocks, snapshot_mocks):
+    callback = FLCEMemoryCallback(record_on_oom=True)
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    snapshot_mocks.dump.side_effect = OSError("disk full")
+    with pytest.warns(UserWarning, match="dumping the allocator history failed.*disk full"):
+        callback.on_exception(trainer, module, torch.cuda.OutOfMemoryError("CUDA out of memory."))
+
+
+def test_legacy_record_signature(tmp_path, cuda_mocks):
+    calls = []
+
+    def legacy_record(
+        enabled, record_context=True, trace_alloc_max_entries=1, trace_alloc_record_context=False
+    ):
+        calls.append((enabled, trace_alloc_max_entries, trace_alloc_record_context))
+
+    callback = FLCEMemoryCallback(record_on_oom=True, snapshot_max_entries=5)
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    with mock.patch.object(torch.cuda.memory, "_record_memory_history", legacy_record):
+        callback.setup(trainer, module, "fit")
+        callback.on_fit_start(trainer, module)
+        callback.teardown(trainer, module, "fit")
+    assert calls == [(True, 5, True), (False, 1, False)]
+
+
+def test_snapshot_options_ignored_on_cpu(tmp_path, snapshot_mocks):
+    callback = FLCEMemoryCallback(snapshot_steps=[0], record_on_oom=True, verbose=False)
+    with pytest.warns(UserWarning, match="need a CUDA device"):
+        _trainer(tmp_path, callback, max_steps=2).fit(TinyLM())
+    assert snapshot_mocks.mock_calls == []
+
+
+# --- configuration ---
+
+
+def test_yaml_config_with_lightning_cli(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  log_every_n_steps: 3\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_flce.callbacks.FLCEMemoryCallback\n"
+        "      init_args:\n"
+        "        prog_bar: true\n"
+        "        snapshot_steps: [4, 2]\n"
+        f"        snapshot_dir: {tmp_path / 'snaps'}\n"
+        "        record_on_oom: true\n"
+        "        snapshot_max_entries: 1000\n"
+    )
+    cli = LightningCLI(
+        TinyLM,
+        args=[
+            "--config",
+            str(config),
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--seed_everything",
+            "0",
+            "--trainer.logger",
+            "false",
+        ],
+        run=False,
+        save_config_callback=None,
+    )
+    (callback,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, FLCEMemoryCallback)]
+    assert callback.prog_bar is True
+    assert callback.snapshot_steps == [2, 4]
+    assert callback.snapshot_dir == str(tmp_path / "snaps")
+    assert callback.record_on_oom is True
+    assert callback.snapshot_max_entries == 1000
+    assert callback.plot is False
+
+
+# --- several processes: the logged value is the max over ranks ---
+
+
+class RankDependentLM(TinyLM):
+    """Rank r reports (r + 1) times the logits, so the max over ranks is the last rank's."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.flce_last_logits_bytes *= self.global_rank + 1
+        return loss
+
+
+@pytest.mark.slow
+def test_max_over_ranks_ddp_cpu(tmp_path):
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=2,
+        log_every_n_steps=1,
+        # a fixed version: this process would otherwise pick the next one after the workers' run
+        logger=CSVLogger(tmp_path, name="logs", version=0),
+        callbacks=[FLCEMemoryCallback(verbose=False)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(RankDependentLM())
+    rows = _rows_with(_read_metrics(trainer), "memory/logits_avoided_mib")
+    assert [float(row["memory/logits_avoided_mib"]) for row in rows] == [2 * TOKENS * VOCAB * 4 / MIB] * 2
+
+
+# --- a real GPU ---
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_real(tmp_path):
+    callback = FLCEMemoryCallback(plot=True, snapshot_steps=[1], verbose=False)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cuda",
+        devices=1,
+        max_steps=3,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyLM(big_alloc_step=1))
+    steps = {row["step"]: row for row in callback.history}
+    assert sorted(steps) == [0, 1, 2]
+    for row in steps.values():
+        assert (
+            0
+            < row["memory/allocated_mib"]
+            <= row["memory/peak_allocated_mib"]
+            <= row["memory/peak_reserved_mib"]
+        )
+    # the 64 MiB spike of step 1 is in its window only: the peak was reset after step 1's log
+    assert steps[1]["memory/peak_allocated_mib"] >= 64
+    assert steps[2]["memory/peak_allocated_mib"] < 64
+    assert steps[0]["memory/peak_allocated_mib"] < 64
+
+    rows = _rows_with(_read_metrics(trainer), "memory/peak_allocated_mib")
+    assert [float(row["memory/peak_allocated_mib"]) for row in rows] == pytest.approx(
+        [steps[step]["memory/peak_allocated_mib"] for step in range(3)], rel=1e-6
+    )
+    (snapshot_path,) = callback.snapshot_paths
+    with open(snapshot_path, "rb") as file:
+        snapshot = pickle.load(file)
+    assert "segments" in snapshot
+    assert os.path.getsize(os.path.join(trainer.log_dir, "memory.png")) > 0
+
+
+class OOMLM(TinyLM):
+    def training_step(self, batch, batch_idx):
+        torch.empty(1 << 50, dtype=torch.uint8, device=self.device)  # a petabyte: always out of memory
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_oom_real(tmp_path):
+    callback = FLCEMemoryCallback(record_on_oom=True, verbose=False)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cuda",
+        devices=1,
+        max_steps=1,
+        logger=CSVLogger(tmp_path, name="logs"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match="ran out of memory"), pytest.raises(torch.cuda.OutOfMemoryError):
+        trainer.fit(OOMLM())
+    (snapshot_path,) = callback.snapshot_paths
+    with open(snapshot_path, "rb") as file:
+        assert "segments" in pickle.load(file)
