@@ -216,6 +216,25 @@ def test_summary_table(tmp_path):
     assert lines[3].split() == ["memory/logits_avoided_mib", "4.0", "2.0"]
 
 
+def test_summary_covers_metrics_that_appear_later():
+    callback = FLCEMemoryCallback()
+    callback.history = [
+        {"step": 0, "memory/peak_rss_mib": 5.0},
+        {"step": 1, "memory/logits_avoided_mib": 3.0},
+    ]
+    assert [line.split()[0] for line in callback.summary().splitlines()[2:]] == [
+        "memory/peak_rss_mib",
+        "memory/logits_avoided_mib",
+    ]
+
+
+def test_plot_warns_when_nothing_logged(tmp_path):
+    callback = FLCEMemoryCallback(plot=True)
+    with pytest.warns(UserWarning, match="no step was logged"):
+        _trainer(tmp_path, callback, max_steps=2, log_every_n_steps=5).fit(TinyLM())
+    assert not os.path.exists(os.path.join(tmp_path, "logs", "version_0", "memory.png"))
+
+
 def test_summary_printed_at_train_end(tmp_path):
     callback = FLCEMemoryCallback()
     with mock.patch.object(memory_module, "rank_zero_info") as info:
@@ -533,11 +552,23 @@ class RankDependentLM(TinyLM):
         return loss
 
 
-@pytest.mark.slow
-def test_max_over_ranks_ddp_cpu(tmp_path):
+@pytest.mark.parametrize(
+    "accelerator",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+            ],
+        ),
+    ],
+)
+def test_max_over_ranks_ddp(tmp_path, accelerator):
     trainer = Trainer(
         default_root_dir=tmp_path,
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=2,
         strategy="ddp_spawn",
         max_steps=2,
@@ -552,6 +583,8 @@ def test_max_over_ranks_ddp_cpu(tmp_path):
     trainer.fit(RankDependentLM())
     rows = _rows_with(_read_metrics(trainer), "memory/logits_avoided_mib")
     assert [float(row["memory/logits_avoided_mib"]) for row in rows] == [2 * TOKENS * VOCAB * 4 / MIB] * 2
+    headline = "memory/peak_allocated_mib" if accelerator == "cuda" else "memory/peak_rss_mib"
+    assert all(float(row[headline]) > 0 for row in rows)
 
 
 # --- a real GPU ---

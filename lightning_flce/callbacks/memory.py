@@ -178,7 +178,7 @@ class FLCEMemoryCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # remembered because the strategy moves the module back to CPU before `on_fit_end`
+        # kept because the strategy moves the module back to CPU at teardown
         self._cuda_device = pl_module.device if pl_module.device.type == "cuda" else None
         if self._cuda_device is None:
             if self.snapshot_steps or self.record_on_oom:
@@ -227,7 +227,13 @@ class FLCEMemoryCallback(Callback):
             # training stopped inside the requested step
             self._finish_step_snapshot(trainer)
         self._stop_recording()
-        if not trainer.is_global_zero or not self.history:
+        if not trainer.is_global_zero:
+            return
+        if not self.history:
+            if self.plot:
+                rank_zero_warn(
+                    "`FLCEMemoryCallback(plot=True)`: no step was logged, so there is no memory plot."
+                )
             return
         if self.verbose:
             rank_zero_info(self.summary())
@@ -268,7 +274,8 @@ class FLCEMemoryCallback(Callback):
 
     def summary(self) -> str:
         """The maximum and median of each metric over the logged steps, as a text table."""
-        names = [name for name in self.history[0] if name != "step"] if self.history else []
+        # in order of first appearance: a resumed run may add metrics (another device, a module that reports logits)
+        names = list(dict.fromkeys(name for row in self.history for name in row if name != "step"))
         width = max([len(name) for name in names] + [len("metric")])
         lines = [
             f"FLCEMemoryCallback: memory over {len(self.history)} logged steps (MiB)",
