@@ -1,0 +1,306 @@
+"""The LM-head loss computed inside the head module's own forward call."""
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_flce.functional import (
+    FLCEOutput,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_with_stats,
+)
+
+# Wrappers that keep the real module under one attribute and pass their inputs on to it unchanged
+# (FSDP1 units, activation checkpointing).
+_PASS_THROUGH_WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+class FLCEHeadLoss(nn.Module):
+    r"""Cross-entropy of an LM head, computed by ``fused_linear_cross_entropy`` without the [N, V] logits.
+
+    The loss is computed *inside the head module's own forward call*: for that one call the head's
+    ``forward`` is bound to the loss, and the head is called as usual (``head(hidden)``). Everything that
+    hooks the head's forward therefore runs around the loss and sees the head as it sees a normal call:
+    FSDP (1 and 2) unshards the weight, DeepSpeed ZeRO-3 gathers it, PEFT's ``ModulesToSaveWrapper``
+    dispatches to the active copy, and user forward (pre-)hooks fire (they see ``(hidden,)`` as input and
+    the loss instead of logits as output). ``head.weight``/``head.bias`` are read only inside that call,
+    so a sharded weight is never read in its sharded form.
+
+    The head must compute ``F.linear(hidden, head.weight, head.bias)``: an ``nn.Linear`` that does not
+    override ``forward``, or an ``nn.Embedding`` whose weight is used as the output matrix (tied
+    embeddings without a separate head module).
+
+    Args:
+        ignore_index: target value that does not contribute to the loss.
+        label_smoothing: label smoothing of the cross-entropy, in ``[0, 1)``.
+        z_loss: coefficient of the z-loss ``z_loss * logsumexp(logits) ** 2`` added per token.
+        accum_fp32: accumulate the head weight gradient in float32 (for bf16/fp16 weights).
+        chunk_size: tokens per chunk; ``None`` lets the op choose from its memory budget.
+        impl: ``"auto"``, ``"triton"`` or ``"torch"``.
+        naive: compute the plain logits and ``F.cross_entropy`` instead (same result, [N, V] memory),
+            for comparisons.
+
+    Example::
+
+        head_loss = FLCEHeadLoss(ignore_index=-100)
+        loss_sum = head_loss(model.lm_head, hidden, labels, reduction="sum")
+
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        accum_fp32: bool = False,
+        chunk_size: Optional[int] = None,
+        impl: str = "auto",
+        naive: bool = False,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        if z_loss < 0.0:
+            raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"impl must be one of 'auto', 'triton', 'torch', got {impl!r}")
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.z_loss = z_loss
+        self.accum_fp32 = accum_fp32
+        self.chunk_size = chunk_size
+        self.impl = impl
+        self.naive = naive
+        #: (tokens, vocab) of the logits of the last call; read inside the head call, so never a shard size.
+        self.last_logits_shape: Optional[tuple[int, int]] = None
+
+    def forward(
+        self,
+        head: nn.Module,
+        hidden: Tensor,
+        labels: Tensor,
+        *,
+        reduction: str = "mean",
+        with_stats: bool = False,
+        regularized: bool = True,
+        logit_scale: Optional[float] = None,
+        softcap: Optional[float] = None,
+    ) -> Union[Tensor, FLCEOutput]:
+        """Loss of ``head`` on ``hidden`` [..., H] against ``labels`` [...].
+
+        Args:
+            head: the LM head module (possibly wrapped by FSDP1, activation checkpointing or PEFT's
+                ``ModulesToSaveWrapper``).
+            hidden: final hidden states.
+            labels: integer targets with the leading shape of ``hidden``.
+            reduction: ``"mean"``, ``"sum"`` or ``"none"``, as in ``F.cross_entropy``.
+            with_stats: return ``FLCEOutput(loss, lse, correct, entropy)`` instead of the loss alone.
+            regularized: apply label smoothing and z-loss; ``False`` gives the plain cross-entropy
+                (what validation perplexity is computed from).
+            logit_scale: logits are multiplied by this factor (Cohere/Granite-style models); applied to
+                the hidden states and bias, so no scaled copy of the [V, H] weight is made.
+            softcap: logits -> ``softcap * tanh(logits / softcap)``, after ``logit_scale``.
+
+        """
+        if hidden.dim() < 2:
+            raise ValueError(f"hidden must have shape [..., H], got {tuple(hidden.shape)}")
+        if labels.shape != hidden.shape[:-1]:
+            raise ValueError(
+                f"labels must have the leading shape of hidden {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
+            )
+        if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+            raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+        module = unwrap_head(head)
+        _check_linear_head(module)
+        ran = []
+
+        def loss_as_forward(head_input: Tensor) -> Union[Tensor, FLCEOutput]:
+            ran.append(True)
+            return self._loss_of(
+                module,
+                head_input,
+                labels.long(),
+                reduction=reduction,
+                with_stats=with_stats,
+                regularized=regularized,
+                logit_scale=logit_scale,
+                softcap=softcap,
+            )
+
+        with _forward_bound_to(module, loss_as_forward):
+            output = head(hidden)
+        if not ran:
+            raise RuntimeError(
+                f"Calling the head {type(head).__name__} did not reach {type(module).__name__}.forward, so the loss"
+                " was not computed; pass the module that holds the output weight as the head"
+            )
+        return output
+
+    def _loss_of(
+        self,
+        module: nn.Module,
+        hidden: Tensor,
+        labels: Tensor,
+        *,
+        reduction: str,
+        with_stats: bool,
+        regularized: bool,
+        logit_scale: Optional[float],
+        softcap: Optional[float],
+    ) -> Union[Tensor, FLCEOutput]:
+        weight = module.weight
+        bias = getattr(module, "bias", None)
+        if hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"hidden size {hidden.shape[-1]} does not match the head weight {tuple(weight.shape)} ([V, H])"
+            )
+        if logit_scale is not None:
+            hidden = hidden * logit_scale
+            bias = None if bias is None else bias * logit_scale
+        self.last_logits_shape = (hidden.numel() // hidden.shape[-1], weight.shape[0])
+        label_smoothing = self.label_smoothing if regularized else 0.0
+        z_loss = self.z_loss if regularized else 0.0
+        if self.naive:
+            return _plain_loss(
+                hidden,
+                weight,
+                labels,
+                bias,
+                ignore_index=self.ignore_index,
+                reduction=reduction,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                softcap=softcap,
+                with_stats=with_stats,
+            )
+        op = fused_linear_cross_entropy_with_stats if with_stats else fused_linear_cross_entropy
+        return op(
+            hidden,
+            weight,
+            labels,
+            bias,
+            ignore_index=self.ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            lse_square_scale=z_loss,
+            softcap=softcap,
+            accum_dtype=torch.float32 if self.accum_fp32 else None,
+            chunk_size=self.chunk_size,
+            impl=self.impl,
+        )
+
+
+def unwrap_head(head: nn.Module) -> nn.Module:
+    """The module that holds the output weight: unwraps FSDP1/checkpoint wrappers and PEFT
+    ``ModulesToSaveWrapper`` (to the active adapter's copy, or the original module when adapters are off)."""
+    module = head
+    while True:
+        if _is_modules_to_save_wrapper(module):
+            module = _active_module_to_save(module)
+            continue
+        inner = next(
+            (getattr(module, name) for name in _PASS_THROUGH_WRAPPER_ATTRIBUTES if hasattr(module, name)),
+            None,
+        )
+        if isinstance(inner, nn.Module):
+            module = inner
+            continue
+        return module
+
+
+def _is_modules_to_save_wrapper(module: nn.Module) -> bool:
+    # PEFT is an optional dependency, so the wrapper is recognised by its attributes.
+    return isinstance(getattr(module, "modules_to_save", None), Mapping) and isinstance(
+        getattr(module, "original_module", None), nn.Module
+    )
+
+
+def _active_module_to_save(wrapper: nn.Module) -> nn.Module:
+    if getattr(wrapper, "disable_adapters", False):
+        return wrapper.original_module
+    active = getattr(wrapper, "active_adapters", None)
+    if active is None:
+        active = getattr(wrapper, "active_adapter", None)
+    if isinstance(active, str):
+        active = [active]
+    active = list(active or [])
+    if not active or any(name not in wrapper.modules_to_save for name in active):
+        return wrapper.original_module
+    if len(active) > 1:
+        raise ValueError(f"The head has several active PEFT adapters {active}; FLCE needs exactly one")
+    return wrapper.modules_to_save[active[0]]
+
+
+def _check_linear_head(module: nn.Module) -> None:
+    is_linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    if not (is_linear or isinstance(module, nn.Embedding)):
+        raise TypeError(
+            "The LM head must compute F.linear(hidden, head.weight, head.bias): an nn.Linear that keeps"
+            f" nn.Linear.forward, or an nn.Embedding used as the tied output matrix; got {type(module).__name__}"
+        )
+
+
+@contextlib.contextmanager
+def _forward_bound_to(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Binds ``module.forward`` to ``forward`` for one call (an instance attribute shadows the class method)."""
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def _plain_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    bias: Optional[Tensor],
+    *,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: Optional[float],
+    with_stats: bool,
+) -> Union[Tensor, FLCEOutput]:
+    """The reference path: materialises the [N, V] logits in float32."""
+    logits = F.linear(hidden, weight, bias).float().flatten(0, -2)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    labels = labels.flatten()
+    valid = labels != ignore_index
+    per_token = F.cross_entropy(
+        logits, labels, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
+    lse = torch.logsumexp(logits, dim=-1)
+    if z_loss:
+        per_token = per_token + z_loss * lse.square() * valid
+    if reduction == "none":
+        loss = per_token
+    elif reduction == "sum":
+        loss = per_token.sum()
+    else:
+        # the sum stays connected to the graph when every token is ignored (0 / 1 instead of 0 / 0)
+        loss = per_token.sum() / valid.sum().clamp(min=1)
+    if not with_stats:
+        return loss
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = lse - (probs * logits).sum(-1)
+        correct = (logits.argmax(-1) == labels) & valid
+        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+        return FLCEOutput(loss, torch.where(valid, lse, zero), correct, torch.where(valid, entropy, zero))

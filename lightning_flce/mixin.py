@@ -1,0 +1,385 @@
+"""LightningModule mixin that computes the LM-head loss with fused linear cross-entropy."""
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torchmetrics import MeanMetric
+
+from lightning_flce.head import FLCEHeadLoss
+
+_NORMALIZE_MODES = ("step", "micro_batch")
+
+
+class FLCEMixin:
+    r"""Computes the LM loss of a ``LightningModule`` from its final hidden states and its LM head with
+    fused linear cross-entropy, so the [N, V] logits never exist in the training or validation loss.
+
+    Put it before ``LightningModule`` in the bases and call :meth:`flce_loss` in the steps:
+
+    .. code-block:: python
+
+        class MyLM(FLCEMixin, L.LightningModule):
+            def __init__(self, vocab_size: int = 32000, d_model: int = 512, **kwargs):
+                super().__init__(**kwargs)  # the flce_* options go to the mixin
+                self.save_hyperparameters()
+                self.backbone = Backbone(vocab_size, d_model)
+                self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+
+            def training_step(self, batch, batch_idx):
+                return self.flce_loss(self.backbone(batch["input_ids"]), batch["labels"])
+
+            def validation_step(self, batch, batch_idx):
+                self.flce_loss(self.backbone(batch["input_ids"]), batch["labels"])
+
+    The options are keyword arguments of ``__init__`` (the mixin takes them out and passes the rest on), so
+    ``LightningCLI`` lists them under ``model.init_args`` and ``save_hyperparameters`` records them:
+
+    .. code-block:: yaml
+
+        model:
+          class_path: my_package.MyLM
+          init_args:
+            d_model: 512
+            flce_chunk_size: 4096
+            flce_z_loss: 1.0e-4
+            flce_normalize: step
+
+    Args:
+        flce_head: attribute path of the head module from the LightningModule, e.g. ``"lm_head"`` or
+            ``"model.lm_head"``. ``None``: ``get_output_embeddings()`` of the Hugging Face model that is the
+            module itself or one of its direct children, else ``"lm_head"``. The head is looked up at every
+            call (never by parameter name), so tied, resized or PEFT-wrapped heads are found as they are.
+        flce_chunk_size: tokens per chunk; ``None`` lets the op choose from its memory budget.
+        flce_ignore_index: label value that does not count.
+        flce_label_smoothing: label smoothing of the training loss.
+        flce_z_loss: z-loss coefficient (``lse_square_scale``) of the training loss.
+        flce_softcap: logit soft-capping ``c * tanh(logits / c)``. For a Hugging Face head,
+            ``config.final_logit_softcapping`` is used; setting a different value here is an error.
+        flce_accum_fp32: accumulate the head weight gradient in float32.
+        flce_impl: ``"auto"``, ``"triton"`` or ``"torch"``.
+        flce_naive: compute plain logits and ``F.cross_entropy`` instead (same normalization and logging),
+            to compare memory and results.
+        flce_normalize: ``"step"``: the training loss is the mean over the non-ignored tokens of the whole
+            optimizer step, across micro-batches (gradient accumulation) and data-parallel ranks.
+            ``"micro_batch"``: the plain mean of each micro-batch (Lightning then averages micro-batches and
+            ranks, so micro-batches with few tokens weigh as much as full ones).
+
+    How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses and the mixin
+    counts its non-ignored tokens. After the last backward of the step (wrapping the optimizer closure in
+    :meth:`optimizer_step`, or in :meth:`on_before_optimizer_step` if that override is bypassed; before
+    gradient clipping either way) one ``all_reduce`` sums the step's loss and token count over the ranks,
+    and the gradients of the optimizer's parameters are multiplied by
+    ``accumulate_grad_batches * world_size / tokens_of_step`` (Lightning divides each micro-batch loss by
+    ``accumulate_grad_batches`` and DDP/FSDP average over ranks). Consequences:
+
+    - Every gradient of the optimizer is rescaled, so return the ``flce_loss`` of the training step as the
+      loss. Another loss term added to it is rescaled too: multiply it by ``self.flce_last_num_tokens`` to
+      weight it per token like the LM loss, or use ``"micro_batch"``.
+    - If you override ``optimizer_step`` and ``on_before_optimizer_step``, call ``super()`` in one of them;
+      the next training step raises otherwise. Callbacks' ``on_before_optimizer_step`` run after the
+      rescaling unless ``optimizer_step`` is overridden.
+    - Needs the gradients in ``param.grad`` (single device, DDP, FSDP); with DeepSpeed use ``"micro_batch"``.
+    - In manual optimization call ``self.manual_backward(self.flce_loss(...))`` without dividing by the
+      number of accumulated micro-batches; the next ``optimizer.step()`` normalizes.
+
+    :meth:`flce_loss` returns a tensor whose *value* is the micro-batch mean and whose gradient is that of
+    the token sum. A micro-batch whose labels are all ignored gives 0 with the graph connected, so every
+    rank runs the same backward (no DDP hang).
+
+    Logs ``train/loss`` (mean over the tokens of the optimizer step, all ranks), and ``val/loss``,
+    ``val/perplexity``, ``val/token_accuracy`` (``test/...`` under ``trainer.test``) from torchmetrics
+    ``MeanMetric`` weighted by token counts. Validation uses the plain cross-entropy (no label smoothing,
+    no z-loss) so perplexity keeps its meaning. Inference keeps the model's normal logits path
+    (:meth:`flce_logits` gives the logits with the same scale/softcap as the loss).
+
+    After each call, ``self.flce_last_logits_shape = (N, V)`` and ``self.flce_last_logits_bytes = N * V * 4``
+    describe the float32 logits the loss did not materialise (with ``flce_naive=True``: the ones it did).
+
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        flce_head: Optional[str] = None,
+        flce_chunk_size: Optional[int] = None,
+        flce_ignore_index: int = -100,
+        flce_label_smoothing: float = 0.0,
+        flce_z_loss: float = 0.0,
+        flce_softcap: Optional[float] = None,
+        flce_accum_fp32: bool = False,
+        flce_impl: str = "auto",
+        flce_naive: bool = False,
+        flce_normalize: str = "step",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if flce_normalize not in _NORMALIZE_MODES:
+            raise ValueError(f"flce_normalize must be one of {_NORMALIZE_MODES}, got {flce_normalize!r}")
+        if flce_softcap is not None and flce_softcap <= 0:
+            raise ValueError(f"flce_softcap must be > 0 or None, got {flce_softcap}")
+        self.flce_head = flce_head
+        self.flce_ignore_index = flce_ignore_index
+        self.flce_softcap = flce_softcap
+        self.flce_naive = flce_naive
+        self.flce_normalize = flce_normalize
+        self.flce_head_loss = FLCEHeadLoss(
+            ignore_index=flce_ignore_index,
+            label_smoothing=flce_label_smoothing,
+            z_loss=flce_z_loss,
+            accum_fp32=flce_accum_fp32,
+            chunk_size=flce_chunk_size,
+            impl=flce_impl,
+            naive=flce_naive,
+        )
+        # token-weighted means; their states are not persistent, so checkpoints do not change
+        self.flce_eval_loss = MeanMetric()
+        self.flce_eval_accuracy = MeanMetric()
+        self.flce_last_logits_shape: Optional[tuple[int, int]] = None
+        self.flce_last_logits_bytes: Optional[int] = None
+        self.flce_last_num_tokens: Optional[Tensor] = None
+        # [loss sum, token count] of the optimizer step in progress, and the global step it belongs to
+        self._flce_step_totals: Optional[Tensor] = None
+        self._flce_step_index: Optional[int] = None
+
+    # ------------------------------------------------------------------ loss
+
+    def flce_loss(self, hidden: Tensor, labels: Tensor, *, shift: bool = False) -> Tensor:
+        """LM loss of ``hidden`` [..., H] against ``labels`` [...], without the logits.
+
+        Args:
+            hidden: final hidden states (after the last norm).
+            labels: target token ids, same leading shape as ``hidden``; ``flce_ignore_index`` is ignored.
+            shift: ``labels`` are the input ids (Hugging Face convention): position t is scored against
+                label t + 1, the last position of each sequence is ignored.
+
+        Returns:
+            The mean over the non-ignored tokens (0 if there are none). During ``fit`` with
+            ``flce_normalize="step"`` its gradient is that of the token sum; the mixin normalizes the
+            gradients at the optimizer step (see the class docstring).
+
+        """
+        if shift:
+            # shift the labels rather than the hidden states: no copy of the [B, T, H] activations
+            labels = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=self.flce_ignore_index)
+        stage = self._flce_stage()
+        head, logit_scale, softcap = self._flce_resolve_head()
+        evaluating = stage in ("val", "test")
+        output = self.flce_head_loss(
+            head,
+            hidden,
+            labels,
+            reduction="sum",
+            with_stats=evaluating,
+            regularized=not evaluating,
+            logit_scale=logit_scale,
+            softcap=softcap,
+        )
+        loss_sum = output.loss if evaluating else output
+        num_tokens = (labels != self.flce_ignore_index).sum()
+        num_logits = self.flce_head_loss.last_logits_shape
+        self.flce_last_logits_shape = num_logits
+        self.flce_last_logits_bytes = num_logits[0] * num_logits[1] * 4
+        self.flce_last_num_tokens = num_tokens
+        mean = loss_sum / num_tokens.clamp(min=1)
+
+        if evaluating:
+            weight = num_tokens.to(torch.float32)
+            self.flce_eval_loss.update(mean.detach().float(), weight)
+            self.flce_eval_accuracy.update(output.correct.sum() / num_tokens.clamp(min=1), weight)
+            return mean
+        if stage != "train":
+            return mean
+        self._flce_add_to_step(loss_sum.detach(), num_tokens)
+        if self.flce_normalize == "step":
+            # value: the micro-batch mean; gradient: that of the token sum (normalized at the optimizer step)
+            return mean.detach() + (loss_sum - loss_sum.detach())
+        return mean
+
+    def flce_logits(self, hidden: Tensor) -> Tensor:
+        """Logits of the head on ``hidden`` with the loss's logit scale and softcap (inference path)."""
+        head, logit_scale, softcap = self._flce_resolve_head()
+        logits = head(hidden)
+        if logit_scale is not None:
+            logits = logits * logit_scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return logits
+
+    # ----------------------------------------------------------------- hooks
+
+    def optimizer_step(
+        self,
+        epoch: int,
+        batch_idx: int,
+        optimizer: Optimizer,
+        optimizer_closure: Optional[Callable[[], Any]] = None,
+    ) -> None:
+        """Normalizes the gradients right after the closure (the last backward of the step), so callbacks,
+        ``on_before_optimizer_step`` and gradient clipping all see the normalized gradients."""
+        if optimizer_closure is not None:
+            optimizer_closure = functools.partial(
+                self._flce_closure_then_normalize, optimizer_closure, optimizer
+            )
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
+        # a no-op when optimizer_step already normalized; the path for manual optimization
+        self._flce_finish_step(optimizer)
+        super().on_before_optimizer_step(optimizer)
+
+    def on_fit_start(self) -> None:
+        self._flce_step_totals = None
+        self._flce_step_index = None
+        if self.flce_normalize == "step" and "DeepSpeed" in type(self.trainer.strategy).__name__:
+            raise ValueError(
+                "flce_normalize='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
+                " buffers; use flce_normalize='micro_batch' with DeepSpeed"
+            )
+        super().on_fit_start()
+
+    def on_validation_epoch_end(self) -> None:
+        self._flce_log_eval("val")
+        super().on_validation_epoch_end()
+
+    def on_test_epoch_end(self) -> None:
+        self._flce_log_eval("test")
+        super().on_test_epoch_end()
+
+    # --------------------------------------------------------------- helpers
+
+    def _flce_stage(self) -> Optional[str]:
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None:
+            return None
+        if trainer.training:
+            return "train"
+        if trainer.sanity_checking or trainer.validating:
+            return "val"
+        if trainer.testing:
+            return "test"
+        return None
+
+    def _flce_resolve_head(self) -> tuple[nn.Module, Optional[float], Optional[float]]:
+        """(head module, logit scale, softcap), resolved at each call."""
+        hf_model = self._flce_hf_model()
+        if self.flce_head is not None:
+            head = self
+            for name in self.flce_head.split("."):
+                if not hasattr(head, name):
+                    raise AttributeError(
+                        f"flce_head={self.flce_head!r}: {type(head).__name__} has no attribute {name!r}"
+                    )
+                head = getattr(head, name)
+        elif hf_model is not None:
+            head = hf_model.get_output_embeddings()
+            if head is None:
+                raise AttributeError(
+                    f"{type(hf_model).__name__}.get_output_embeddings() returned None; set flce_head"
+                )
+        else:
+            head = getattr(self, "lm_head", None)
+            if head is None:
+                raise AttributeError(
+                    f"{type(self).__name__} has no `lm_head`; set flce_head to the attribute path of the LM head"
+                )
+        if not isinstance(head, nn.Module):
+            raise TypeError(f"The LM head must be an nn.Module, got {type(head).__name__}")
+        if hf_model is None or head is not hf_model.get_output_embeddings():
+            return head, None, self.flce_softcap
+        return head, *self._flce_hf_logit_transform(hf_model)
+
+    def _flce_hf_model(self) -> Optional[nn.Module]:
+        """The Hugging Face model that is this module or its only direct child with an LM head."""
+
+        def is_hf_model(module: Any) -> bool:
+            return callable(getattr(module, "get_output_embeddings", None)) and hasattr(module, "config")
+
+        if is_hf_model(self):
+            return self
+        found = [child for child in self.children() if is_hf_model(child)]
+        return found[0] if len(found) == 1 else None
+
+    def _flce_hf_logit_transform(self, hf_model: nn.Module) -> tuple[Optional[float], Optional[float]]:
+        """(logit scale, softcap) that the Hugging Face model applies after its LM head."""
+        config = hf_model.config
+        softcap = getattr(config, "final_logit_softcapping", None)
+        if self.flce_softcap is not None and self.flce_softcap != softcap:
+            raise ValueError(
+                f"flce_softcap={self.flce_softcap} differs from the model's config.final_logit_softcapping={softcap};"
+                " set the softcap in the model config so that inference applies it too"
+            )
+        scale = getattr(hf_model, "logit_scale", None)  # Cohere: logits * logit_scale
+        if isinstance(scale, Tensor):
+            raise NotImplementedError(
+                f"{type(hf_model).__name__} has a tensor logit_scale (per-vocab or learned); FLCE supports scalars"
+            )
+        logits_scaling = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
+        if logits_scaling is not None:
+            scale = (1.0 if scale is None else scale) / logits_scaling
+        return (None if scale is None or scale == 1.0 else float(scale)), softcap
+
+    def _flce_add_to_step(self, loss_sum: Tensor, num_tokens: Tensor) -> None:
+        step = self.trainer.global_step
+        if self._flce_step_totals is not None and self._flce_step_index != step:
+            if self.flce_normalize == "step":
+                raise RuntimeError(
+                    "The optimizer stepped without FLCEMixin normalizing the gradients of the step: an override of"
+                    " `optimizer_step` or `on_before_optimizer_step` must call super() (one of the two is enough)"
+                )
+            self._flce_step_totals = None
+        totals = torch.stack([loss_sum.double(), num_tokens.double()])
+        if self._flce_step_totals is None:
+            self._flce_step_totals, self._flce_step_index = totals, step
+        else:
+            self._flce_step_totals = self._flce_step_totals + totals
+
+    def _flce_closure_then_normalize(self, closure: Callable[[], Any], optimizer: Optimizer) -> Any:
+        result = closure()
+        self._flce_finish_step(optimizer)
+        return result
+
+    def _flce_finish_step(self, optimizer: Optimizer) -> None:
+        """Sums the step's loss and tokens over ranks, logs ``train/loss`` and (``"step"``) rescales the grads."""
+        totals = self._flce_step_totals
+        if totals is None:
+            return
+        self._flce_step_totals = None
+        trainer = self.trainer
+        if trainer.world_size > 1:
+            totals = trainer.strategy.reduce(totals, reduce_op="sum")
+        loss_sum, num_tokens = totals.tolist()
+        if self.flce_normalize == "step":
+            accumulation = trainer.accumulate_grad_batches if self.automatic_optimization else 1
+            scale = accumulation * trainer.world_size / max(num_tokens, 1.0)
+            grads = [
+                p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+            ]
+            if grads:
+                torch._foreach_mul_(grads, scale)
+        self.log(
+            "train/loss",
+            loss_sum / max(num_tokens, 1.0),
+            on_step=True,
+            on_epoch=True,
+            prog_bar=True,
+            batch_size=max(int(num_tokens), 1),
+        )
+
+    def _flce_log_eval(self, prefix: str) -> None:
+        if self.flce_eval_loss.update_count == 0:
+            return
+        loss = self.flce_eval_loss.compute()
+        accuracy = self.flce_eval_accuracy.compute()
+        self.flce_eval_loss.reset()
+        self.flce_eval_accuracy.reset()
+        self.log_dict(
+            {
+                f"{prefix}/loss": loss,
+                f"{prefix}/perplexity": torch.exp(loss),
+                f"{prefix}/token_accuracy": accuracy,
+            },
+            prog_bar=False,
+        )

@@ -1,0 +1,132 @@
+"""HFCausalLM: a Hugging Face causal LM trained with :class:`~lightning_flce.mixin.FLCEMixin`."""
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from lightning_flce.mixin import FLCEMixin
+from lightning_flce.models.gpt import adamw_with_warmup_cosine
+
+
+class HFCausalLM(FLCEMixin, pl.LightningModule):
+    r"""A Hugging Face causal LM (``AutoModelForCausalLM``) whose training and validation loss is computed
+    from the decoder's hidden states and ``get_output_embeddings()`` by :class:`FLCEMixin`, so the logits are
+    never built for the loss. The model is not patched: ``forward`` and ``generate`` (through ``self.model``)
+    keep the normal logits path. Softcapping (``config.final_logit_softcapping``) and logit scaling
+    (Cohere ``logit_scale``, Granite ``logits_scaling``) are applied to the loss as the model applies them.
+
+    Batches follow the Hugging Face convention: ``{"input_ids", "attention_mask", "labels"}`` with
+    ``labels`` a copy of ``input_ids`` (the model shifts them); positions with ``attention_mask == 0``
+    and labels equal to ``flce_ignore_index`` are ignored. ``labels`` defaults to ``input_ids``.
+
+    Args:
+        config: keyword arguments of ``transformers.AutoConfig.for_model`` including ``model_type``, e.g.
+            ``{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, ...}``: a model with random
+            weights is built from it (no download).
+        pretrained: local directory for ``AutoModelForCausalLM.from_pretrained`` (``local_files_only``),
+            instead of ``config``.
+        vocab_size: overrides ``config["vocab_size"]`` (``FLCELightningCLI`` links it to the data module's
+            tokenizer). With ``pretrained`` it must not exceed the model's vocabulary.
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay of the matrices; biases and norms get none.
+        warmup_steps: linear warmup steps, then cosine decay to 10% of ``lr``.
+        \**kwargs: the ``flce_*`` options of :class:`FLCEMixin`.
+
+    Example:
+
+    .. code-block:: python
+
+        model = HFCausalLM(
+            config={"model_type": "llama", "vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+            flce_chunk_size=1024,
+        )
+        L.Trainer(max_steps=100).fit(model, datamodule)
+
+    .. code-block:: yaml
+
+        model:
+          class_path: lightning_flce.models.HFCausalLM
+          init_args:
+            config:
+              model_type: llama
+              hidden_size: 64
+              intermediate_size: 128
+              num_hidden_layers: 2
+              num_attention_heads: 4
+            lr: 1.0e-3
+
+    """
+
+    def __init__(
+        self,
+        config: Optional[dict[str, Any]] = None,
+        pretrained: Optional[str] = None,
+        vocab_size: Optional[int] = None,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if (config is None) == (pretrained is None):
+            raise ValueError(
+                "Pass exactly one of `config` (a dict with `model_type`) and `pretrained` (a local path)"
+            )
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.save_hyperparameters()
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+        except ImportError as err:
+            raise ImportError("HFCausalLM needs transformers: pip install 'lightning-flce[hf]'") from err
+
+        if config is not None:
+            config = dict(config)
+            model_type = config.pop("model_type", None)
+            if model_type is None:
+                raise ValueError("`config` must contain `model_type`, e.g. {'model_type': 'llama', ...}")
+            if vocab_size is not None:
+                config["vocab_size"] = vocab_size
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+            rows = self.model.get_output_embeddings().weight.shape[0]
+            if vocab_size is not None and vocab_size > rows:
+                raise ValueError(f"vocab_size={vocab_size} exceeds the {rows} rows of the pretrained LM head")
+
+    def hidden_states(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """Final hidden states of the decoder [B, T, hidden_size] (what the LM head is applied to)."""
+        decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
+        output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
+        """Logits [B, T, V] of the wrapped model (inference path)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._loss(batch)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return self._loss(batch)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return adamw_with_warmup_cosine(
+            self,
+            lr=self.hparams.lr,
+            weight_decay=self.hparams.weight_decay,
+            warmup_steps=self.hparams.warmup_steps,
+        )
+
+    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+        input_ids = batch["input_ids"]
+        attention_mask = batch.get("attention_mask")
+        labels = batch.get("labels", input_ids)
+        if attention_mask is not None:
+            labels = labels.masked_fill(attention_mask == 0, self.flce_ignore_index)
+        return self.flce_loss(self.hidden_states(input_ids, attention_mask), labels, shift=True)
