@@ -11,12 +11,16 @@ path              when                                                          
                   of that dtype or fp32 (fp16/bf16 operands into fp32); bf16 needs       out_dtype=gw.dtype, out=gw)``
                   compute capability >= 8.0
 ``addmm_inplace`` any device or torch version, operands and grad_weight of one dtype      ``gw.addmm_(g.t(), x)``
-``add_mm``        anything else (older torch, ROCm, older GPUs, CPU with mixed dtypes)    ``gw.add_(torch.mm(g.t(), x))``
+``upcast_addmm``  CPU, fp16/bf16 operands into an fp32 grad_weight                       ``gw.addmm_(g.t().float(),
+                                                                                        x.float())``
+``add_mm``        anything else (older torch, ROCm, older GPUs)                         ``gw.add_(torch.mm(g.t(), x))``
 ================  ====================================================================  ==================
 
-``addmm_out`` and ``addmm_inplace`` write the GEMM result straight into ``grad_weight`` (cuBLAS/BLAS
-``beta=1``). ``add_mm`` allocates one [V, H] product in the operand dtype — still half of the old
-idiom, and never an fp32 copy. With ``first=True`` the chunk overwrites instead (``beta=0``), so
+``addmm_out``, ``addmm_inplace`` and ``upcast_addmm`` write the GEMM result straight into
+``grad_weight`` (BLAS ``beta=1``); ``upcast_addmm`` copies only the chunk-sized operands to fp32 (CPUs
+have no widening GEMM, and their fp32 GEMM is as fast as their bf16 one). ``add_mm`` allocates one
+[V, H] product in the operand dtype — half of the old idiom, never an fp32 copy — and rounds each
+chunk's product once. With ``first=True`` the chunk overwrites instead (``beta=0``), so
 ``grad_weight`` can start as ``torch.empty`` without a zero-fill.
 """
 
@@ -38,44 +42,55 @@ _GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class AccumulationPath(str, enum.Enum):
     ADDMM_OUT = "addmm_out"
     ADDMM_INPLACE = "addmm_inplace"
+    UPCAST_ADDMM = "upcast_addmm"
     ADD_MM = "add_mm"
 
 
 def choose_path(
-    grad_weight: torch.Tensor,
-    grad_logits: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    torch_version: Optional[Tuple[int, int]] = None,
-    capability: Optional[Tuple[int, int]] = None,
-    is_rocm: Optional[bool] = None,
+    grad_weight: torch.Tensor, grad_logits: torch.Tensor, input: torch.Tensor
 ) -> AccumulationPath:
-    """Which accumulation path a (grad_weight, operands) triple takes.
+    """Which accumulation path these tensors take (see :func:`decide_path`)."""
+    if input.dtype != grad_logits.dtype:
+        raise TypeError(f"grad_logits ({grad_logits.dtype}) and input ({input.dtype}) must share a dtype")
+    device = grad_weight.device
+    is_cuda = device.type == "cuda"
+    return decide_path(
+        device_type=device.type,
+        operand_dtype=grad_logits.dtype,
+        grad_weight_dtype=grad_weight.dtype,
+        torch_version=TORCH_VERSION,
+        capability=torch.cuda.get_device_capability(device) if is_cuda else None,
+        is_rocm=torch.version.hip is not None,
+    )
 
-    ``torch_version``, ``capability`` and ``is_rocm`` default to the running torch and the device of
-    ``grad_weight``; tests inject them to check both sides of each gate.
-    """
-    operand_dtype = grad_logits.dtype
-    if input.dtype != operand_dtype:
-        raise TypeError(f"grad_logits ({operand_dtype}) and input ({input.dtype}) must share a dtype")
-    same_dtype = grad_weight.dtype == operand_dtype
-    if grad_weight.device.type == "cuda" and operand_dtype in _GEMM_DTYPES:
-        torch_version = TORCH_VERSION if torch_version is None else torch_version
-        is_rocm = torch.version.hip is not None if is_rocm is None else is_rocm
-        if capability is None:
-            capability = torch.cuda.get_device_capability(grad_weight.device)
-        widening = grad_weight.dtype == torch.float32 and operand_dtype in _LOW_PRECISION
-        bf16_ok = operand_dtype != torch.bfloat16 or capability >= (8, 0)
-        if (
-            torch_version >= _ADDMM_OUT_DTYPE_MIN_TORCH
-            and not is_rocm
-            and (same_dtype or widening)
-            and bf16_ok
-            and (not widening or capability >= (8, 0))
-        ):
-            return AccumulationPath.ADDMM_OUT
+
+def decide_path(
+    *,
+    device_type: str,
+    operand_dtype: torch.dtype,
+    grad_weight_dtype: torch.dtype,
+    torch_version: Tuple[int, int],
+    capability: Optional[Tuple[int, int]],
+    is_rocm: bool,
+) -> AccumulationPath:
+    """The decision table of this module, as a pure function of the facts it depends on."""
+    same_dtype = grad_weight_dtype == operand_dtype
+    widening = grad_weight_dtype == torch.float32 and operand_dtype in _LOW_PRECISION
+    if (
+        device_type == "cuda"
+        and not is_rocm
+        and torch_version >= _ADDMM_OUT_DTYPE_MIN_TORCH
+        and operand_dtype in _GEMM_DTYPES
+        and (same_dtype or widening)
+        and capability is not None
+        # bf16 GEMMs, and widening fp16/bf16 GEMMs, need Ampere (sm_80) or newer.
+        and (capability >= (8, 0) or (operand_dtype != torch.bfloat16 and not widening))
+    ):
+        return AccumulationPath.ADDMM_OUT
     if same_dtype:
         return AccumulationPath.ADDMM_INPLACE
+    if device_type == "cpu" and widening:
+        return AccumulationPath.UPCAST_ADDMM
     return AccumulationPath.ADD_MM
 
 
@@ -105,6 +120,8 @@ def accumulate_grad_weight(
         )
     elif path is AccumulationPath.ADDMM_INPLACE:
         grad_weight.addmm_(grad_logits.t(), input, beta=beta)
+    elif path is AccumulationPath.UPCAST_ADDMM:
+        grad_weight.addmm_(grad_logits.t().float(), input.float(), beta=beta)
     elif first:
         # Mixed dtypes without a widening GEMM: the product is a [V, H] temporary in the operand dtype.
         grad_weight.copy_(torch.mm(grad_logits.t(), input))

@@ -74,8 +74,12 @@ def fused_linear_cross_entropy(
         class_weight: optional [V] weight per class, as ``F.cross_entropy``'s ``weight``.
         lse_square_scale: z-loss coefficient (PaLM uses 1e-4).
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
-        accum_dtype: ``torch.float32`` accumulates dW (and d bias) in fp32 across chunks and returns
-            them in the parameter dtype; None accumulates in the weight's dtype.
+        accum_dtype: dtype of the dW accumulator across chunks; the gradient is returned in the
+            weight's dtype either way. ``torch.float32``: always fp32. The weight's own dtype:
+            accumulate in place in it (least memory; an fp16/bf16 dW then rounds once per chunk).
+            None (default): fp32 when the weight is fp16/bf16 and there is more than one chunk, so
+            dW is as accurate as one unchunked GEMM; in the weight's dtype otherwise. (d bias is
+            always accumulated in fp32.)
         chunk_size: tokens per chunk; None picks it from a memory budget (a quarter of dX + dW).
         impl: ``"triton"`` (CUDA; the CPU only under ``TRITON_INTERPRET=1``), ``"torch"``, or
             ``"auto"`` (Triton on CUDA, PyTorch elsewhere).
@@ -150,7 +154,7 @@ def _call(
         float(lse_square_scale),
         float(softcap) if softcap is not None else 0.0,
         compute_dtype,
-        accum_dtype == torch.float32,
+        _accum_mode(accum_dtype, weight),
         int(chunk_size) if chunk_size is not None else 0,
         impl,
         grad_enabled and input.requires_grad,
@@ -224,12 +228,24 @@ def _check_options(
         raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
     if softcap is not None and not softcap > 0.0:
         raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
-    if accum_dtype not in (None, torch.float32):
-        raise ValueError(f"accum_dtype must be None or torch.float32, got {accum_dtype}")
+    if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
+        raise TypeError(f"accum_dtype must be a torch.dtype or None, got {accum_dtype!r}")
     if chunk_size is not None and chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size}")
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+
+
+def _accum_mode(accum_dtype: Optional[torch.dtype], weight: Tensor) -> str:
+    if accum_dtype is None:
+        return "auto"
+    if accum_dtype == torch.float32:
+        return "fp32"
+    if accum_dtype == weight.dtype:
+        return "param"
+    raise ValueError(
+        f"accum_dtype must be None, torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}"
+    )
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:

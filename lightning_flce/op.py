@@ -35,6 +35,7 @@ from lightning_flce.kernels import LossOptions, cross_entropy_chunk
 from lightning_flce.kernels.scale import scale_
 
 _MiB = 1 << 20
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # A chunk's logits may take a quarter of the memory floor (dX + dW), within these bounds.
 _MIN_CHUNK_BYTES = 32 * _MiB
 _MAX_CHUNK_BYTES = 2048 * _MiB
@@ -81,13 +82,15 @@ def _chunk_loop(
     need_grad_weight: bool,
     need_grad_bias: bool,
     compute_stats: bool,
-    accum_fp32: bool,
+    accum: str,
     chunk_size: int,
     impl: str,
 ) -> Tuple[Tensor, ...]:
     """The shared loop: per-token loss/LSE/stats [N] and the gradients (empty when not needed).
 
-    ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token).
+    ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token). ``accum`` is "fp32", "param"
+    (accumulate dW in the weight's dtype) or "auto": fp32 for an fp16/bf16 weight over several chunks,
+    where rounding the partial sum after every chunk would cost accuracy against a single GEMM.
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -124,7 +127,9 @@ def _chunk_loop(
     grad_weight = x.new_empty(0)
     accum_path = None
     if need_grad_weight:
-        accum_dtype = torch.float32 if accum_fp32 else weight.dtype
+        n_chunks = -(-n_valid // chunk_size)
+        widen = accum == "fp32" or (accum == "auto" and weight.dtype in _LOW_PRECISION and n_chunks > 1)
+        accum_dtype = torch.float32 if widen else weight.dtype
         grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
         accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_grad_bias else x.new_empty(0)
@@ -263,7 +268,7 @@ def flce_forward(
     lse_square_scale: float,
     softcap: float,
     compute_dtype: torch.dtype,
-    accum_fp32: bool,
+    accum: str,
     chunk_size: int,
     impl: str,
     need_grad_input: bool,
@@ -293,7 +298,7 @@ def flce_forward(
             need_grad_weight=need_grad_weight and grads_now,
             need_grad_bias=need_grad_bias and grads_now,
             compute_stats=compute_stats,
-            accum_fp32=accum_fp32,
+            accum=accum,
             chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl),
             impl=impl,
         )
@@ -317,7 +322,7 @@ def _(
     lse_square_scale,
     softcap,
     compute_dtype,
-    accum_fp32,
+    accum,
     chunk_size,
     impl,
     need_grad_input,
@@ -368,7 +373,7 @@ def flce_backward(
     lse_square_scale: float,
     softcap: float,
     compute_dtype: torch.dtype,
-    accum_fp32: bool,
+    accum: str,
     chunk_size: int,
     impl: str,
     need_grad_input: bool,
@@ -392,7 +397,7 @@ def flce_backward(
             need_grad_weight=need_grad_weight,
             need_grad_bias=need_grad_bias,
             compute_stats=False,
-            accum_fp32=accum_fp32,
+            accum=accum,
             chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl),
             impl=impl,
         )
@@ -412,7 +417,7 @@ def _(
     lse_square_scale,
     softcap,
     compute_dtype,
-    accum_fp32,
+    accum,
     chunk_size,
     impl,
     need_grad_input,
@@ -447,7 +452,7 @@ def _setup_context(ctx, inputs, output) -> None:
         lse_square_scale,
         softcap,
         compute_dtype,
-        accum_fp32,
+        accum,
         chunk_size,
         impl,
         need_grad_input,
@@ -465,7 +470,7 @@ def _setup_context(ctx, inputs, output) -> None:
             lse_square_scale,
             softcap,
             compute_dtype,
-            accum_fp32,
+            accum,
             chunk_size,
             impl,
         )

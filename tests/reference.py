@@ -1,0 +1,66 @@
+"""Float64 reference for the op: F.cross_entropy on upcast logits, plus the z-loss term."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: Optional[torch.Tensor] = None,
+    lse_square_scale: float = 0.0,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """The op's definition in float64 (differentiable w.r.t. x, weight, bias)."""
+    logits = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+    logits = logits.reshape(-1, logits.shape[-1])
+    target = target.reshape(-1)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    loss = F.cross_entropy(
+        logits,
+        target,
+        weight=class_weight.double() if class_weight is not None else None,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
+    if lse_square_scale:
+        valid = target != ignore_index
+        z_loss = lse_square_scale * torch.logsumexp(logits, dim=-1).square() * valid
+        if reduction == "mean":
+            z_loss = z_loss.sum() / valid.sum()
+        elif reduction == "sum":
+            z_loss = z_loss.sum()
+        loss = loss + z_loss
+    return loss
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (0 when both are 0)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    denom = expected.norm()
+    diff = (actual - expected).norm()
+    if denom == 0:
+        return float(diff)
+    return float(diff / denom)
+
+
+def grads_of(fn, *tensors, grad_output=None):
+    """Run fn(*tensors) -> loss, backprop grad_output (1 by default), return (loss, [grads])."""
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) if t is not None else None for t in tensors]
+    loss = fn(*leaves)
+    if grad_output is None:
+        grad_output = torch.ones_like(loss)
+    (loss * grad_output.to(loss.dtype)).sum().backward()
+    return loss.detach(), [t.grad if t is not None and t.requires_grad else None for t in leaves]

@@ -1,0 +1,398 @@
+"""The op against its float64 definition on the CPU (PyTorch chunk path).
+
+Tolerances: fp32 results are compared with relative L2 errors of 1e-5. fp32 rounding is 6e-8 per
+operation; the longest reductions here (logsumexp over V <= 32003, GEMMs over H <= 65 or N <= 64
+tokens) grow it to ~1e-6, well under 1e-5, while a wrong term (a missing smoothing or z-loss
+contribution, a wrong normalizer) moves the result by more than 1e-3. bf16 is held to the bar of
+the naive path in the same dtype (see test_bf16_no_worse_than_naive).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import grads_of, reference_loss, relative_error
+
+from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
+from lightning_flce.op import default_chunk_size
+
+FP32_TOL = 1e-5
+
+FEATURES = {
+    "plain": {},
+    "bias": {"bias": True},
+    "smoothing": {"label_smoothing": 0.1},
+    "class_weight": {"class_weight": True},
+    "z_loss": {"lse_square_scale": 1e-2},
+    "softcap": {"softcap": 4.0},
+    "smoothing+class_weight": {"label_smoothing": 0.2, "class_weight": True},
+    "all": {
+        "bias": True,
+        "label_smoothing": 0.15,
+        "class_weight": True,
+        "lse_square_scale": 1e-3,
+        "softcap": 3.0,
+    },
+}
+
+
+def make_problem(n_rows, hidden, vocab, *, dtype=torch.float32, ignore_frac=0.2, seed=0, lead_shape=None):
+    gen = torch.Generator().manual_seed(seed)
+    shape = lead_shape if lead_shape is not None else (n_rows,)
+    x = torch.randn(*shape, hidden, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5 * 2).to(dtype)
+    target = torch.randint(0, vocab, shape, generator=gen)
+    target[torch.rand(shape, generator=gen) < ignore_frac] = -100
+    bias = torch.randn(vocab, generator=gen).to(dtype)
+    class_weight = torch.rand(vocab, generator=gen) + 0.5
+    return x, weight, target, bias, class_weight
+
+
+def run_case(x, weight, target, bias, class_weight, feature, reduction, grad_output, **op_kwargs):
+    """Returns ((loss, grads) of the op, (loss, grads) of the float64 reference)."""
+    kwargs = {k: v for k, v in feature.items() if k not in ("bias", "class_weight")}
+    use_bias = feature.get("bias", False)
+    cw = class_weight if feature.get("class_weight", False) else None
+    b = bias.requires_grad_() if use_bias else None
+    x.requires_grad_()
+    weight.requires_grad_()
+
+    def op(x_, w_, b_):
+        return fused_linear_cross_entropy(
+            x_, w_, target, b_, reduction=reduction, class_weight=cw, **kwargs, **op_kwargs
+        )
+
+    def ref(x_, w_, b_):
+        return reference_loss(x_, w_, target, b_, reduction=reduction, class_weight=cw, **kwargs)
+
+    got = grads_of(op, x, weight, b, grad_output=grad_output)
+    want = grads_of(
+        ref, x.double(), weight.double(), b.double() if b is not None else None, grad_output=grad_output
+    )
+    return got, want
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("feature_name", list(FEATURES))
+@pytest.mark.parametrize(
+    ("lead_shape", "hidden", "vocab", "chunk_size"),
+    [((37,), 17, 1000, 8), ((2, 19), 33, 257, 16), ((5,), 65, 1000, None)],
+    ids=["N37-H17-V1000-chunk8", "B2xT19-H33-V257-chunk16", "N5-H65-default-chunk"],
+)
+def test_matches_float64_reference(reduction, feature_name, lead_shape, hidden, vocab, chunk_size):
+    x, weight, target, bias, class_weight = make_problem(None, hidden, vocab, lead_shape=lead_shape)
+    n_rows = target.numel()
+    # A random, non-1 grad_output: per token for "none", a scalar otherwise.
+    grad_output = torch.randn(n_rows) if reduction == "none" else torch.tensor(1.7)
+    (loss, grads), (ref_loss, ref_grads) = run_case(
+        x,
+        weight,
+        target,
+        bias,
+        class_weight,
+        FEATURES[feature_name],
+        reduction,
+        grad_output,
+        chunk_size=chunk_size,
+    )
+    assert loss.dtype == torch.float32
+    assert loss.shape == ref_loss.shape
+    assert relative_error(loss, ref_loss) < FP32_TOL
+    for got, want in zip(grads, ref_grads):
+        if want is not None:
+            assert got.dtype == torch.float32
+            assert relative_error(got, want) < FP32_TOL
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_vocab_32003(reduction):
+    x, weight, target, bias, class_weight = make_problem(64, 7, 32003, seed=1)
+    grad_output = torch.randn(64) if reduction == "none" else None
+    (loss, grads), (ref_loss, ref_grads) = run_case(
+        x, weight, target, bias, class_weight, FEATURES["all"], reduction, grad_output, chunk_size=24
+    )
+    assert relative_error(loss, ref_loss) < FP32_TOL
+    for got, want in zip(grads, ref_grads):
+        assert relative_error(got, want) < FP32_TOL
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("feature_name", ["plain", "all"])
+def test_bf16_no_worse_than_naive(reduction, feature_name):
+    """bf16: the error vs float64 is within 1.1x (+1e-4 for noise) of the naive bf16 path's error.
+
+    The naive path is F.cross_entropy(F.linear(x, W).float()) with bf16 x, W, b, i.e. what users would
+    otherwise run in the same dtype; both round logits and their gradient to bf16. A scalar grad_output
+    is a power of two here (exact in any float format); see test_bf16_scalar_grad_output_rounding.
+    """
+    _check_bf16_against_naive(reduction, feature_name, grad_scale=0.5, ratio=1.1)
+
+
+def test_bf16_scalar_grad_output_rounding():
+    """A scalar grad_output that is not a power of two rescales dX/dW after they were rounded to bf16
+    in forward: one extra bf16 rounding (at most a factor sqrt(2) on a rounding-dominated error)."""
+    _check_bf16_against_naive("mean", "plain", grad_scale=0.7, ratio=1.5)
+
+
+def _check_bf16_against_naive(reduction, feature_name, grad_scale, ratio):
+    x, weight, target, bias, class_weight = make_problem(96, 48, 1000, dtype=torch.bfloat16, seed=2)
+    feature = FEATURES[feature_name]
+    grad_output = torch.randn(96) if reduction == "none" else torch.tensor(grad_scale)
+    (loss, grads), (ref_loss, ref_grads) = run_case(
+        x, weight, target, bias, class_weight, feature, reduction, grad_output, chunk_size=32
+    )
+    kwargs = {k: v for k, v in feature.items() if k not in ("bias", "class_weight")}
+    cw = class_weight if feature.get("class_weight") else None
+    use_bias = feature.get("bias", False)
+
+    def naive(x_, w_, b_):
+        logits = F.linear(x_, w_, b_).float()
+        softcap = kwargs.get("softcap")
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        loss = F.cross_entropy(
+            logits,
+            target,
+            weight=cw,
+            reduction=reduction,
+            label_smoothing=kwargs.get("label_smoothing", 0.0),
+        )
+        lam = kwargs.get("lse_square_scale", 0.0)
+        if lam:
+            valid = target != -100
+            z = lam * torch.logsumexp(logits, -1).square() * valid
+            loss = loss + (
+                z if reduction == "none" else z.sum() / (valid.sum() if reduction == "mean" else 1)
+            )
+        return loss
+
+    naive_loss, naive_grads = grads_of(naive, x, weight, bias if use_bias else None, grad_output=grad_output)
+    assert relative_error(loss, ref_loss) <= 1.1 * relative_error(naive_loss, ref_loss) + 1e-4
+    for got, want, base in zip(grads, ref_grads, naive_grads):
+        if want is not None:
+            assert got.dtype == torch.bfloat16
+            assert relative_error(got, want) <= ratio * relative_error(base, want) + 1e-4
+
+
+def test_bf16_weight_accumulation_modes():
+    """accum_dtype=None/float32 accumulate dW in fp32 over chunks; the weight's dtype rounds every chunk."""
+    x, weight, target, *_ = make_problem(512, 32, 300, dtype=torch.bfloat16, ignore_frac=0.0, seed=3)
+    _, (_, ref_dw) = grads_of(
+        lambda a, b: reference_loss(a, b, target, reduction="sum"),
+        x.double(),
+        weight.double().requires_grad_(),
+    )
+
+    def dw_error(accum_dtype):
+        _, (_, dw) = grads_of(
+            lambda a, b: fused_linear_cross_entropy(
+                a, b, target, reduction="sum", chunk_size=16, accum_dtype=accum_dtype
+            ),
+            x,
+            weight.requires_grad_(),
+        )
+        assert dw.dtype == torch.bfloat16
+        return relative_error(dw, ref_dw)
+
+    auto, fp32, in_param = dw_error(None), dw_error(torch.float32), dw_error(torch.bfloat16)
+    assert auto == fp32
+    # 32 chunks rounded to bf16 one after another: clearly worse than one final rounding.
+    assert in_param > 2 * fp32
+    with pytest.raises(ValueError, match="accum_dtype"):
+        fused_linear_cross_entropy(x, weight, target, accum_dtype=torch.float16)
+
+
+def test_all_ignored_gives_zero_with_connected_graph():
+    x, weight, target, bias, _ = make_problem(12, 8, 50)
+    target.fill_(-100)
+    for reduction in ("mean", "sum", "none"):
+        xg, wg, bg = (t.clone().requires_grad_() for t in (x, weight, bias))
+        loss = fused_linear_cross_entropy(xg, wg, target, bg, reduction=reduction, lse_square_scale=1e-3)
+        assert loss.requires_grad
+        assert torch.all(loss == 0) and not torch.isnan(loss).any()
+        loss.sum().backward()
+        for grad in (xg.grad, wg.grad, bg.grad):
+            assert grad is not None and torch.all(grad == 0)
+
+
+def test_all_ignored_mean_with_class_weight_is_zero():
+    x, weight, target, _, class_weight = make_problem(6, 8, 50)
+    target.fill_(-100)
+    loss = fused_linear_cross_entropy(x, weight, target, class_weight=class_weight)
+    assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_input(reduction):
+    x = torch.randn(0, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)
+    target = torch.zeros(0, dtype=torch.long)
+    loss = fused_linear_cross_entropy(x, weight, target, reduction=reduction)
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    loss.sum().backward()
+    assert x.grad.shape == (0, 8)
+    assert torch.all(weight.grad == 0)
+
+
+def test_non_contiguous_input_and_weight():
+    x, weight, target, bias, class_weight = make_problem(40, 24, 100, seed=4)
+    x_nc = torch.randn(24, 40).t()  # column-major view
+    x_nc.copy_(x)
+    w_nc = torch.randn(24, 100).t()
+    w_nc.copy_(weight)
+    assert not x_nc.is_contiguous() and not w_nc.is_contiguous()
+    (loss, grads), (ref_loss, ref_grads) = run_case(
+        x_nc, w_nc, target, bias, class_weight, FEATURES["all"], "mean", None, chunk_size=7
+    )
+    assert relative_error(loss, ref_loss) < FP32_TOL
+    for got, want in zip(grads, ref_grads):
+        assert relative_error(got, want) < FP32_TOL
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_inf_propagate_like_reference(bad):
+    x, weight, target, *_ = make_problem(10, 8, 30, ignore_frac=0.0)
+    x[3, 2] = bad
+    per_token = fused_linear_cross_entropy(x, weight, target, reduction="none", chunk_size=4)
+    ref = reference_loss(x, weight, target, reduction="none")
+    assert torch.equal(torch.isnan(per_token), torch.isnan(ref))
+    assert torch.allclose(per_token[~torch.isnan(ref)], ref[~torch.isnan(ref)].float(), rtol=1e-5)
+    assert torch.isnan(fused_linear_cross_entropy(x, weight, target)).item()
+
+
+def test_deterministic():
+    x, weight, target, bias, class_weight = make_problem(50, 16, 200, seed=5)
+
+    def run():
+        return run_case(
+            x.clone(),
+            weight.clone(),
+            target,
+            bias.clone(),
+            class_weight,
+            FEATURES["all"],
+            "mean",
+            None,
+            chunk_size=8,
+        )[0]
+
+    (loss_a, grads_a), (loss_b, grads_b) = run(), run()
+    assert torch.equal(loss_a, loss_b)
+    for a, b in zip(grads_a, grads_b):
+        assert torch.equal(a, b)
+
+
+def test_chunk_size_does_not_change_result():
+    x, weight, target, *_ = make_problem(64, 16, 300, seed=6)
+    losses = [fused_linear_cross_entropy(x, weight, target, chunk_size=c) for c in (1, 7, 64, 1000, None)]
+    for loss in losses[1:]:
+        torch.testing.assert_close(loss, losses[0], rtol=1e-6, atol=0)
+
+
+def test_default_chunk_size_follows_budget():
+    # Quarter of the floor (dX + dW) at (16384, 4096, 32000) bf16 is ~95 MiB -> 1472 rows of 64000 B.
+    rows = default_chunk_size(16384, 32000, 4096, 2, use_triton=True)
+    assert rows % 64 == 0 and rows * 32000 * 2 <= (16384 + 32000) * 4096 * 2 // 4
+    assert default_chunk_size(10, 32000, 4096, 2, use_triton=True) == 10  # never beyond N
+    assert default_chunk_size(0, 32000, 64, 4, use_triton=False) == 1
+
+
+def test_stats_match_reference():
+    x, weight, target, bias, _ = make_problem(45, 12, 150, seed=7)
+    out = fused_linear_cross_entropy_with_stats(x, weight, target, bias, softcap=5.0, chunk_size=8)
+    logits = F.linear(x.double(), weight.double(), bias.double())
+    logits = 5.0 * torch.tanh(logits / 5.0)
+    valid = target != -100
+    torch.testing.assert_close(out.lse.double(), torch.logsumexp(logits, -1) * valid, rtol=1e-6, atol=1e-6)
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1) * valid
+    torch.testing.assert_close(out.entropy.double(), entropy, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.correct, (logits.argmax(-1) == target) & valid)
+    assert out.correct.dtype == torch.bool
+    torch.testing.assert_close(
+        out.loss.double(), reference_loss(x, weight, target, bias, softcap=5.0), rtol=1e-6, atol=0
+    )
+
+
+def test_only_requested_gradients():
+    """A frozen head (LoRA-style) gets no dW; a frozen input gets no dX."""
+    x, weight, target, *_ = make_problem(20, 8, 40)
+    x.requires_grad_()
+    fused_linear_cross_entropy(x, weight, target).backward()
+    assert x.grad is not None and weight.grad is None
+    x.grad = None
+    x.requires_grad_(False)
+    weight.requires_grad_()
+    fused_linear_cross_entropy(x, weight, target).backward()
+    assert weight.grad is not None
+
+
+def test_no_grad_forward_equals_training_forward():
+    x, weight, target, *_ = make_problem(30, 8, 40)
+    with torch.no_grad():
+        eval_loss = fused_linear_cross_entropy(x, weight, target)
+    train_loss = fused_linear_cross_entropy(x.requires_grad_(), weight, target)
+    assert torch.equal(eval_loss, train_loss.detach())
+
+
+def test_autocast_bf16_matches_autocast_reference():
+    """Under autocast (Lightning's bf16-mixed): bf16 hidden states, fp32 weight -> fp32 weight grad."""
+    x, weight, target, bias, _ = make_problem(64, 32, 200, seed=8)
+    hidden = x.bfloat16().requires_grad_()
+    w = weight.clone().requires_grad_()
+    b = bias.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hidden, w, target, b, chunk_size=16)
+    loss.backward()
+    assert (
+        w.grad.dtype == torch.float32
+        and b.grad.dtype == torch.float32
+        and hidden.grad.dtype == torch.bfloat16
+    )
+
+    hidden_ref = x.bfloat16().requires_grad_()
+    w_ref = weight.clone().requires_grad_()
+    b_ref = bias.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(hidden_ref, w_ref, b_ref)
+    F.cross_entropy(logits.float(), target).backward()
+    ref_loss = reference_loss(x.bfloat16(), weight.bfloat16(), target, bias.bfloat16())
+    # Same bf16 GEMM operands as the autocast reference: within bf16 rounding of each other.
+    assert relative_error(loss, ref_loss) < 1e-3
+    for got, want in ((hidden.grad, hidden_ref.grad), (w.grad, w_ref.grad), (b.grad, b_ref.grad)):
+        assert relative_error(got, want) < 1e-2
+
+
+def test_flop_counter_reports_model_flops():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n_rows, hidden, vocab = 24, 16, 50
+    x, weight, target, *_ = make_problem(n_rows, hidden, vocab)
+    x.requires_grad_()
+    weight.requires_grad_()
+    gemm = 2 * n_rows * hidden * vocab
+    for reduction in ("mean", "none"):
+        with FlopCounterMode(display=False) as counter:
+            fused_linear_cross_entropy(x, weight, target, reduction=reduction).sum().backward()
+        assert counter.get_total_flops() == 3 * gemm
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fused_linear_cross_entropy(x, weight, target)
+    assert counter.get_total_flops() == gemm
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """The op is one opaque node: a compiled model around it has no graph break."""
+    x, weight, target, bias, _ = make_problem(32, 16, 64, seed=9)
+    proj = torch.nn.Linear(16, 16)
+
+    def model(inp, w, b):
+        return fused_linear_cross_entropy(torch.relu(proj(inp)), w, target, b, label_smoothing=0.1)
+
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got_loss, got_grads = grads_of(
+        compiled, x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()
+    )
+    want_loss, want_grads = grads_of(model, x, weight, bias)
+    torch.testing.assert_close(got_loss, want_loss)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want)
