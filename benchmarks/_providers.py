@@ -1,0 +1,267 @@
+"""The implementations bench_flce.py compares. Each provider is ``fn(x, W, t) -> scalar mean loss``; the
+benchmark calls ``loss.backward()`` and reads ``x.grad`` (dX) and ``W.grad`` (dW).
+
+To add or change a variant of this project's op, edit ``FLCE_VARIANTS`` (name -> keyword arguments of
+``lightning_flce.fused_linear_cross_entropy``), or pass ``--flce-variant NAME='{"chunk_size": 2048}'`` on the
+command line. Everything is imported lazily inside ``build`` so a missing library only disables its row.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+IGNORE_INDEX = -100
+
+# name -> kwargs for lightning_flce.fused_linear_cross_entropy. The lead adjusts these.
+FLCE_VARIANTS: Dict[str, Dict[str, Any]] = {
+    "flce": {},
+    # Minimum-memory setting (for now: small chunks).
+    "flce_minmem": {"chunk_size": 1024},
+}
+
+# Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.
+DEFAULT_TORCH213_DIR = Path(__file__).resolve().parent.parent / ".whl" / "torch213"
+
+
+@dataclass
+class Provider:
+    name: str
+    description: str
+    build: Callable[[torch.device], LossFn]
+    needs_cuda: bool = False
+    # Filled by build_all(): the callable, or why it is unavailable.
+    fn: Optional[LossFn] = field(default=None, repr=False)
+    error: Optional[str] = None
+    note: Optional[str] = None
+
+
+# --------------------------------------------------------------------------------------------- naive
+def _build_naive(device: torch.device) -> LossFn:
+    def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=IGNORE_INDEX)
+
+    return fn
+
+
+# --------------------------------------------------------------------------------------------- liger
+def _build_liger(device: torch.device) -> LossFn:
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    # 0.8.5: forward(ctx, _input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
+    #   lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False,
+    #   accum_dtype=None, ...) -> (loss, z_loss, token_accuracy, predicted_tokens). Defaults otherwise
+    #   (accum_dtype=None: dW accumulated in W's dtype).
+    params = list(inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters)
+    if params[1:7] != ["_input", "weight", "target", "bias", "ce_weight", "ignore_index"]:
+        raise RuntimeError(f"unexpected LigerFusedLinearCrossEntropyFunction.forward signature: {params}")
+
+    def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out = LigerFusedLinearCrossEntropyFunction.apply(x, w, t, None, None, IGNORE_INDEX)
+        return out[0] if isinstance(out, tuple) else out
+
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------- cce
+def _build_cce(filter_eps: Any) -> Callable[[torch.device], LossFn]:
+    def build(device: torch.device) -> LossFn:
+        from cut_cross_entropy import linear_cross_entropy
+
+        if filter_eps == "default":
+
+            def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                return linear_cross_entropy(x, w, t)
+
+        else:
+
+            def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                return linear_cross_entropy(x, w, t, filter_eps=filter_eps)
+
+        return fn
+
+    return build
+
+
+# -------------------------------------------------------------------------------------- torch_native
+_TORCH213: Dict[str, Any] = {}
+_TORCH213_OP_NAMESPACE = "flce_bench_torch213"
+
+
+def _load_source_module(name: str, path: Path, replace: Dict[str, str]) -> types.ModuleType:
+    """Execute a copied .py file as module ``name`` (text substitutions applied first)."""
+    source = path.read_text()
+    for old, new in replace.items():
+        source = source.replace(old, new)
+    spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(path)
+    sys.modules[name] = module  # dataclasses look their module up in sys.modules
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _load_torch213_copy(folder: Path) -> Dict[str, Any]:
+    """Load torch 2.13's linear_cross_entropy{,_options}.py from ``folder`` (once per process).
+
+    The custom-op namespace ``torch_nn`` is renamed so the copy cannot clash with a torch that already
+    registers those ops (this is also how the copy path is tested on torch 2.13 itself).
+    """
+    if _TORCH213:
+        return _TORCH213
+    files = [folder / "linear_cross_entropy_options.py", folder / "linear_cross_entropy.py"]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"missing {missing}; run benchmarks/fetch_peers.sh and carry .whl")
+    opts_mod = _load_source_module("_flce_bench_torch213_lce_options", files[0], {})
+    lce_mod = _load_source_module(
+        "_flce_bench_torch213_lce", files[1], {'"torch_nn::': f'"{_TORCH213_OP_NAMESPACE}::'}
+    )
+    _TORCH213.update(options_cls=opts_mod.LinearCrossEntropyOptions, module=lce_mod)
+    return _TORCH213
+
+
+def _torch213_copy_loss(options_cls: Any, module: Any) -> LossFn:
+    """Call the copied chunked op the way torch 2.13's F.linear_cross_entropy does for 2-D input,
+    int64 targets, no bias, no class weight, reduction="mean", label_smoothing=0, default options."""
+    options = options_cls()
+
+    def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        resolved = options._adjust(
+            num_batches=x.shape[0],
+            in_features=x.shape[1],
+            num_classes=w.shape[0],
+            dtype=x.dtype,
+            device=x.device,
+        )
+        grad_on = torch.is_grad_enabled()
+        return module._linear_cross_entropy_batch_chunked(
+            x,
+            w,
+            t,
+            None,  # linear_bias
+            None,  # class weight
+            "mean",
+            IGNORE_INDEX,
+            0.0,  # label_smoothing
+            resolved.batch_chunk_size,
+            resolved.acc_policy,
+            resolved.acc_dtype,
+            resolved.allow_retain_graph,
+            x.requires_grad and grad_on,
+            w.requires_grad and grad_on,
+            False,  # no bias grad
+        )[0]
+
+    return fn
+
+
+def _builtin_torch_lce() -> Optional[LossFn]:
+    lce = getattr(F, "linear_cross_entropy", None)
+    if lce is None or "options" not in inspect.signature(lce).parameters:
+        return None
+    from torch.nn import LinearCrossEntropyOptions
+
+    options = LinearCrossEntropyOptions()
+
+    def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return lce(x, w, t, ignore_index=IGNORE_INDEX, options=options)
+
+    return fn
+
+
+def make_torch_native_builder(folder: Path, force_copy: bool) -> Callable[[torch.device], LossFn]:
+    def build(device: torch.device) -> LossFn:
+        if not force_copy:
+            builtin = _builtin_torch_lce()
+            if builtin is not None:
+                TORCH_NATIVE_SOURCE["source"] = f"torch {torch.__version__} built-in"
+                return builtin
+        loaded = _load_torch213_copy(folder)
+        version_file = folder / "SOURCE_TORCH_VERSION"
+        src = version_file.read_text().strip() if version_file.is_file() else "2.13?"
+        TORCH_NATIVE_SOURCE["source"] = f"copy of torch {src} modules on torch {torch.__version__}"
+        return _torch213_copy_loss(loaded["options_cls"], loaded["module"])
+
+    return build
+
+
+TORCH_NATIVE_SOURCE: Dict[str, str] = {}
+
+
+# --------------------------------------------------------------------------------------------- flce
+def _build_flce(kwargs: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
+    def build(device: torch.device) -> LossFn:
+        from lightning_flce import fused_linear_cross_entropy
+
+        def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return fused_linear_cross_entropy(x, w, t, **kwargs)
+
+        return fn
+
+    return build
+
+
+# ---------------------------------------------------------------------------------------- registry
+def make_providers(
+    flce_variants: Optional[Dict[str, Dict[str, Any]]] = None,
+    torch213_dir: Path = DEFAULT_TORCH213_DIR,
+    force_torch213_copy: bool = False,
+) -> List[Provider]:
+    """All providers in table order."""
+    variants = dict(FLCE_VARIANTS if flce_variants is None else flce_variants)
+    providers = [
+        Provider("naive", "F.cross_entropy(F.linear(x, W).float(), t): full [N, V] logits", _build_naive),
+        Provider("liger", "Liger-Kernel LigerFusedLinearCrossEntropyFunction (defaults)", _build_liger, True),
+        Provider(
+            "cce",
+            "cut-cross-entropy linear_cross_entropy (default filter_eps='high')",
+            _build_cce("default"),
+            True,
+        ),
+        Provider(
+            "cce_exact", "cut-cross-entropy linear_cross_entropy(filter_eps=None)", _build_cce(None), True
+        ),
+        Provider(
+            "torch_native",
+            "torch 2.13 F.linear_cross_entropy(options=LinearCrossEntropyOptions())",
+            make_torch_native_builder(torch213_dir, force_torch213_copy),
+        ),
+    ]
+    for name, kwargs in variants.items():
+        desc = (
+            "lightning_flce.fused_linear_cross_entropy("
+            + ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            + ")"
+        )
+        providers.append(Provider(name, desc, _build_flce(kwargs)))
+    return providers
+
+
+def build_all(providers: List[Provider], device: torch.device) -> None:
+    """Build each provider once; record why one is unavailable instead of raising."""
+    from _common import short_error
+
+    for p in providers:
+        if p.needs_cuda and device.type != "cuda":
+            p.error = "skipped: needs CUDA"
+            continue
+        try:
+            p.fn = p.build(device)
+        except Exception as exc:  # noqa: BLE001 - a missing peer library disables only its rows
+            p.error = "unavailable: " + short_error(exc)
+        if p.name == "torch_native":
+            p.note = TORCH_NATIVE_SOURCE.get("source")

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One-call GPU check for the lent H200 (no internet there): install carried wheels, print the environment,
+# run the CUDA tests, the accumulation benchmark, then bench_flce.py (extra args are passed through), each
+# step under `timeout` so the whole script ends inside GPU_CHECK_TOTAL_S (default 540 s = 9 min).
+#
+#   bash benchmarks/gpu_check.sh                      # everything, bench_flce on all configs (time-budgeted)
+#   bash benchmarks/gpu_check.sh --quick              # bench_flce --quick
+#   SKIP_TESTS=1 SKIP_ACCUM=1 bash benchmarks/gpu_check.sh --dtypes fp16   # benchmark only
+#
+# Knobs (env): OUT (default ./bench_out), GPU_CHECK_TOTAL_S (540), TEST_TIMEOUT_S (180),
+# ACCUM_TIMEOUT_S (90), SKIP_TESTS, SKIP_ACCUM, SKIP_FLCE (set to 1 to skip a step), PYTEST_ARGS and
+# ACCUM_ARGS (extra arguments). Local plumbing check without a GPU:
+#   SKIP_TESTS=1 ACCUM_ARGS="--device cpu --quick" bash benchmarks/gpu_check.sh --device cpu --quick
+# Files written under $OUT (7, within the device tool's limit of 8): env.txt, cuda_tests.log, bench.log,
+# accumulation.{json,md}, flce.{json,md} (flce<TAG>.* with --tag).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+START=$SECONDS
+TOTAL=${GPU_CHECK_TOTAL_S:-540}
+OUT=${OUT:-./bench_out}
+export OUT
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+left() { echo $((TOTAL - (SECONDS - START))); }
+step() { echo; echo "=== [gpu_check +$((SECONDS - START))s] $*"; }
+
+# --- 1. carried wheels (.whl/*.whl from benchmarks/fetch_peers.sh) ---------------------------------------
+SITE=/tmp/site
+if compgen -G ".whl/*.whl" >/dev/null; then
+    step "installing carried wheels into $SITE"
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl; then
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        echo "warning: wheel install failed; peers may be unavailable" >&2
+    fi
+fi
+# The package is imported from the repo root, not installed.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# --- 2. environment ---------------------------------------------------------------------------------------
+step "environment"
+{
+    nvidia-smi || echo "nvidia-smi failed"
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv || true
+    "$PY" - <<'EOF'
+import importlib, platform, sys
+print("python", platform.python_version(), sys.executable)
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", p.name, f"cc {p.major}.{p.minor}", f"{p.total_memory / 2**30:.1f} GiB", p.multi_processor_count, "SMs")
+for name in ["triton", "lightning", "torchmetrics", "transformers", "jsonargparse", "liger_kernel",
+             "cut_cross_entropy", "lightning_flce"]:
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name:18s} {getattr(mod, '__version__', '?'):12s} {getattr(mod, '__file__', '')}")
+    except Exception as exc:
+        print(f"{name:18s} IMPORT FAILED: {type(exc).__name__}: {exc}")
+print("F.linear_cross_entropy built in:", hasattr(torch.nn.functional, "linear_cross_entropy"))
+EOF
+} 2>&1 | tee "$OUT/env.txt"
+
+# --- 3. CUDA tests -------------------------------------------------------------------------------------------
+TEST_STATUS="skipped"
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+    t=$(( $(left) - 60 < ${TEST_TIMEOUT_S:-180} ? $(left) - 60 : ${TEST_TIMEOUT_S:-180} ))
+    step "CUDA tests (timeout ${t}s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$t" "$PY" -m pytest -q -m cuda tests/ -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/cuda_tests.log"
+    rc=$?
+    case $rc in
+        0) TEST_STATUS="passed" ;;
+        5) TEST_STATUS="no tests collected (rc 5)" ;;
+        124 | 137) TEST_STATUS="TIMED OUT after ${t}s" ;;
+        *) TEST_STATUS="FAILED (rc $rc)" ;;
+    esac
+fi
+
+# --- 4. accumulation benchmark ------------------------------------------------------------------------------
+ACCUM_STATUS="skipped"
+if [ "${SKIP_ACCUM:-0}" != "1" ]; then
+    t=$(( $(left) - 60 < ${ACCUM_TIMEOUT_S:-90} ? $(left) - 60 : ${ACCUM_TIMEOUT_S:-90} ))
+    step "bench_accumulation (timeout ${t}s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$t" "$PY" benchmarks/bench_accumulation.py ${ACCUM_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+    rc=$?
+    ACCUM_STATUS=$([ $rc -eq 0 ] && echo ok || echo "rc $rc")
+fi
+
+# --- 5. providers benchmark ---------------------------------------------------------------------------------
+FLCE_STATUS="skipped"
+if [ "${SKIP_FLCE:-0}" != "1" ]; then
+    t=$(( $(left) - 15 ))
+    if [ "$t" -lt 30 ]; then
+        FLCE_STATUS="not run: only ${t}s left"
+    else
+        step "bench_flce $* (timeout ${t}s, budget $((t - 25))s)"
+        # --budget-s first so a --budget-s in "$@" wins; the script skips configs that would not fit.
+        timeout -k 10 "$t" "$PY" benchmarks/bench_flce.py --budget-s $((t - 25)) "$@" 2>&1 | tee -a "$OUT/bench.log"
+        rc=$?
+        FLCE_STATUS=$([ $rc -eq 0 ] && echo ok || echo "rc $rc")
+    fi
+fi
+
+# --- 6. short summary last (the device call returns only the output's tail) ---------------------------------
+step "summary"
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader 2>/dev/null || true
+if [ -f "$OUT/accumulation.md" ]; then
+    grep '^|' "$OUT/accumulation.md" | cut -c1-150
+fi
+for f in "$OUT"/flce*.md; do
+    [ -f "$f" ] || continue
+    echo "--- $f"
+    awk '/^```$/{n++; next} n==1' "$f"
+done
+echo "cuda tests: $TEST_STATUS; $(tail -n 1 "$OUT/cuda_tests.log" 2>/dev/null)"
+echo "bench_accumulation: $ACCUM_STATUS; bench_flce: $FLCE_STATUS; total $((SECONDS - START))s; files in $OUT:"
+ls "$OUT"
