@@ -14,9 +14,11 @@ from lightning_flce.functional import (
     fused_linear_cross_entropy_with_stats,
 )
 
-# Wrappers that keep the real module under one attribute and pass their inputs on to it unchanged
-# (FSDP1 units, activation checkpointing).
-_PASS_THROUGH_WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+# Wrappers that keep the real module under one attribute and pass their inputs on to it unchanged (FSDP1).
+_PASS_THROUGH_WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module",)
+# Activation checkpointing would re-run the head's plain forward in backward, where the loss no longer
+# stands in for it; the fused loss keeps no activations anyway.
+_CHECKPOINT_WRAPPER_ATTRIBUTE = "_checkpoint_wrapped_module"
 
 
 class FLCEHeadLoss(nn.Module):
@@ -28,7 +30,8 @@ class FLCEHeadLoss(nn.Module):
     FSDP (1 and 2) unshards the weight, DeepSpeed ZeRO-3 gathers it, PEFT's ``ModulesToSaveWrapper``
     dispatches to the active copy, and user forward (pre-)hooks fire (they see ``(hidden,)`` as input and
     the loss instead of logits as output). ``head.weight``/``head.bias`` are read only inside that call,
-    so a sharded weight is never read in its sharded form.
+    so a sharded weight is never read in its sharded form. (Reading the weight outside that call would see
+    a shard; wrapping the head in a loss module would change its ``state_dict`` keys and checkpoints.)
 
     The head must compute ``F.linear(hidden, head.weight, head.bias)``: an ``nn.Linear`` that does not
     override ``forward``, or an ``nn.Embedding`` whose weight is used as the output matrix (tied
@@ -96,8 +99,8 @@ class FLCEHeadLoss(nn.Module):
         """Loss of ``head`` on ``hidden`` [..., H] against ``labels`` [...].
 
         Args:
-            head: the LM head module (possibly wrapped by FSDP1, activation checkpointing or PEFT's
-                ``ModulesToSaveWrapper``).
+            head: the LM head module (possibly wrapped by FSDP1 or PEFT's ``ModulesToSaveWrapper``; not by
+                activation checkpointing, which would recompute the plain forward in backward).
             hidden: final hidden states.
             labels: integer targets with the leading shape of ``hidden``.
             reduction: ``"mean"``, ``"sum"`` or ``"none"``, as in ``F.cross_entropy``.
@@ -124,9 +127,9 @@ class FLCEHeadLoss(nn.Module):
         _check_linear_head(module)
         ran = []
 
-        def loss_as_forward(head_input: Tensor) -> Union[Tensor, FLCEOutput]:
+        def loss_as_forward(head_input: Tensor) -> Union[Tensor, tuple[Tensor, ...]]:
             ran.append(True)
-            return self._loss_of(
+            output = self._loss_of(
                 module,
                 head_input,
                 labels.long(),
@@ -136,6 +139,8 @@ class FLCEHeadLoss(nn.Module):
                 logit_scale=logit_scale,
                 softcap=softcap,
             )
+            # a plain tuple: hooks that rebuild their outputs (FSDP, ZeRO-3) may not handle NamedTuples
+            return tuple(output) if with_stats else output
 
         with _forward_bound_to(module, loss_as_forward):
             output = head(hidden)
@@ -144,7 +149,7 @@ class FLCEHeadLoss(nn.Module):
                 f"Calling the head {type(head).__name__} did not reach {type(module).__name__}.forward, so the loss"
                 " was not computed; pass the module that holds the output weight as the head"
             )
-        return output
+        return FLCEOutput(*output) if with_stats else output
 
     def _loss_of(
         self,
@@ -201,10 +206,19 @@ class FLCEHeadLoss(nn.Module):
 
 
 def unwrap_head(head: nn.Module) -> nn.Module:
-    """The module that holds the output weight: unwraps FSDP1/checkpoint wrappers and PEFT
-    ``ModulesToSaveWrapper`` (to the active adapter's copy, or the original module when adapters are off)."""
+    """The module that holds the output weight: unwraps FSDP1 units and PEFT ``ModulesToSaveWrapper`` (to
+    the active adapter's copy, or the original module when adapters are off).
+
+    Raises:
+        ValueError: if the head is wrapped for activation checkpointing.
+    """
     module = head
     while True:
+        if hasattr(module, _CHECKPOINT_WRAPPER_ATTRIBUTE):
+            raise ValueError(
+                "The LM head is wrapped for activation checkpointing, which would recompute its plain forward"
+                " in backward; leave the head out of the checkpointing policy (the fused loss stores no logits)"
+            )
         if _is_modules_to_save_wrapper(module):
             module = _active_module_to_save(module)
             continue
@@ -220,7 +234,7 @@ def unwrap_head(head: nn.Module) -> nn.Module:
 
 def _is_modules_to_save_wrapper(module: nn.Module) -> bool:
     # PEFT is an optional dependency, so the wrapper is recognised by its attributes.
-    return isinstance(getattr(module, "modules_to_save", None), Mapping) and isinstance(
+    return isinstance(getattr(module, "modules_to_save", None), (nn.ModuleDict, Mapping)) and isinstance(
         getattr(module, "original_module", None), nn.Module
     )
 

@@ -95,8 +95,10 @@ class FLCEMixin:
     no z-loss) so perplexity keeps its meaning. Inference keeps the model's normal logits path
     (:meth:`flce_logits` gives the logits with the same scale/softcap as the loss).
 
-    After each call, ``self.flce_last_logits_shape = (N, V)`` and ``self.flce_last_logits_bytes = N * V * 4``
-    describe the float32 logits the loss did not materialise (with ``flce_naive=True``: the ones it did).
+    After each call, ``self.flce_last_logits_shape = (N, V)`` (tokens of the call, ignored ones included, and
+    the head's rows) and ``self.flce_last_logits_bytes = N * V * 4`` describe the float32 logits the loss did
+    not materialise (:class:`~lightning_flce.callbacks.FLCEMemoryCallback` logs them); with
+    ``flce_naive=True`` the bytes are 0, since that path builds them.
 
     """
 
@@ -181,7 +183,8 @@ class FLCEMixin:
         num_tokens = (labels != self.flce_ignore_index).sum()
         num_logits = self.flce_head_loss.last_logits_shape
         self.flce_last_logits_shape = num_logits
-        self.flce_last_logits_bytes = num_logits[0] * num_logits[1] * 4
+        # the naive path builds the logits it reports: nothing avoided
+        self.flce_last_logits_bytes = 0 if self.flce_naive else num_logits[0] * num_logits[1] * 4
         self.flce_last_num_tokens = num_tokens
         mean = loss_sum / num_tokens.clamp(min=1)
 

@@ -1,0 +1,467 @@
+"""FLCEMixin: the loss, gradients and metrics of a LightningModule equal the plain logits + cross-entropy path.
+
+References run a float64 copy of the model through ``F.linear`` + ``F.cross_entropy``. The fp32 model under
+test differs from it only by float32 rounding through a 1-2 layer network (about 1e-6 relative), so fp32
+comparisons use ``rtol=1e-4`` plus a small ``atol`` for gradient entries that are near zero.
+"""
+
+import copy
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import LightningCLI
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_flce.head import FLCEHeadLoss
+from lightning_flce.mixin import FLCEMixin
+from lightning_flce.models.gpt import TinyGPT
+
+VOCAB = 97
+SEQ = 12
+FP32 = {"rtol": 1e-4, "atol": 1e-6}
+
+
+def tiny_gpt(**kwargs) -> TinyGPT:
+    torch.manual_seed(0)
+    options = {"vocab_size": VOCAB, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": SEQ, "lr": 0.0}
+    options.update(kwargs)
+    return TinyGPT(**options)
+
+
+def make_batches(num_batches: int, batch_size: int = 2, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Shifted-label batches; batch i has a different number of ignored labels (i * 3 + 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for index in range(num_batches):
+        tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=generator)
+        labels = tokens[:, 1:].clone()
+        labels.view(-1)[torch.randperm(labels.numel(), generator=generator)[: index * 3 + 1]] = -100
+        batches.append({"input_ids": tokens[:, :-1], "labels": labels})
+    return batches
+
+
+def loader(batches) -> DataLoader:
+    # each element is already a batch
+    return DataLoader(batches, batch_size=None)
+
+
+def trainer(**kwargs) -> pl.Trainer:
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+class GradCapture(Callback):
+    """Gradients and logged loss at each optimizer step (callbacks run after FLCEMixin normalized them)."""
+
+    def __init__(self) -> None:
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads.append(
+            {name: p.grad.clone() for name, p in pl_module.named_parameters() if p.grad is not None}
+        )
+
+
+def plain_loss(logits, labels, *, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean"):
+    """The definition: cross-entropy of the (softcapped) logits plus z-loss, mean over non-ignored tokens."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    valid = labels != -100
+    loss = F.cross_entropy(logits, labels, reduction="sum", label_smoothing=label_smoothing)
+    loss = loss + z_loss * (torch.logsumexp(logits, -1).square() * valid).sum()
+    return loss / valid.sum() if reduction == "mean" else loss
+
+
+def reference_step(model: TinyGPT, batches, **loss_options):
+    """Float64 loss and grads of the token mean over all batches, as one big batch."""
+    reference = copy.deepcopy(model).double()
+    logits = torch.cat([reference.lm_head(reference.hidden_states(b["input_ids"])) for b in batches])
+    labels = torch.cat([b["labels"] for b in batches])
+    loss = plain_loss(logits, labels, **loss_options)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(actual: dict, expected: dict, **tolerance) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name].to(actual[name].dtype), **tolerance, msg=name)
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["fused", "naive"])
+@pytest.mark.parametrize("tie_embeddings", [True, False], ids=["tied", "untied"])
+def test_trainer_step_matches_plain_path(naive, tie_embeddings):
+    model = tiny_gpt(tie_embeddings=tie_embeddings, flce_naive=naive, flce_chunk_size=7)
+    batches = make_batches(1, batch_size=3)
+    expected_loss, expected_grads = reference_step(model, batches)
+    capture = GradCapture()
+    fit = trainer(max_steps=1, callbacks=[capture], limit_val_batches=0)
+    fit.fit(model, loader(batches))
+
+    torch.testing.assert_close(fit.callback_metrics["train/loss_step"], expected_loss.float(), **FP32)
+    assert_grads_close(capture.grads[0], expected_grads, **FP32)
+    if tie_embeddings:
+        # one parameter: the tied weight receives the embedding and the head gradient together
+        assert model.lm_head.weight is model.tok_emb.weight
+        assert "lm_head.weight" not in capture.grads[0]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"flce_label_smoothing": 0.1},
+        {"flce_z_loss": 1e-3},
+        {"flce_softcap": 2.0},
+        {"flce_label_smoothing": 0.05, "flce_z_loss": 1e-2, "flce_softcap": 3.0},
+    ],
+    ids=["smoothing", "z_loss", "softcap", "all"],
+)
+def test_loss_options_match_reference(options):
+    # an untied head with unit-variance weights gives logits of a few units, where the softcap matters
+    model = tiny_gpt(tie_embeddings=False, **options)
+    nn.init.normal_(model.lm_head.weight)
+    batch = make_batches(1, batch_size=3)[0]
+    reference_options = {
+        "label_smoothing": options.get("flce_label_smoothing", 0.0),
+        "z_loss": options.get("flce_z_loss", 0.0),
+        "softcap": options.get("flce_softcap"),
+    }
+    expected_loss, expected_grads = reference_step(model, [batch], **reference_options)
+
+    # outside a Trainer the loss is the plain (regularized) token mean
+    loss = model.flce_loss(model.hidden_states(batch["input_ids"]), batch["labels"])
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss.float(), **FP32)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()}, expected_grads, **FP32)
+
+    # inference: forward returns the logits the loss is defined on
+    logits = model(batch["input_ids"])
+    expected_logits = F.linear(model.hidden_states(batch["input_ids"]), model.lm_head.weight)
+    if "flce_softcap" in options:
+        expected_logits = options["flce_softcap"] * torch.tanh(expected_logits / options["flce_softcap"])
+    torch.testing.assert_close(logits, expected_logits)
+
+
+class HeadLM(FLCEMixin, pl.LightningModule):
+    """Embedding + linear layer + an LM head with a bias, and a head path that is not the default."""
+
+    def __init__(self, vocab: int = VOCAB, padded_vocab: int = VOCAB, hidden: int = 8, **kwargs) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mix = nn.Linear(hidden, hidden)
+        self.decoder = nn.Module()
+        self.decoder.out = nn.Linear(hidden, padded_vocab, bias=True)
+        nn.init.normal_(self.decoder.out.bias)
+
+    def hidden_states(self, input_ids):
+        return torch.tanh(self.mix(self.embed(input_ids)))
+
+
+def head_reference(model: HeadLM, batch, head: nn.Linear):
+    reference = copy.deepcopy(model).double()
+    head_copy = copy.deepcopy(head).double()
+    loss = plain_loss(head_copy(reference.hidden_states(batch["input_ids"])), batch["labels"])
+    loss.backward()
+    return loss.detach(), head_copy.weight.grad, head_copy.bias.grad, reference.mix.weight.grad
+
+
+def test_head_bias_and_attribute_path():
+    model = HeadLM(flce_head="decoder.out", flce_chunk_size=5)
+    batch = make_batches(1, batch_size=2)[0]
+    expected_loss, expected_weight_grad, expected_bias_grad, expected_mix_grad = head_reference(
+        model, batch, model.decoder.out
+    )
+    loss = model.flce_loss(model.hidden_states(batch["input_ids"]), batch["labels"])
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss.float(), **FP32)
+    torch.testing.assert_close(model.decoder.out.weight.grad, expected_weight_grad.float(), **FP32)
+    torch.testing.assert_close(model.decoder.out.bias.grad, expected_bias_grad.float(), **FP32)
+    torch.testing.assert_close(model.mix.weight.grad, expected_mix_grad.float(), **FP32)
+
+
+def test_padded_vocabulary_uses_the_full_head():
+    # 128 head rows for a 97-token vocabulary: the extra rows still take part in the softmax, as in the
+    # plain path that applies the whole head
+    model = HeadLM(padded_vocab=128, flce_head="decoder.out")
+    batch = make_batches(1, batch_size=2)[0]
+    expected_loss, expected_weight_grad, _, _ = head_reference(model, batch, model.decoder.out)
+    loss = model.flce_loss(model.hidden_states(batch["input_ids"]), batch["labels"])
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss.float(), **FP32)
+    torch.testing.assert_close(model.decoder.out.weight.grad, expected_weight_grad.float(), **FP32)
+    assert model.flce_last_logits_shape == (2 * SEQ, 128)
+    assert model.flce_last_logits_bytes == 2 * SEQ * 128 * 4
+
+
+class FakeModulesToSaveWrapper(nn.Module):
+    """The shape of PEFT's ``ModulesToSaveWrapper``: a trainable copy per adapter, dispatched in forward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.original_module = module
+        self.modules_to_save = nn.ModuleDict({"default": copy.deepcopy(module)})
+        self.active_adapter = "default"
+        self.disable_adapters = False
+        self.original_module.requires_grad_(False)
+
+    def forward(self, x, *args, **kwargs):
+        if self.disable_adapters or self.active_adapter not in self.modules_to_save:
+            return self.original_module(x, *args, **kwargs)
+        return self.modules_to_save[self.active_adapter](x, *args, **kwargs)
+
+
+def test_peft_modules_to_save_wrapper_uses_the_active_copy():
+    model = HeadLM(flce_head="decoder.out")
+    batch = make_batches(1, batch_size=2)[0]
+    original = model.decoder.out
+    model.decoder.out = FakeModulesToSaveWrapper(original)
+    active = model.decoder.out.modules_to_save["default"]
+    with torch.no_grad():
+        active.weight.mul_(3.0)  # the trained copy has diverged from the original
+    expected_loss, expected_weight_grad, _, _ = head_reference(model, batch, active)
+
+    loss = model.flce_loss(model.hidden_states(batch["input_ids"]), batch["labels"])
+    loss.backward()
+    torch.testing.assert_close(loss, expected_loss.float(), **FP32)
+    torch.testing.assert_close(active.weight.grad, expected_weight_grad.float(), **FP32)
+    assert original.weight.grad is None
+
+    model.decoder.out.disable_adapters = True
+    expected_loss, *_ = head_reference(model, batch, original)
+    loss = model.flce_loss(model.hidden_states(batch["input_ids"]), batch["labels"])
+    torch.testing.assert_close(loss, expected_loss.float(), **FP32)
+
+
+def test_head_is_called_so_its_hooks_gather_the_weight():
+    """Like ZeRO-3 or FSDP, the head's pre-forward hook puts the full weight in place and its post-forward
+    hook removes it again: the loss must read the weight inside the head's call and see hidden as input."""
+    model = HeadLM(flce_head="decoder.out")
+    head = model.decoder.out
+    full_weight = head.weight
+    placeholder = nn.Parameter(torch.empty(0))
+    seen_inputs = []
+
+    def gather(module, args):
+        seen_inputs.append(args)
+        module.weight = full_weight
+
+    def release(module, args, output):
+        module.weight = placeholder
+
+    head.register_forward_pre_hook(gather)
+    head.register_forward_hook(release)
+    head.weight = placeholder
+    batch = make_batches(1, batch_size=2)[0]
+    hidden = model.hidden_states(batch["input_ids"])
+
+    expected = plain_loss(
+        F.linear(hidden.double(), full_weight.double(), head.bias.double()), batch["labels"]
+    )
+    loss = model.flce_loss(hidden, batch["labels"])
+    loss.backward()
+    torch.testing.assert_close(loss, expected.float(), **FP32)
+    assert full_weight.grad is not None and full_weight.grad.shape == full_weight.shape
+    assert len(seen_inputs) == 1 and seen_inputs[0][0] is hidden
+    assert head.weight is placeholder
+    assert "forward" not in head.__dict__  # the forward binding is undone
+
+
+def test_all_ignored_micro_batch_gives_zero_with_graph_connected():
+    model = tiny_gpt()
+    batch = make_batches(1)[0]
+    labels = torch.full_like(batch["labels"], -100)
+    capture = GradCapture()
+    fit = trainer(max_steps=1, limit_val_batches=0, callbacks=[capture])
+    fit.fit(model, loader([{"input_ids": batch["input_ids"], "labels": labels}]))
+    assert fit.callback_metrics["train/loss_step"] == 0.0
+    assert capture.grads[0], "backward must reach the parameters"
+    for name, grad in capture.grads[0].items():
+        assert torch.count_nonzero(grad) == 0, name
+
+
+def test_bf16_mixed_matches_autocast_reference():
+    model = tiny_gpt(flce_chunk_size=8)
+    batches = make_batches(1, batch_size=3)
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = reference.lm_head(reference.hidden_states(batches[0]["input_ids"]))
+        expected_loss = plain_loss(logits.float(), batches[0]["labels"])
+    expected_loss.backward()
+
+    capture = GradCapture()
+    fit = trainer(max_steps=1, limit_val_batches=0, precision="bf16-mixed", callbacks=[capture])
+    fit.fit(model, loader(batches))
+    grads = capture.grads[0]
+    # bf16 keeps 8 significant bits (relative step 2**-8 = 0.4%); both paths round the same GEMMs to bf16,
+    # so they agree to a few bf16 steps
+    torch.testing.assert_close(
+        fit.callback_metrics["train/loss_step"], expected_loss.detach(), rtol=4e-3, atol=0
+    )
+    for name, param in reference.named_parameters():
+        assert grads[name].dtype == torch.float32  # fp32 master weights get fp32 grads
+        scale = param.grad.abs().max()
+        torch.testing.assert_close(grads[name], param.grad, rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+def test_validation_metrics_are_token_weighted():
+    # label smoothing changes the training loss only: validation reports the plain cross-entropy
+    model = tiny_gpt(tie_embeddings=False, flce_label_smoothing=0.2)
+    nn.init.normal_(model.lm_head.weight, std=0.5)  # a head that gets some tokens right
+    batches = make_batches(3, batch_size=2)
+    reference = copy.deepcopy(model).double()
+    with torch.no_grad():
+        logits = torch.cat([reference(b["input_ids"]) for b in batches]).reshape(-1, VOCAB)
+    labels = torch.cat([b["labels"] for b in batches]).reshape(-1)
+    valid = labels != -100
+    expected_loss = F.cross_entropy(logits, labels)
+    expected_accuracy = (logits.argmax(-1) == labels)[valid].double().mean()
+
+    (metrics,) = trainer().validate(model, loader(batches), verbose=False)
+    assert metrics["val/loss"] == pytest.approx(expected_loss.item(), rel=1e-5)
+    assert metrics["val/perplexity"] == pytest.approx(math.exp(expected_loss.item()), rel=1e-5)
+    assert metrics["val/token_accuracy"] == pytest.approx(expected_accuracy.item(), rel=1e-6)
+    assert 0.0 < expected_accuracy < 1.0
+
+
+def test_test_stage_logs_test_metrics():
+    model = tiny_gpt()
+    (metrics,) = trainer().test(model, loader(make_batches(2)), verbose=False)
+    assert set(metrics) == {"test/loss", "test/perplexity", "test/token_accuracy"}
+
+
+@pytest.mark.parametrize("naive", [False, True], ids=["fused", "naive"])
+def test_records_the_logits_it_avoided(naive):
+    model = tiny_gpt(flce_naive=naive)
+    batches = make_batches(1, batch_size=3)
+    trainer(max_steps=1, limit_val_batches=0).fit(model, loader(batches))
+    assert model.flce_last_logits_shape == (3 * SEQ, VOCAB)
+    # the naive path builds the logits, so it avoided none
+    assert model.flce_last_logits_bytes == (0 if naive else 3 * SEQ * VOCAB * 4)
+
+
+class UserLM(FLCEMixin, pl.LightningModule):
+    """A user module that passes the mixin's options through ``**kwargs``."""
+
+    def __init__(self, width: int = 8, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        self.lm_head = nn.Linear(width, VOCAB)
+
+
+def test_cli_lists_the_options_under_model_init_args():
+    cli = LightningCLI(
+        UserLM,
+        run=False,
+        save_config_callback=None,
+        args=["--model.width=4", "--model.flce_chunk_size=64", "--model.flce_normalize=micro_batch"],
+    )
+    flce_options = {
+        "flce_head",
+        "flce_chunk_size",
+        "flce_ignore_index",
+        "flce_label_smoothing",
+        "flce_z_loss",
+        "flce_softcap",
+        "flce_accum_fp32",
+        "flce_impl",
+        "flce_naive",
+        "flce_normalize",
+    }
+    assert flce_options <= set(cli.config["model"].keys())
+    assert cli.model.flce_head_loss.chunk_size == 64
+    assert cli.model.flce_normalize == "micro_batch"
+    assert cli.model.hparams["flce_chunk_size"] == 64
+    assert cli.model.hparams["width"] == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"flce_normalize": "batch"}, "flce_normalize"),
+        ({"flce_softcap": 0.0}, "flce_softcap"),
+        ({"flce_label_smoothing": 1.5}, "label_smoothing"),
+        ({"flce_z_loss": -1.0}, "z_loss"),
+        ({"flce_chunk_size": 0}, "chunk_size"),
+        ({"flce_impl": "cuda"}, "impl"),
+    ],
+)
+def test_bad_options_raise(options, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_gpt(**options)
+
+
+def test_bad_head_and_labels_raise():
+    batch = make_batches(1)[0]
+    model = HeadLM(flce_head="decoder.missing")
+    hidden = model.hidden_states(batch["input_ids"])
+    with pytest.raises(AttributeError, match="decoder.missing"):
+        model.flce_loss(hidden, batch["labels"])
+
+    model = HeadLM(flce_head="mix.weight")
+    with pytest.raises(TypeError, match="nn.Module"):
+        model.flce_loss(hidden, batch["labels"])
+
+    model = HeadLM(flce_head="decoder")
+    with pytest.raises(TypeError, match="F.linear"):
+        model.flce_loss(hidden, batch["labels"])
+
+    model = HeadLM(flce_head="decoder.out")
+    with pytest.raises(ValueError, match="leading shape"):
+        model.flce_loss(hidden, batch["labels"][:, :-1])
+    with pytest.raises(TypeError, match="integer"):
+        model.flce_loss(hidden, batch["labels"].float())
+
+    model = HeadLM()  # no lm_head attribute and no Hugging Face model
+    with pytest.raises(AttributeError, match="flce_head"):
+        model.flce_loss(hidden, batch["labels"])
+
+
+def test_checkpoint_wrapped_head_raises():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = HeadLM(flce_head="decoder.out")
+    model.decoder.out = checkpoint_wrapper(model.decoder.out)
+    batch = make_batches(1)[0]
+    with pytest.raises(ValueError, match="checkpointing"):
+        model.flce_loss(model.hidden_states(batch["input_ids"]), batch["labels"])
+
+
+def test_head_loss_module_direct_use():
+    head = nn.Linear(8, VOCAB)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (2, 5))
+    labels[0, :2] = -100
+    per_token = FLCEHeadLoss(chunk_size=3)(head, hidden, labels, reduction="none")
+    expected = F.cross_entropy(head(hidden).reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
+    torch.testing.assert_close(per_token, expected, **FP32)
+
+
+class SkipsNormalization(TinyGPT):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+
+    def on_before_optimizer_step(self, optimizer):
+        pass
+
+
+def test_overrides_that_skip_the_normalization_raise():
+    torch.manual_seed(0)
+    model = SkipsNormalization(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, max_seq_len=SEQ)
+    with pytest.raises(RuntimeError, match="super"):
+        trainer(max_steps=2, limit_val_batches=0).fit(model, loader(make_batches(2)))
