@@ -160,7 +160,7 @@ def _cross_entropy_chunk_kernel(
                         grad -= ce_scale * label_smoothing / V
                 grad = tl.where(cols == target, grad - target_coef, grad)
                 if HAS_SOFTCAP:
-                    capped = z / softcap
+                    capped = tl.where(mask, z, 0.0) / softcap
                     grad = grad * (1.0 - capped * capped)
                 tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 

@@ -1,0 +1,146 @@
+"""The Triton kernels on the CPU through Triton's interpreter.
+
+Run as a separate invocation, since the variable must be set before triton is imported:
+
+    TRITON_INTERPRET=1 pytest -m interpret
+
+Shapes stay near 128 tokens x 64 hidden x 1000 vocab (about a second per call in the interpreter).
+Tolerances as in test_op.py: fp32 within 1e-5 relative of float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import grads_of, reference_loss, relative_error
+from test_op import FEATURES, make_problem
+
+from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
+from lightning_flce.kernels import LossOptions
+
+pytestmark = pytest.mark.interpret
+
+FP32_TOL = 1e-5
+
+
+def _options(feature, vocab, gen):
+    class_weight = (torch.rand(vocab, generator=gen) + 0.5) if feature.get("class_weight") else None
+    return LossOptions(
+        ignore_index=-100,
+        label_smoothing=feature.get("label_smoothing", 0.0),
+        lse_square_scale=feature.get("lse_square_scale", 0.0),
+        softcap=feature.get("softcap", 0.0) or 0.0,
+        class_weight=class_weight,
+        class_weight_sum=class_weight.sum().reshape(1) if class_weight is not None else None,
+    )
+
+
+@pytest.mark.parametrize("feature_name", list(FEATURES))
+@pytest.mark.parametrize("per_row_scale", [False, True])
+def test_kernel_matches_torch_twin(feature_name, per_row_scale):
+    """The Triton chunk kernel and its PyTorch twin agree on loss, LSE, stats and gradient."""
+    from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton
+    from lightning_flce.kernels.cross_entropy_torch import cross_entropy_chunk_torch
+
+    gen = torch.Generator().manual_seed(0)
+    n_rows, vocab = 48, 1000
+    options = _options(FEATURES[feature_name], vocab, gen)
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    target = torch.randint(0, vocab, (n_rows,), generator=gen)
+    target[::7] = -100
+    if per_row_scale:
+        ce_scale, z_scale = torch.randn(n_rows, generator=gen), torch.randn(n_rows, generator=gen)
+    else:
+        ce_scale, z_scale = torch.tensor([0.3]), torch.tensor([0.6])
+    kwargs = {"ce_scale": ce_scale, "z_scale": z_scale, "compute_grad": True, "compute_stats": True}
+    grad_triton, grad_torch = logits.clone(), logits.clone()
+    out_triton = cross_entropy_chunk_triton(grad_triton, target, options, **kwargs)
+    out_torch = cross_entropy_chunk_torch(grad_torch, target, options, **kwargs)
+    torch.testing.assert_close(out_triton.loss, out_torch.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_triton.lse, out_torch.lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out_triton.entropy, out_torch.entropy, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out_triton.correct, out_torch.correct)
+    assert relative_error(grad_triton, grad_torch) < 1e-5
+    assert torch.all(grad_triton[target == -100] == 0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("feature_name", ["plain", "all", "smoothing+class_weight"])
+def test_op_triton_path_matches_float64(reduction, feature_name):
+    x, weight, target, bias, class_weight = make_problem(128, 64, 1000, seed=11)
+    feature = FEATURES[feature_name]
+    kwargs = {k: v for k, v in feature.items() if k not in ("bias", "class_weight")}
+    b = bias if feature.get("bias") else None
+    cw = class_weight if feature.get("class_weight") else None
+    grad_output = torch.randn(128) if reduction == "none" else torch.tensor(1.3)
+    x.requires_grad_()
+    weight.requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+
+    def op(x_, w_, b_):
+        return fused_linear_cross_entropy(
+            x_, w_, target, b_, reduction=reduction, class_weight=cw, impl="triton", chunk_size=48, **kwargs
+        )
+
+    def ref(x_, w_, b_):
+        return reference_loss(x_, w_, target, b_, reduction=reduction, class_weight=cw, **kwargs)
+
+    loss, grads = grads_of(op, x, weight, b, grad_output=grad_output)
+    ref_loss, ref_grads = grads_of(
+        ref, x.double(), weight.double(), b.double() if b is not None else None, grad_output=grad_output
+    )
+    assert relative_error(loss, ref_loss) < FP32_TOL
+    for got, want in zip(grads, ref_grads):
+        if want is not None:
+            assert relative_error(got, want) < FP32_TOL
+
+
+def test_op_triton_path_bf16_matches_torch_path():
+    """bf16 logits in the kernel: loads, fp32 math, bf16 stores of the gradient."""
+    x, weight, target, *_ = make_problem(128, 64, 1000, dtype=torch.bfloat16, seed=12)
+    results = {}
+    for impl in ("triton", "torch"):
+        results[impl] = grads_of(
+            lambda a, b, impl=impl: fused_linear_cross_entropy(a, b, target, impl=impl, chunk_size=64),
+            x.requires_grad_(),
+            weight.requires_grad_(),
+        )
+    (loss_tr, grads_tr), (loss_pt, grads_pt) = results["triton"], results["torch"]
+    torch.testing.assert_close(loss_tr, loss_pt, rtol=1e-6, atol=0)
+    for got, want in zip(grads_tr, grads_pt):
+        assert got.dtype == torch.bfloat16
+        # Same fp32 math on the same bf16 logits: at most one bf16 rounding step apart.
+        assert relative_error(got, want) < 4e-3
+
+
+def test_op_triton_stats_and_all_ignored():
+    x, weight, target, bias, _ = make_problem(64, 32, 1000, seed=13)
+    out = fused_linear_cross_entropy_with_stats(x, weight, target, bias, impl="triton", softcap=8.0)
+    ref = fused_linear_cross_entropy_with_stats(x, weight, target, bias, impl="torch", softcap=8.0)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.lse, ref.lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.entropy, ref.entropy, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.correct, ref.correct)
+
+    target.fill_(-100)
+    x.requires_grad_()
+    loss = fused_linear_cross_entropy(x, weight, target, impl="triton")
+    loss.backward()
+    assert loss.item() == 0.0 and torch.all(x.grad == 0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, -3.0])
+def test_scale_kernel(scale):
+    from lightning_flce.kernels.scale import scale_
+
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        tensor = torch.randn(5000, generator=gen).to(dtype)
+        expected = (tensor.float() * scale).to(dtype)
+        scale_(tensor, torch.tensor([scale]))
+        if dtype == torch.float32 or scale == 1.0:
+            assert torch.equal(tensor, expected)
+        else:
+            # The interpreter truncates fp32 -> bf16 where torch rounds to nearest: within 1 ulp (2^-7).
+            torch.testing.assert_close(tensor, expected, rtol=2**-7, atol=0)
