@@ -114,8 +114,9 @@ def test_cpu_metrics_in_csv(tmp_path):
         peak_rss, rss = float(row["memory/peak_rss_mib"]), float(row["memory/rss_mib"])
         # the kernel's high-water mark read after the fit bounds every peak logged during it
         assert 0 < peak_rss <= peak_hwm_mib
-        # rss is read before the peak; 1 MiB of slack for the kernel's batched RSS counters
-        assert 0 < rss <= peak_rss + 1
+        # rss is read before the peak, but the kernel keeps RSS in per-CPU counters and reads them approximately
+        # (seen 2.4 MiB apart on a 32-core machine): 16 MiB of slack
+        assert 0 < rss <= peak_rss + 16
         assert float(row["memory/logits_avoided_mib"]) == pytest.approx(TOKENS * VOCAB * 4 / MIB, rel=1e-12)
         assert not row.get("memory/peak_allocated_mib")
     # the in-memory history holds what the logger got
@@ -616,10 +617,10 @@ def test_cuda_real(tmp_path):
             <= row["memory/peak_allocated_mib"]
             <= row["memory/peak_reserved_mib"]
         )
-    # the 64 MiB spike of step 1 is in its window only: the peak was reset after step 1's log
-    assert steps[1]["memory/peak_allocated_mib"] >= 64
-    assert steps[2]["memory/peak_allocated_mib"] < 64
-    assert steps[0]["memory/peak_allocated_mib"] < 64
+    # the 64 MiB spike of step 1 is in its window only: the peak was reset after step 1's log. Compared with
+    # the other steps' peaks, as the baseline (weights, cuBLAS workspace) is itself tens of MiB
+    peaks = [steps[step]["memory/peak_allocated_mib"] for step in range(3)]
+    assert peaks[1] - max(peaks[0], peaks[2]) == pytest.approx(64, abs=1)
 
     rows = _rows_with(_read_metrics(trainer), "memory/peak_allocated_mib")
     assert [float(row["memory/peak_allocated_mib"]) for row in rows] == pytest.approx(
