@@ -39,6 +39,8 @@ class Provider:
     description: str
     build: Callable[[torch.device], LossFn]
     needs_cuda: bool = False
+    # Part of `--providers all`; the others run only when named.
+    default: bool = True
     # Filled by build_all(): the callable, or why it is unavailable.
     fn: Optional[LossFn] = field(default=None, repr=False)
     error: Optional[str] = None
@@ -54,7 +56,14 @@ def _build_naive(device: torch.device) -> LossFn:
 
 
 # --------------------------------------------------------------------------------------------- liger
-def _build_liger(device: torch.device) -> LossFn:
+def _build_liger(accum_dtype: Optional[torch.dtype]) -> Callable[[torch.device], LossFn]:
+    def build(device: torch.device) -> LossFn:
+        return _liger_fn(accum_dtype)
+
+    return build
+
+
+def _liger_fn(accum_dtype: Optional[torch.dtype]) -> LossFn:
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
     # 0.8.5: forward(ctx, _input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
@@ -62,11 +71,18 @@ def _build_liger(device: torch.device) -> LossFn:
     #   accum_dtype=None, ...) -> (loss, z_loss, token_accuracy, predicted_tokens). Defaults otherwise
     #   (accum_dtype=None: dW accumulated in W's dtype).
     params = list(inspect.signature(LigerFusedLinearCrossEntropyFunction.forward).parameters)
-    if params[1:7] != ["_input", "weight", "target", "bias", "ce_weight", "ignore_index"]:
+    expected = ["_input", "weight", "target", "bias", "ce_weight", "ignore_index", "lse_square_scale",
+                "label_smoothing", "reduction", "softcap", "return_z_loss", "accum_dtype"]  # fmt: skip
+    if params[1:13] != expected:
         raise RuntimeError(f"unexpected LigerFusedLinearCrossEntropyFunction.forward signature: {params}")
 
     def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        out = LigerFusedLinearCrossEntropyFunction.apply(x, w, t, None, None, IGNORE_INDEX)
+        if accum_dtype is None:
+            out = LigerFusedLinearCrossEntropyFunction.apply(x, w, t, None, None, IGNORE_INDEX)
+        else:
+            out = LigerFusedLinearCrossEntropyFunction.apply(
+                x, w, t, None, None, IGNORE_INDEX, 0.0, 0.0, "mean", None, False, accum_dtype
+            )
         return out[0] if isinstance(out, tuple) else out
 
     return fn
@@ -225,7 +241,16 @@ def make_providers(
     variants = dict(FLCE_VARIANTS if flce_variants is None else flce_variants)
     providers = [
         Provider("naive", "F.cross_entropy(F.linear(x, W).float(), t): full [N, V] logits", _build_naive),
-        Provider("liger", "Liger-Kernel LigerFusedLinearCrossEntropyFunction (defaults)", _build_liger, True),
+        Provider(
+            "liger", "Liger-Kernel LigerFusedLinearCrossEntropyFunction (defaults)", _build_liger(None), True
+        ),
+        Provider(
+            "liger_fp32acc",
+            "Liger-Kernel with accum_dtype=torch.float32 (dW accumulated in fp32); only when named",
+            _build_liger(torch.float32),
+            True,
+            default=False,
+        ),
         Provider(
             "cce",
             "cut-cross-entropy linear_cross_entropy (default filter_eps='high')",

@@ -313,7 +313,9 @@ def _cell_status(r: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def summary_lines(records: List[Dict[str, Any]], provider_names: List[str]) -> List[str]:
+def summary_lines(
+    records: List[Dict[str, Any]], provider_names: List[str], max_errors: int = 12
+) -> List[str]:
     """Two compact pivots (config x provider): time and peak memory. Printed last by gpu_check.sh."""
     configs: List[Tuple[str, str, str]] = []
     by_key: Dict[Tuple[str, str, str, str], Dict[str, Any]] = {}
@@ -353,12 +355,15 @@ def summary_lines(records: List[Dict[str, Any]], provider_names: List[str]) -> L
     errors = [r for r in records if r.get("error") and not (r["error"] or "").startswith("skipped")]
     seen = set()
     if errors:
-        lines.append("== errors (first per provider+message)")
+        lines.append("== errors (first per provider+message; all in the full table)")
         for r in errors:
             k = (r["provider"], r["error"][:80])
             if k in seen:
                 continue
             seen.add(k)
+            if len(seen) > max_errors:
+                lines.append("  ...")
+                break
             lines.append(f"  {r['provider']} @ {r['shape']} {r['dtype']} {r['dist']}: {r['error'][:220]}")
     return lines
 
@@ -565,6 +570,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if unknown:
             parser.error(f"unknown providers {sorted(unknown)}; known: {[p.name for p in providers]}")
         providers = [p for p in providers if p.name in wanted]
+    else:
+        providers = [p for p in providers if p.default]
     configs = [
         (shape, dt, dist)
         for shape in shapes
@@ -629,7 +636,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         label = f"[{idx + 1}/{len(configs)}] {N}x{H}x{V} {dt} {dist}"
         elapsed = time.time() - t0
         if args.budget_s is not None and secs_per_flop:
-            predicted = sorted(secs_per_flop)[len(secs_per_flop) // 2] * flops
+            # Optimistic (fastest config so far, per FLOP): a config cut by the outer timeout loses only
+            # itself, since results are written after every config.
+            predicted = min(secs_per_flop) * flops
             if elapsed + predicted > args.budget_s:
                 print(
                     f"{label}: skipped (time budget: {elapsed:.0f}s + ~{predicted:.0f}s > {args.budget_s:.0f}s)"

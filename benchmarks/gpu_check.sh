@@ -67,6 +67,7 @@ EOF
 TEST_STATUS="skipped"
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
     t=$(( $(left) - 60 < ${TEST_TIMEOUT_S:-180} ? $(left) - 60 : ${TEST_TIMEOUT_S:-180} ))
+    [ "$t" -lt 10 ] && t=10
     step "CUDA tests (timeout ${t}s)"
     # shellcheck disable=SC2086
     timeout -k 10 "$t" "$PY" -m pytest -q -m cuda tests/ -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/cuda_tests.log"
@@ -83,6 +84,7 @@ fi
 ACCUM_STATUS="skipped"
 if [ "${SKIP_ACCUM:-0}" != "1" ]; then
     t=$(( $(left) - 60 < ${ACCUM_TIMEOUT_S:-90} ? $(left) - 60 : ${ACCUM_TIMEOUT_S:-90} ))
+    [ "$t" -lt 10 ] && t=10
     step "bench_accumulation (timeout ${t}s)"
     # shellcheck disable=SC2086
     timeout -k 10 "$t" "$PY" benchmarks/bench_accumulation.py ${ACCUM_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
