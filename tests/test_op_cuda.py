@@ -1,0 +1,191 @@
+"""The op on CUDA (Triton path), against float64 and against the naive path in the same dtype.
+
+Acceptance bar: relative L2 errors of dX and dW no worse than 1.1x those of naive
+``F.cross_entropy(F.linear(x, W).float(), t)`` in the same dtype; loss relative error < 1e-4 for
+bf16/fp16 and < 1e-6 for fp32 (TF32 off, torch's default for matmuls).
+Run on the GPU machine: ``pytest -m cuda``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import grads_of, reference_loss, relative_error
+from test_accumulate import OpRecorder
+
+from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+LOSS_TOL = {torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-4}
+
+
+def make_problem(n_rows, hidden, vocab, dtype, seed=0, ignore_frac=0.1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n_rows, hidden, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(vocab, hidden, device="cuda", generator=gen) * hidden**-0.5 * 2).to(dtype)
+    target = torch.randint(0, vocab, (n_rows,), device="cuda", generator=gen)
+    target[torch.rand(n_rows, device="cuda", generator=gen) < ignore_frac] = -100
+    return x, weight, target
+
+
+def naive(x, weight, target, reduction="mean", **kwargs):
+    return F.cross_entropy(F.linear(x, weight).float(), target, reduction=reduction, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(("n_rows", "hidden", "vocab"), [(4096, 512, 32003), (3000, 768, 50257)])
+def test_errors_no_worse_than_naive(dtype, reduction, n_rows, hidden, vocab):
+    x, weight, target = make_problem(n_rows, hidden, vocab, dtype)
+    grad_output = torch.randn(n_rows, device="cuda") if reduction == "none" else None
+    args = (x.requires_grad_(), weight.requires_grad_())
+    loss, grads = grads_of(
+        lambda a, b: fused_linear_cross_entropy(a, b, target, reduction=reduction),
+        *args,
+        grad_output=grad_output,
+    )
+    base_loss, base_grads = grads_of(
+        lambda a, b: naive(a, b, target, reduction), *args, grad_output=grad_output
+    )
+    ref_loss, ref_grads = grads_of(
+        lambda a, b: reference_loss(a, b, target, reduction=reduction),
+        x.double().requires_grad_(),
+        weight.double().requires_grad_(),
+        grad_output=grad_output,
+    )
+    assert relative_error(loss, ref_loss) < max(LOSS_TOL[dtype], 1.1 * relative_error(base_loss, ref_loss))
+    for got, base, want in zip(grads, base_grads, ref_grads):
+        assert got.dtype == dtype
+        err, base_err = relative_error(got, want), relative_error(base, want)
+        assert err <= 1.1 * base_err + 1e-7, (err, base_err)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_all_features_match_float64(dtype):
+    x, weight, target = make_problem(2048, 256, 10007, dtype, seed=1)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    bias = torch.randn(10007, device="cuda", generator=gen).to(dtype)
+    class_weight = torch.rand(10007, device="cuda", generator=gen) + 0.5
+    options = {
+        "label_smoothing": 0.1,
+        "class_weight": class_weight,
+        "lse_square_scale": 1e-4,
+        "softcap": 30.0,
+        "reduction": "mean",
+    }
+    loss, grads = grads_of(
+        lambda a, b, c: fused_linear_cross_entropy(a, b, target, c, **options),
+        x.requires_grad_(),
+        weight.requires_grad_(),
+        bias.requires_grad_(),
+    )
+    ref_loss, ref_grads = grads_of(
+        lambda a, b, c: reference_loss(a, b, target, c, **options),
+        x.double().requires_grad_(),
+        weight.double().requires_grad_(),
+        bias.double().requires_grad_(),
+    )
+    assert relative_error(loss, ref_loss) < (1e-5 if dtype == torch.float32 else 1e-3)
+    for got, want in zip(grads, ref_grads):
+        assert relative_error(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_and_torch_paths_agree(dtype):
+    x, weight, target = make_problem(1024, 256, 5000, dtype, seed=3)
+    out = {}
+    for impl in ("triton", "torch"):
+        out[impl] = fused_linear_cross_entropy_with_stats(x, weight, target, impl=impl, label_smoothing=0.1)
+    torch.testing.assert_close(out["triton"].loss, out["torch"].loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(out["triton"].lse, out["torch"].lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["triton"].entropy, out["torch"].entropy, rtol=1e-4, atol=1e-4)
+    assert (out["triton"].correct != out["torch"].correct).float().mean() < 1e-3
+
+
+def test_bf16_mixed_autocast_gives_fp32_weight_grad():
+    """Lightning's bf16-mixed: bf16 hidden states, fp32 head weight under autocast."""
+    x, weight, target = make_problem(2048, 512, 32000, torch.float32, seed=4)
+    hidden = x.bfloat16().requires_grad_()
+    w = weight.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hidden, w, target)
+    loss.backward()
+    assert w.grad.dtype == torch.float32 and hidden.grad.dtype == torch.bfloat16
+
+    hidden_ref, w_ref = x.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref_loss = F.cross_entropy(F.linear(hidden_ref, w_ref).float(), target)
+    ref_loss.backward()
+    exact = reference_loss(x.bfloat16(), weight.bfloat16(), target)
+    assert relative_error(loss, exact) < 1e-4
+    assert relative_error(w.grad, w_ref.grad) < 1e-2
+    assert relative_error(hidden.grad, hidden_ref.grad) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_op_never_materializes_vh_product(dtype):
+    vocab, hidden = 8000, 256
+    x, weight, target = make_problem(2048, hidden, vocab, dtype, seed=5)
+    with OpRecorder() as recorder:
+        fused_linear_cross_entropy(
+            x.requires_grad_(), weight.requires_grad_(), target, chunk_size=256
+        ).backward()
+    assert recorder.allocating_matmuls((vocab, hidden)) == []
+
+
+def test_one_host_sync_in_forward_none_in_backward():
+    """Forward syncs once (target validation + row count); the mean normalizer and the backward stay on device."""
+    x, weight, target = make_problem(4096, 256, 8000, torch.bfloat16, seed=6)
+    x.requires_grad_()
+    weight.requires_grad_()
+    fused_linear_cross_entropy(x, weight, target).backward()  # warm-up: compile kernels
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as forward_syncs:
+            warnings.simplefilter("always")
+            loss = fused_linear_cross_entropy(x, weight, target)
+        with warnings.catch_warnings(record=True) as backward_syncs:
+            warnings.simplefilter("always")
+            loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    sync = [w for w in forward_syncs if "synchroniz" in str(w.message)]
+    assert len(sync) == 1, [str(w.message) for w in forward_syncs]
+    assert not [w for w in backward_syncs if "synchroniz" in str(w.message)]
+
+
+def test_torch_compile_inductor_matches_eager():
+    x, weight, target = make_problem(1024, 256, 4000, torch.bfloat16, seed=7)
+    proj = torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16)
+
+    def model(inp, w):
+        return fused_linear_cross_entropy(
+            torch.nn.functional.gelu(proj(inp)), w, target, lse_square_scale=1e-4
+        )
+
+    compiled = torch.compile(model, fullgraph=True)
+    got_loss, got_grads = grads_of(compiled, x.requires_grad_(), weight.requires_grad_())
+    want_loss, want_grads = grads_of(model, x, weight)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-3, atol=1e-3)
+    for got, want in zip(got_grads, want_grads):
+        assert relative_error(got, want) < 2e-2
+
+
+def test_deterministic_on_cuda():
+    x, weight, target = make_problem(4096, 512, 32000, torch.bfloat16, seed=8)
+    runs = [
+        grads_of(
+            lambda a, b: fused_linear_cross_entropy(a, b, target), x.requires_grad_(), weight.requires_grad_()
+        )
+        for _ in range(2)
+    ]
+    assert torch.equal(runs[0][0], runs[1][0])
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
