@@ -25,8 +25,8 @@ IGNORE_INDEX = -100
 # name -> kwargs for lightning_flce.fused_linear_cross_entropy. The lead adjusts these.
 FLCE_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce": {},
-    # Minimum-memory setting (for now: small chunks).
-    "flce_minmem": {"chunk_size": 1024},
+    # Minimum-memory setting: dW accumulated in place in the weight's dtype ("param"), smaller chunks.
+    "flce_minmem": {"chunk_size": 512, "accum_dtype": "param"},
 }
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.
@@ -224,7 +224,9 @@ def _build_flce(kwargs: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
         from lightning_flce import fused_linear_cross_entropy
 
         def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return fused_linear_cross_entropy(x, w, t, **kwargs)
+            # "param" (JSON-friendly) stands for the weight's own dtype.
+            resolved = {k: (w.dtype if v == "param" else v) for k, v in kwargs.items()}
+            return fused_linear_cross_entropy(x, w, t, **resolved)
 
         return fn
 
