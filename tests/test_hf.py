@@ -1,0 +1,198 @@
+"""HFCausalLM and FLCEMixin on tiny Hugging Face models built from configs (no download).
+
+The reference is the model's own logits path in float64 (``model(input_ids, attention_mask).logits``,
+which applies Gemma 2 softcapping, Cohere ``logit_scale`` and Granite ``logits_scaling`` itself),
+shifted, with padding ignored, into ``F.cross_entropy``. The fp32 FLCE path differs by rounding only
+(~1e-6 relative): 1e-5 leaves margin and still catches a missing transform (checked to move the loss by
+more than 1e-2).
+"""
+
+import copy
+import logging
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+pytest.importorskip("transformers")
+
+from lightning_flce.models.hf import HFCausalLM  # noqa: E402
+
+VOCAB, SEQ = 300, 10
+FP32_TOL = 1e-5
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+VARIANTS = {
+    "llama": {"model_type": "llama"},
+    "llama_tied": {"model_type": "llama", "tie_word_embeddings": True},
+    "gemma2_softcap": {"model_type": "gemma2", "head_dim": 8, "final_logit_softcapping": 3.0},
+    "cohere_logit_scale": {"model_type": "cohere", "logit_scale": 0.25, "eos_token_id": 2},
+    "granite_logits_scaling": {"model_type": "granite", "logits_scaling": 4.0},
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+
+def tiny_hf(variant="llama", **kwargs):
+    torch.manual_seed(0)
+    model = HFCausalLM(config={**TINY, **VARIANTS[variant]}, lr=0.0, **kwargs)
+    with torch.no_grad():
+        # large logits, so that softcapping and logit scaling change the loss a lot
+        model.model.get_output_embeddings().weight.mul_(60.0)
+    return model
+
+
+def make_batch(seed=0, batch_size=3):
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (batch_size, SEQ), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 6:] = 0  # right padding
+    attention_mask[2, 3:] = 0
+    labels = input_ids.clone()
+    labels[0, 4] = -100  # an explicitly ignored label as well
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def hf_logits_loss(model, batch):
+    """The model's own logits path: shift, ignore padding and -100, mean over the rest."""
+    logits = model(batch["input_ids"], batch["attention_mask"])
+    labels = batch["labels"].masked_fill(batch["attention_mask"] == 0, -100)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), labels[:, 1:].flatten())
+
+
+def reference(model, batch):
+    ref = copy.deepcopy(model).double()
+    loss = hf_logits_loss(ref, batch)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(actual, expected, tol=FP32_TOL):
+    assert actual.keys() == expected.keys()
+    for name, grad in expected.items():
+        err = ((actual[name].double() - grad).norm() / grad.norm()).item()
+        assert err < tol, f"{name}: relative error {err:.2e}"
+
+
+class GradCapture(L.Callback):
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_tied"])
+def test_fast_dev_run_matches_the_model_logits_path(variant):
+    model = tiny_hf(variant)
+    batch = make_batch()
+    ref_loss, ref_grads = reference(model, batch)
+    capture = GradCapture()
+    trainer = L.Trainer(fast_dev_run=1, accelerator="cpu", callbacks=[capture], enable_progress_bar=False)
+    trainer.fit(model, DataLoader([batch], batch_size=None), DataLoader([batch], batch_size=None))
+    assert_grads_close(capture.grads[0], ref_grads)
+    assert trainer.callback_metrics["train/loss"].item() == pytest.approx(ref_loss, rel=FP32_TOL)
+    assert trainer.callback_metrics["val/loss"].item() == pytest.approx(
+        hf_logits_loss(model, batch).item(),
+        rel=1e-4,  # after one step with lr=0: same parameters
+    )
+
+
+def test_tied_embeddings_are_one_parameter():
+    model = tiny_hf("llama_tied")
+    hf = model.model
+    assert hf.get_input_embeddings().weight is hf.get_output_embeddings().weight
+    names = [name for name, _ in model.named_parameters()]
+    assert sum("embed_tokens" in n or "lm_head" in n for n in names) == 1
+
+
+@pytest.mark.parametrize("variant", ["gemma2_softcap", "cohere_logit_scale", "granite_logits_scaling"])
+def test_logit_transforms_of_the_model_are_applied(variant):
+    model = tiny_hf(variant)
+    batch = make_batch(1)
+    ref_loss, ref_grads = reference(model, batch)
+    loss = model._loss(batch)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss, rel=FP32_TOL)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, ref_grads)
+    # the transform matters on this data: the same loss without it is far off
+    with torch.no_grad():
+        hidden = model.hidden_states(batch["input_ids"], batch["attention_mask"])
+        raw_logits = model.model.get_output_embeddings()(hidden)
+    labels = batch["labels"].masked_fill(batch["attention_mask"] == 0, -100)
+    untransformed = F.cross_entropy(raw_logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    assert abs(untransformed.item() - ref_loss) > 1e-2
+
+
+def test_naive_path_equals_the_fused_path():
+    batch = make_batch(2)
+    fused, naive = tiny_hf("gemma2_softcap"), tiny_hf("gemma2_softcap", flce_naive=True)
+    fused_loss, naive_loss = fused._loss(batch), naive._loss(batch)
+    fused_loss.backward()
+    naive_loss.backward()
+    assert fused_loss.item() == pytest.approx(naive_loss.item(), rel=FP32_TOL)
+    assert_grads_close(
+        {n: p.grad for n, p in fused.named_parameters()},
+        {n: p.grad.double() for n, p in naive.named_parameters()},
+    )
+
+
+def test_labels_default_to_input_ids_and_padding_is_ignored():
+    model = tiny_hf()
+    batch = make_batch(3)
+    without_labels = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    expected = hf_logits_loss(model, {**without_labels, "labels": batch["input_ids"]})
+    assert model._loss(without_labels).item() == pytest.approx(expected.item(), rel=FP32_TOL)
+    # garbage after the padding boundary changes nothing
+    changed = {k: v.clone() for k, v in without_labels.items()}
+    changed["input_ids"][2, 5:] = 0
+    assert model._loss(changed).item() == pytest.approx(model._loss(without_labels).item(), rel=FP32_TOL)
+
+
+def test_softcap_option_must_agree_with_the_model_config():
+    batch = make_batch(4)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        tiny_hf("gemma2_softcap", flce_softcap=5.0)._loss(batch)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        tiny_hf("llama", flce_softcap=5.0)._loss(batch)
+    assert tiny_hf("gemma2_softcap", flce_softcap=3.0)._loss(batch).isfinite()
+
+
+def test_forward_returns_the_model_logits():
+    model = tiny_hf("cohere_logit_scale")
+    batch = make_batch(5)
+    expected = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.equal(model(batch["input_ids"], batch["attention_mask"]), expected)
+
+
+def test_pretrained_local_directory_and_vocab_size(tmp_path):
+    model = tiny_hf()
+    model.model.save_pretrained(tmp_path)
+    loaded = HFCausalLM(pretrained=str(tmp_path), vocab_size=VOCAB - 10)
+    batch = make_batch(6)
+    assert loaded._loss(batch).item() == pytest.approx(model._loss(batch).item(), rel=FP32_TOL)
+    with pytest.raises(ValueError, match="exceeds"):
+        HFCausalLM(pretrained=str(tmp_path), vocab_size=VOCAB + 1)
+    resized = HFCausalLM(config={**TINY, "model_type": "llama"}, vocab_size=128)
+    assert resized.model.get_output_embeddings().weight.shape[0] == 128
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="exactly one"):
+        HFCausalLM()
+    with pytest.raises(ValueError, match="exactly one"):
+        HFCausalLM(config={**TINY, "model_type": "llama"}, pretrained="somewhere")
+    with pytest.raises(ValueError, match="model_type"):
+        HFCausalLM(config=TINY)
