@@ -389,6 +389,17 @@ def test_cli_lists_the_options_under_model_init_args():
     assert cli.model.hparams["flce_chunk_size"] == 64
     assert cli.model.hparams["width"] == 4
 
+    # subclass mode, as lightning_flce.cli uses it: the options sit under model.init_args
+    cli = LightningCLI(
+        pl.LightningModule,
+        subclass_mode_model=True,
+        run=False,
+        save_config_callback=None,
+        args=["--model=lightning_flce.models.TinyGPT", "--model.vocab_size=64", "--model.flce_z_loss=0.001"],
+    )
+    assert flce_options <= set(cli.config["model"]["init_args"].keys())
+    assert isinstance(cli.model, TinyGPT) and cli.model.flce_head_loss.z_loss == 0.001
+
 
 @pytest.mark.parametrize(
     ("options", "message"),
