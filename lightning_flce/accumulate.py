@@ -11,14 +11,15 @@ path              when                                                          
                   of that dtype or fp32 (fp16/bf16 operands into fp32); bf16 needs       out_dtype=gw.dtype, out=gw)``
                   compute capability >= 8.0
 ``addmm_inplace`` any device or torch version, operands and grad_weight of one dtype      ``gw.addmm_(g.t(), x)``
-``upcast_addmm``  CPU, fp16/bf16 operands into an fp32 grad_weight                       ``gw.addmm_(g.t().float(),
-                                                                                        x.float())``
+``upcast_addmm``  CPU, fp16/bf16 operands into an fp32 grad_weight; anywhere, fp32       ``gw.addmm_(g.t().to(gw.dtype),
+                  operands into an fp64 grad_weight                                     x.to(gw.dtype))``
 ``add_mm``        anything else (older torch, ROCm, older GPUs)                         ``gw.add_(torch.mm(g.t(), x))``
 ================  ====================================================================  ==================
 
 ``addmm_out``, ``addmm_inplace`` and ``upcast_addmm`` write the GEMM result straight into
-``grad_weight`` (BLAS ``beta=1``); ``upcast_addmm`` copies only the chunk-sized operands to fp32 (CPUs
-have no widening GEMM, and their fp32 GEMM is as fast as their bf16 one). ``add_mm`` allocates one
+``grad_weight`` (BLAS ``beta=1``); ``upcast_addmm`` copies only the chunk-sized operands to the
+accumulator's dtype (there is no widening GEMM for these pairs; a CPU's fp32 GEMM is as fast as its bf16
+one, and a datacenter GPU's fp64 GEMM as fast as its non-TF32 fp32 one). ``add_mm`` allocates one
 [V, H] product in the operand dtype — half of the old idiom, never an fp32 copy — and rounds each
 chunk's product once. With ``first=True`` the chunk overwrites instead (``beta=0``), so
 ``grad_weight`` can start as ``torch.empty`` without a zero-fill.
@@ -89,7 +90,9 @@ def decide_path(
         return AccumulationPath.ADDMM_OUT
     if same_dtype:
         return AccumulationPath.ADDMM_INPLACE
-    if device_type == "cpu" and widening:
+    if (device_type == "cpu" and widening) or (
+        grad_weight_dtype == torch.float64 and operand_dtype == torch.float32
+    ):
         return AccumulationPath.UPCAST_ADDMM
     return AccumulationPath.ADD_MM
 
@@ -121,7 +124,7 @@ def accumulate_grad_weight(
     elif path is AccumulationPath.ADDMM_INPLACE:
         grad_weight.addmm_(grad_logits.t(), input, beta=beta)
     elif path is AccumulationPath.UPCAST_ADDMM:
-        grad_weight.addmm_(grad_logits.t().float(), input.float(), beta=beta)
+        grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), input.to(grad_weight.dtype), beta=beta)
     elif first:
         # Mixed dtypes without a widening GEMM: the product is a [V, H] temporary in the operand dtype.
         grad_weight.copy_(torch.mm(grad_logits.t(), input))

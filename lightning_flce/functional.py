@@ -77,9 +77,10 @@ def fused_linear_cross_entropy(
         accum_dtype: dtype of the dW accumulator across chunks; the gradient is returned in the
             weight's dtype either way. ``torch.float32``: always fp32. The weight's own dtype:
             accumulate in place in it (least memory; an fp16/bf16 dW then rounds once per chunk).
-            None (default): fp32 when the weight is fp16/bf16 and there is more than one chunk, so
-            dW is as accurate as one unchunked GEMM; in the weight's dtype otherwise. (d bias is
-            always accumulated in fp32.)
+            None (default): one step wider than the weight where there is more than one chunk, so
+            dW is as accurate as one unchunked GEMM: fp32 for fp16/bf16 weights, fp64 for fp32
+            weights on GPUs with full-rate fp64 (A100, H100, ...); the weight's dtype otherwise.
+            ``torch.float64`` is accepted too. (d bias is always accumulated in fp32.)
         chunk_size: tokens per chunk; None picks it from a memory budget (a quarter of dX + dW).
         impl: ``"triton"`` (CUDA; the CPU only under ``TRITON_INTERPRET=1``), ``"torch"``, or
             ``"auto"`` (Triton on CUDA, PyTorch elsewhere).
@@ -239,8 +240,8 @@ def _check_options(
 def _accum_mode(accum_dtype: Optional[torch.dtype], weight: Tensor) -> str:
     if accum_dtype is None:
         return "auto"
-    if accum_dtype == torch.float32:
-        return "fp32"
+    if accum_dtype in (torch.float32, torch.float64):
+        return "fp32" if accum_dtype == torch.float32 else "fp64"
     if accum_dtype == weight.dtype:
         return "param"
     raise ValueError(

@@ -88,9 +88,8 @@ def _chunk_loop(
 ) -> Tuple[Tensor, ...]:
     """The shared loop: per-token loss/LSE/stats [N] and the gradients (empty when not needed).
 
-    ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token). ``accum`` is "fp32", "param"
-    (accumulate dW in the weight's dtype) or "auto": fp32 for an fp16/bf16 weight over several chunks,
-    where rounding the partial sum after every chunk would cost accuracy against a single GEMM.
+    ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token). ``accum`` is "fp32", "fp64",
+    "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -127,9 +126,7 @@ def _chunk_loop(
     grad_weight = x.new_empty(0)
     accum_path = None
     if need_grad_weight:
-        n_chunks = -(-n_valid // chunk_size)
-        widen = accum == "fp32" or (accum == "auto" and weight.dtype in _LOW_PRECISION and n_chunks > 1)
-        accum_dtype = torch.float32 if widen else weight.dtype
+        accum_dtype = _accumulator_dtype(accum, weight, n_chunks=-(-n_valid // chunk_size))
         grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
         accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_grad_bias else x.new_empty(0)
@@ -186,6 +183,31 @@ def _chunk_loop(
     if need_grad_input:
         grad_input = grad_input.view(x.shape)
     return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias
+
+
+def _accumulator_dtype(accum: str, weight: Tensor, n_chunks: int) -> torch.dtype:
+    """The dW accumulator's dtype. "auto" widens only where rounding the running sum once per chunk
+    would make dW less accurate than one unchunked GEMM: fp16/bf16 weights accumulate in fp32, and fp32
+    weights in fp64 on GPUs with full-rate fp64 (there an fp64 GEMM is as fast as a non-TF32 fp32 one)."""
+    if accum in ("fp32", "fp64"):
+        return torch.float32 if accum == "fp32" else torch.float64
+    if accum == "auto" and n_chunks > 1:
+        if weight.dtype in _LOW_PRECISION:
+            return torch.float32
+        if weight.dtype == torch.float32 and _has_full_rate_fp64(weight.device):
+            return torch.float64
+    return weight.dtype
+
+
+def _has_full_rate_fp64(device: torch.device) -> bool:
+    # P100, V100, A100, H100/H200, B200: fp64 at half the fp32 rate or better (others: 1/32 to 1/64).
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) in (
+        (6, 0),
+        (7, 0),
+        (8, 0),
+        (9, 0),
+        (10, 0),
+    )
 
 
 def _write_rows(dest: Tensor, rows, values: Tensor) -> None:

@@ -14,22 +14,36 @@ F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records every aten op with the shapes of its tensor outputs."""
+    """Records every aten op, with the shapes of the tensors it allocated (outputs that are not
+    written into one of its arguments, as ``out=`` and in-place variants are)."""
 
     def __init__(self):
         super().__init__()
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        input_storages = {a.untyped_storage().data_ptr() for a in inputs if a.numel()}
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        shapes = [tuple(o.shape) for o in outs if isinstance(o, torch.Tensor)]
-        self.calls.append((func.overloadpacket.__name__, shapes))
+        allocated = [
+            tuple(o.shape)
+            for o in outs
+            if isinstance(o, torch.Tensor)
+            and o.numel()
+            and o.untyped_storage().data_ptr() not in input_storages
+        ]
+        self.calls.append((func.overloadpacket.__name__, allocated))
         return out
 
     def allocating_matmuls(self, shape):
-        """Out-of-place matmuls whose result has ``shape``: the [V, H] temporaries we forbid."""
-        return [name for name, shapes in self.calls if name in ("mm", "matmul", "addmm") and shape in shapes]
+        """Matmuls that allocated a result of ``shape``: the [V, H] temporaries we forbid."""
+        return [
+            name
+            for name, shapes in self.calls
+            if name in ("mm", "matmul", "addmm", "bmm") and shape in shapes
+        ]
 
 
 def _decide(device="cuda", operands=BF16, grad_weight=BF16, version=(2, 8), capability=(9, 0), rocm=False):
@@ -80,6 +94,11 @@ def test_rocm_and_cpu_never_use_addmm_out():
     assert _decide(device="cpu", operands=F16, grad_weight=BF16) is AccumulationPath.ADD_MM
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fp32_into_fp64_upcasts_operands(device):
+    assert _decide(device=device, operands=F32, grad_weight=torch.float64) is AccumulationPath.UPCAST_ADDMM
+
+
 def test_choose_path_rejects_mixed_operands():
     with pytest.raises(TypeError, match="share a dtype"):
         choose_path(torch.empty(4, 3), torch.empty(2, 4), torch.empty(2, 3, dtype=BF16))
@@ -95,7 +114,7 @@ def _operands(dtype, grad_weight_dtype, device="cpu", vocab=96, hidden=40, chunk
 
 @pytest.mark.parametrize(
     ("dtype", "gw_dtype", "tol"),
-    [(F32, F32, 1e-6), (BF16, BF16, 1e-2), (BF16, F32, 1e-6), (F16, F32, 1e-6)],
+    [(F32, F32, 1e-6), (BF16, BF16, 1e-2), (BF16, F32, 1e-6), (F16, F32, 1e-6), (F32, torch.float64, 1e-12)],
 )
 def test_accumulate_and_overwrite_match_float64(dtype, gw_dtype, tol):
     """Accumulate (beta=1) and the first chunk's overwrite (beta=0, over NaN garbage).
