@@ -41,7 +41,8 @@ class FLCEHeadLoss(nn.Module):
         ignore_index: target value that does not contribute to the loss.
         label_smoothing: label smoothing of the cross-entropy, in ``[0, 1)``.
         z_loss: coefficient of the z-loss ``z_loss * logsumexp(logits) ** 2`` added per token.
-        accum_fp32: accumulate the head weight gradient in float32 (for bf16/fp16 weights).
+        accum_fp32: always accumulate the head weight gradient in float32 (``accum_dtype=torch.float32``);
+            ``False`` keeps the op's default ``accum_dtype=None``.
         chunk_size: tokens per chunk; ``None`` lets the op choose from its memory budget.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
         naive: compute the plain logits and ``F.cross_entropy`` instead (same result, [N, V] memory),
