@@ -484,6 +484,10 @@ def _setup_context(ctx, inputs, output) -> None:
     ) = inputs
     ctx.reduction = reduction
     ctx.needs = (need_grad_input, need_grad_weight, need_grad_bias)
+    # Only the loss is differentiable. Without this, autograd would hand backward zero-filled
+    # [N, H] and [V, H] "gradients" for the saved-gradient outputs: a full dX + dW of memory.
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
     if reduction == "none":
         ctx.save_for_backward(x, weight, target, bias, class_weight)
         ctx.options = (
@@ -501,6 +505,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
+    grads: List[Optional[Tensor]] = [None] * 18
+    if grad_loss is None:
+        return tuple(grads)
     need_grad_input, need_grad_weight, need_grad_bias = ctx.needs
     if ctx.reduction == "none":
         x, weight, target, bias, class_weight = ctx.saved_tensors
@@ -508,7 +515,6 @@ def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
     else:
         gx, gw, gb = ctx.saved_tensors
         flce_scale_grads_(gx, gw, gb, grad_loss)
-    grads: List[Optional[Tensor]] = [None] * 18
     grads[_X] = gx if need_grad_input else None
     grads[_WEIGHT] = gw if need_grad_weight else None
     grads[_BIAS] = gb if need_grad_bias else None

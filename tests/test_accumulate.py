@@ -171,6 +171,20 @@ def test_whole_op_never_materializes_vh_product(dtype):
     assert recorder.allocating_matmuls((vocab, hidden)) == []
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_backward_allocates_no_zero_gradients(reduction):
+    """Backward of "mean" only rescales the saved gradients; nothing [N, H] or [V, H] is zero-filled."""
+    x = torch.randn(64, 16, requires_grad=True)
+    weight = torch.randn(100, 16, requires_grad=True)
+    loss = fused_linear_cross_entropy(x, weight, torch.randint(0, 100, (64,)), reduction=reduction)
+    with OpRecorder() as recorder:
+        loss.sum().backward()
+    assert not [name for name, _ in recorder.calls if name in ("zeros", "zeros_like", "new_zeros", "fill_")]
+    if reduction == "mean":
+        # Only scalars (the sum, grad_output) are allocated.
+        assert all(shape == () for _, shapes in recorder.calls for shape in shapes), recorder.calls
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     ("dtype", "gw_dtype"), [(F16, F16), (BF16, BF16), (F32, F32), (F16, F32), (BF16, F32)]

@@ -59,10 +59,10 @@ def test_errors_no_worse_than_naive(dtype, reduction, n_rows, hidden, vocab):
         grad_output=grad_output,
     )
     assert relative_error(loss, ref_loss) < max(LOSS_TOL[dtype], 1.1 * relative_error(base_loss, ref_loss))
-    for got, base, want in zip(grads, base_grads, ref_grads):
+    for name, got, base, want in zip(("dX", "dW"), grads, base_grads, ref_grads):
         assert got.dtype == dtype
         err, base_err = relative_error(got, want), relative_error(base, want)
-        assert err <= 1.1 * base_err + 1e-7, (err, base_err)
+        assert err <= 1.1 * base_err + 1e-7, (name, err, base_err)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

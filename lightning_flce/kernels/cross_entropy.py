@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
+from lightning_flce._compat import TRITON_INTERPRET
 from lightning_flce.kernels import ChunkOutputs, LossOptions
 
 # Elements of a row handled per loop iteration. Large blocks amortize the per-iteration reductions;
@@ -34,6 +36,24 @@ _MAX_BLOCK_V = 8192
 def _tanh(x):
     # exp-based tanh: portable (interpreter included) and exact at both tails (exp -> inf gives 1).
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    # tl.exp is ex2.approx on an argument scaled by log2(e): fine for 16-bit logits, but for fp32 it
+    # makes the gradient measurably less accurate than torch's. libdevice is not in the interpreter.
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -69,6 +89,7 @@ def _cross_entropy_chunk_kernel(
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     COMPUTE_STATS: tl.constexpr,
+    PRECISE: tl.constexpr,  # libdevice exp/log (fp32 logits on a GPU)
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -101,8 +122,8 @@ def _cross_entropy_chunk_kernel(
             z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
             block_max = tl.max(z, 0)
             m_new = tl.maximum(m, block_max)
-            rescale = tl.exp(m - m_new)
-            e = tl.exp(z - m_new)
+            rescale = _exp(m - m_new, PRECISE)
+            e = _exp(z - m_new, PRECISE)
             d = d * rescale + tl.sum(e, 0)
             # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
             z_finite = tl.where(mask, z, 0.0)
@@ -119,7 +140,7 @@ def _cross_entropy_chunk_kernel(
                 best_idx = tl.where(block_max > best, start + block_arg, best_idx)
                 best = tl.maximum(best, block_max)
             m = m_new
-        lse = m + tl.log(d)
+        lse = m + _log(d, PRECISE)
 
         z_target = tl.load(row_ptr + target).to(tl.float32)
         if HAS_SOFTCAP:
@@ -151,7 +172,7 @@ def _cross_entropy_chunk_kernel(
                 cols = start + offsets
                 mask = cols < V
                 z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-                grad = tl.exp(z - lse) * p_coef
+                grad = _exp(z - lse, PRECISE) * p_coef
                 if HAS_SMOOTHING:
                     if HAS_CLASS_WEIGHT:
                         w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
@@ -215,6 +236,7 @@ def cross_entropy_chunk_triton(
         HAS_SOFTCAP=options.softcap > 0.0,
         COMPUTE_GRAD=compute_grad,
         COMPUTE_STATS=compute_stats,
+        PRECISE=logits.dtype == torch.float32 and not TRITON_INTERPRET,
         BLOCK_V=block_v,
         num_warps=max(4, block_v // 256),
     )
