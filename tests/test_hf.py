@@ -9,6 +9,7 @@ more than 1e-2).
 
 import copy
 import logging
+import sys
 
 import lightning.pytorch as L
 import pytest
@@ -196,3 +197,34 @@ def test_bad_arguments_raise():
         HFCausalLM(config={**TINY, "model_type": "llama"}, pretrained="somewhere")
     with pytest.raises(ValueError, match="model_type"):
         HFCausalLM(config=TINY)
+
+
+def test_padded_vocabulary_matches_the_full_head():
+    # resize_token_embeddings pads the head to 320 rows for a 300-token vocabulary: the extra rows take part
+    # in the model's softmax, so they must take part in the fused loss too
+    model = tiny_hf()
+    model.model.resize_token_embeddings(VOCAB, pad_to_multiple_of=64)
+    weight = model.model.get_output_embeddings().weight
+    assert weight.shape[0] == 320
+    with torch.no_grad():
+        weight[VOCAB:] = weight[:20]  # padding rows as large as real ones, so that they matter
+    batch = make_batch(7)
+    ref_loss, ref_grads = reference(model, batch)
+    loss = model._loss(batch)
+    loss.backward()
+    assert loss.item() == pytest.approx(ref_loss, rel=FP32_TOL)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, ref_grads)
+    assert model.flce_last_logits_shape == (3 * SEQ, 320)
+    with torch.no_grad():
+        hidden = model.hidden_states(batch["input_ids"], batch["attention_mask"])
+        labels = batch["labels"].masked_fill(batch["attention_mask"] == 0, -100)
+        truncated = F.cross_entropy(
+            F.linear(hidden, weight[:VOCAB])[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+        )
+    assert abs(truncated.item() - ref_loss) > 1e-2  # a loss over the real rows only would fail above
+
+
+def test_missing_transformers_raises_a_clear_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(ImportError, match=r"lightning-flce\[hf\]"):
+        HFCausalLM(config={**TINY, "model_type": "llama"})
