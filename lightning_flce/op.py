@@ -123,10 +123,15 @@ def _chunk_loop(
         grad_input = (torch.empty if rows is None else torch.zeros)(
             n_rows, hidden, dtype=x.dtype, device=device
         )
+    accum_dtype = _accumulator_dtype(accum, weight, n_chunks=-(-n_valid // chunk_size))
+    # With an fp64 accumulator (fp32 weights), dX's long reduction over V runs in fp64 too: cuBLAS's
+    # fp32 accuracy over K = V varies with the chunk's shape, fp64 makes it a non-issue.
+    weight_for_grad_input = (
+        weight_c.double() if need_grad_input and accum_dtype == torch.float64 else weight_c
+    )
     grad_weight = x.new_empty(0)
     accum_path = None
     if need_grad_weight:
-        accum_dtype = _accumulator_dtype(accum, weight, n_chunks=-(-n_valid // chunk_size))
         grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
         accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
     grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_grad_bias else x.new_empty(0)
@@ -165,10 +170,14 @@ def _chunk_loop(
             _write_rows(entropy, scale_rows, out.entropy)
 
         if need_grad_input:
-            if rows is None and grad_input.dtype == compute_dtype:
-                torch.mm(logits, weight_c, out=grad_input[start:end])
+            if rows is None and grad_input.dtype == weight_for_grad_input.dtype:
+                torch.mm(logits, weight_for_grad_input, out=grad_input[start:end])
             else:
-                _write_rows(grad_input, scale_rows, torch.mm(logits, weight_c))
+                _write_rows(
+                    grad_input,
+                    scale_rows,
+                    torch.mm(logits.to(weight_for_grad_input.dtype), weight_for_grad_input),
+                )
         if need_grad_weight:
             accumulate_grad_weight(grad_weight, logits, x_c, first=chunk_index == 0, path=accum_path)
         if need_grad_bias:
@@ -188,7 +197,8 @@ def _chunk_loop(
 def _accumulator_dtype(accum: str, weight: Tensor, n_chunks: int) -> torch.dtype:
     """The dW accumulator's dtype. "auto" widens only where rounding the running sum once per chunk
     would make dW less accurate than one unchunked GEMM: fp16/bf16 weights accumulate in fp32, and fp32
-    weights in fp64 on GPUs with full-rate fp64 (there an fp64 GEMM is as fast as a non-TF32 fp32 one)."""
+    weights in fp64 on GPUs with full-rate fp64 (there an fp64 GEMM is as fast as a non-TF32 fp32 one;
+    dX's GEMM then runs in fp64 as well)."""
     if accum in ("fp32", "fp64"):
         return torch.float32 if accum == "fp32" else torch.float64
     if accum == "auto" and n_chunks > 1:
@@ -212,7 +222,7 @@ def _has_full_rate_fp64(device: torch.device) -> bool:
 
 def _write_rows(dest: Tensor, rows, values: Tensor) -> None:
     if isinstance(rows, slice):
-        dest[rows] = values
+        dest[rows] = values.to(dest.dtype)
     else:
         dest.index_copy_(0, rows, values.to(dest.dtype))
 

@@ -205,21 +205,23 @@ def test_bf16_weight_accumulation_modes():
 
 def test_fp64_accumulation_for_fp32_weight():
     """accum_dtype=float64 (the "auto" choice for fp32 weights on A100/H100-class GPUs): dW rounds once."""
-    x, weight, target, *_ = make_problem(512, 32, 300, ignore_frac=0.0, seed=3)
-    _, (_, ref_dw) = grads_of(
+    x, weight, target, *_ = make_problem(512, 32, 300, ignore_frac=0.1, seed=3)
+    _, (ref_dx, ref_dw) = grads_of(
         lambda a, b: reference_loss(a, b, target, reduction="sum"),
-        x.double(),
+        x.double().requires_grad_(),
         weight.double().requires_grad_(),
     )
-    _, (_, dw) = grads_of(
+    _, (dx, dw) = grads_of(
         lambda a, b: fused_linear_cross_entropy(
             a, b, target, reduction="sum", chunk_size=16, accum_dtype=torch.float64
         ),
-        x,
+        x.requires_grad_(),
         weight.requires_grad_(),
     )
-    assert dw.dtype == torch.float32
+    assert dw.dtype == torch.float32 and dx.dtype == torch.float32
     assert relative_error(dw, ref_dw) < 1e-6
+    # dX's GEMM runs in fp64 alongside the fp64 accumulator.
+    assert relative_error(dx, ref_dx) < 1e-6
 
 
 def test_all_ignored_gives_zero_with_connected_graph():
