@@ -81,17 +81,23 @@ def test_vocab_size_linked_from_tokenizer(tmp_path):
         (source / f"m{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 40)
     cli = FLCELightningCLI(
         args=[
+            "fit",
             *_config_args("default.yaml"),
             *_small_data_args(tmp_path / "cache", vocab_size=8192),
             f"--data.init_args.root={source}",
-            "--trainer.logger=false",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
+            "--trainer.max_steps=1",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
         ],
-        run=False,
     )
     vocab_size = cli.datamodule.vocab_size
     assert vocab_size < 8192
     assert cli.model.hparams.vocab_size == vocab_size
     assert cli.model.lm_head.weight.shape[0] == vocab_size
+    # The logger got both hyperparameter sets: they agree on vocab_size, else Trainer.fit raises.
+    assert cli.datamodule.hparams.vocab_size == vocab_size
+    assert cli.trainer.global_step == 1
 
 
 @pytest.mark.skipif(not _HAS_TRANSFORMERS, reason="hf_llama.yaml needs transformers")

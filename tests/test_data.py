@@ -168,6 +168,9 @@ def test_vocab_size_below_request_on_tiny_corpus(tmp_path):
     (tmp_path / "m.py").write_text("x = 1\n" * 50)
     dm = PythonStdlibDataModule(vocab_size=8192, root=str(tmp_path), cache_dir=str(tmp_path / "cache"))
     assert 258 <= dm.vocab_size < 8192
+    # Loggers read hparams_initial; it must agree with the model that gets the real size.
+    assert dm.hparams.vocab_size == dm.hparams_initial.vocab_size == dm.vocab_size
+    assert dm.hparams.max_chars == 4_000_000
 
 
 @pytest.mark.parametrize(

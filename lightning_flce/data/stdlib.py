@@ -44,7 +44,8 @@ class PythonStdlibDataModule(pl.LightningDataModule):
     ``seq_len`` tokens.
 
     :attr:`vocab_size` is the trained tokenizer's real size (it can be below the requested one on a tiny
-    corpus); link it to the model's vocabulary size. Reading it trains or loads the tokenizer.
+    corpus); link it to the model's vocabulary size. Reading it trains or loads the tokenizer, and
+    ``hparams.vocab_size`` then records the real size too.
 
     Args:
         vocab_size: Requested BPE vocabulary size, including the end-of-text token.
@@ -136,7 +137,7 @@ class PythonStdlibDataModule(pl.LightningDataModule):
     def tokenizer(self) -> Tokenizer:
         """The BPE tokenizer, loaded from the cache or trained (and cached) on first use."""
         if self._tokenizer is None:
-            self._tokenizer = self._load_or_train_tokenizer()
+            self._set_tokenizer(self._load_or_train_tokenizer())
         return self._tokenizer
 
     @property
@@ -209,6 +210,13 @@ class PythonStdlibDataModule(pl.LightningDataModule):
         val_chars = max(1, self.max_chars // self.val_every)
         return read_texts(train_files, self.max_chars - val_chars), read_texts(val_files, val_chars)
 
+    def _set_tokenizer(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        # Record the size in use: the model gets the real size through the CLI link, and the Trainer refuses
+        # to log a model and a data module whose shared hyperparameters differ.
+        if self.hparams["vocab_size"] != tokenizer.get_vocab_size():
+            self.save_hyperparameters({**self.hparams, "vocab_size": tokenizer.get_vocab_size()})
+
     def _load_or_train_tokenizer(self, train_texts: Optional[list[str]] = None) -> Tokenizer:
         path = self.cache_path / "tokenizer.json"
         if path.is_file():
@@ -223,7 +231,7 @@ class PythonStdlibDataModule(pl.LightningDataModule):
     def _build_token_cache(self) -> None:
         train_texts, val_texts = self._read_split()
         if self._tokenizer is None:
-            self._tokenizer = self._load_or_train_tokenizer(train_texts)
+            self._set_tokenizer(self._load_or_train_tokenizer(train_texts))
         tokenizer = self._tokenizer
         eos = [tokenizer.token_to_id(EOS_TOKEN)]
 
