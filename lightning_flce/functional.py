@@ -205,10 +205,10 @@ def _check_inputs(
         if tensor is not None and tensor.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} dtype {tensor.dtype} is not supported (fp16, bf16, fp32, fp64)")
 
-    device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
+    autocast_dtype = _autocast_dtype(input.device.type)
+    if autocast_dtype is not None:
         # Like nn.Linear under autocast: GEMM operands in the autocast dtype, grads in the param dtypes.
-        return torch.get_autocast_dtype(device_type)
+        return autocast_dtype
     for name, tensor in (("weight", weight), ("bias", bias)):
         if tensor is not None and tensor.dtype != input.dtype:
             raise TypeError(
@@ -216,6 +216,14 @@ def _check_inputs(
                 "(cast one of them, or run under torch.autocast as mixed precision does)"
             )
     return input.dtype
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (e.g. "meta")
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
 
 
 def _check_options(

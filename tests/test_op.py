@@ -401,6 +401,26 @@ def test_flop_counter_reports_model_flops():
     assert counter.get_total_flops() == gemm
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_lightning_measure_flops_counts_the_head(device):
+    """Lightning's measure_flops (what ThroughputMonitor uses; it recommends meta-device models) sees
+    6*N*H*V for the head's fwd+bwd and 2*N*H*V forward-only."""
+    from lightning.fabric.utilities.throughput import measure_flops
+
+    n_rows, hidden, vocab = 32, 16, 80
+    with torch.device(device):
+        head = torch.nn.Linear(hidden, vocab, bias=False)
+        x = torch.randn(n_rows, hidden, requires_grad=True)
+        target = torch.randint(0, vocab, (n_rows,))
+
+    def forward():
+        return fused_linear_cross_entropy(x, head.weight, target)
+
+    assert measure_flops(head, forward, loss_fn=lambda loss: loss) == 6 * n_rows * hidden * vocab
+    with torch.no_grad():  # inference: no gradient work happens in forward
+        assert measure_flops(head, forward) == 2 * n_rows * hidden * vocab
+
+
 def test_torch_compile_fullgraph_matches_eager():
     """The op is one opaque node: a compiled model around it has no graph break."""
     x, weight, target, bias, _ = make_problem(32, 16, 64, seed=9)
