@@ -2,10 +2,11 @@
 
     python benchmarks/bench_cpu.py [--shape 4096,1024,32000] [--repeats 5] [--out benchmarks/results/cpu.json]
 
-Each provider runs in its own fresh process (so one's allocations cannot hide another's peak):
-inputs are allocated first, then one warm-up fwd+bwd, then ``--repeats`` timed fwd+bwd (median,
-``time.perf_counter``). Peak memory is the increase of the process's peak RSS (``ru_maxrss``) over
-one fwd+bwd beyond the inputs: the first call's peak, measured before any other run could raise it.
+Peak memory: each provider runs in its own fresh process (so one's allocations cannot hide another's
+peak); it is the increase of the process's peak RSS (``ru_maxrss``) over the first full-size fwd+bwd,
+beyond the inputs (after a tiny warm-up call, so one-time library setup is not counted). Time: one process runs the providers interleaved (round-robin, so load from other processes
+on a shared machine hits them alike), one warm-up each, then ``--repeats`` rounds; median of
+``time.perf_counter`` per fwd+bwd.
 """
 
 from __future__ import annotations
@@ -30,50 +31,58 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def run_one(provider: str, n_rows: int, hidden: int, vocab: int, repeats: int) -> dict:
+def _problem(n_rows: int, hidden: int, vocab: int):
     import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(n_rows, hidden, requires_grad=True)
+    # In place: a temporary [V, H] here would raise the baseline peak and hide part of a provider's.
+    weight = torch.randn(vocab, hidden).mul_(hidden**-0.5).requires_grad_()
+    target = torch.randint(0, vocab, (n_rows,))
+    target[::10] = -100
+    return x, weight, target
+
+
+def _step(provider: str, x, weight, target) -> float:
     import torch.nn.functional as F
 
     from lightning_flce import fused_linear_cross_entropy
 
-    torch.manual_seed(0)
-    x = torch.randn(n_rows, hidden, requires_grad=True)
-    weight = (torch.randn(vocab, hidden) * hidden**-0.5).requires_grad_()
-    target = torch.randint(0, vocab, (n_rows,))
-    target[::10] = -100
+    if provider == "naive":
+        loss = F.cross_entropy(F.linear(x, weight), target)
+    else:
+        loss = fused_linear_cross_entropy(x, weight, target)
+    loss.backward()
+    x.grad = weight.grad = None
+    return loss.item()
 
-    def step():
-        if provider == "naive":
-            loss = F.cross_entropy(F.linear(x, weight), target)
-        else:
-            loss = fused_linear_cross_entropy(x, weight, target)
-        loss.backward()
-        x.grad = weight.grad = None
-        return loss.item()
 
+def peak_of(provider: str, n_rows: int, hidden: int, vocab: int) -> dict:
+    # A tiny call first, so one-time library setup (BLAS buffers, thread pools) is not counted.
+    _step(provider, *_problem(64, 64, 128))
+    problem = _problem(n_rows, hidden, vocab)
     base = _peak_rss_mib()
-    loss = step()
-    peak = _peak_rss_mib() - base
-    times = []
+    loss = _step(provider, *problem)
+    return {"provider": provider, "loss": loss, "peak_mib": _peak_rss_mib() - base}
+
+
+def times_of(n_rows: int, hidden: int, vocab: int, repeats: int) -> dict:
+    problem = _problem(n_rows, hidden, vocab)
+    times = {name: [] for name in PROVIDERS}
+    for name in PROVIDERS:
+        _step(name, *problem)  # warm-up
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1000)
-    return {
-        "provider": provider,
-        "shape": f"{n_rows}x{hidden}x{vocab}",
-        "loss": loss,
-        "ms": statistics.median(times),
-        "ms_all": times,
-        "peak_mib": peak,
-        "floor_mib": (n_rows + vocab) * hidden * 4 / 2**20,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-    }
+        for name in PROVIDERS:
+            start = time.perf_counter()
+            _step(name, *problem)
+            times[name].append((time.perf_counter() - start) * 1000)
+    return times
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", default="4096,1024,32000", help="N,H,V")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the records as JSON here")
@@ -81,15 +90,29 @@ def main() -> None:
     args = parser.parse_args()
     n_rows, hidden, vocab = (int(v) for v in args.shape.split(","))
     if args.child:
-        print(json.dumps(run_one(args.child, n_rows, hidden, vocab, args.repeats)))
+        print(json.dumps(peak_of(args.child, n_rows, hidden, vocab)))
         return
+    import torch
+
     records = []
     for provider in PROVIDERS:
-        cmd = [sys.executable, __file__, "--shape", args.shape, "--repeats", str(args.repeats), "--child", provider]
+        cmd = [sys.executable, __file__, "--shape", args.shape, "--child", provider]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         records.append(json.loads(out.strip().splitlines()[-1]))
+    times = times_of(n_rows, hidden, vocab, args.repeats)
+    for rec in records:
+        rec.update(
+            shape=f"{n_rows}x{hidden}x{vocab}",
+            ms=statistics.median(times[rec["provider"]]),
+            ms_all=times[rec["provider"]],
+            floor_mib=(n_rows + vocab) * hidden * 4 / 2**20,
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+        )
     naive = records[0]
-    print(f"CPU fwd+bwd, fp32, {args.shape} (N,H,V), {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    print(
+        f"CPU fwd+bwd, fp32, {args.shape} (N,H,V), {platform.machine()}, {os.cpu_count()} cores, {naive['threads']} threads"
+    )
     print(f"{'provider':10s} {'ms':>9s} {'x naive':>8s} {'peak MiB':>9s} {'x naive':>8s} {'loss':>10s}")
     for rec in records:
         print(
@@ -98,8 +121,12 @@ def main() -> None:
         )
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "machine": platform.machine(), "cores": os.cpu_count(),
-                       "records": records}, fh, indent=1)
+            summary = {
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": platform.machine(),
+                "cores": os.cpu_count(),
+            }
+            json.dump({**summary, "records": records}, fh, indent=1)
 
 
 if __name__ == "__main__":
