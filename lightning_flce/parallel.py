@@ -1,0 +1,826 @@
+"""Vocab-parallel fused linear cross-entropy: the LM head's weight is sharded over V across a process group.
+
+Rank ``r`` of ``group`` holds the rows ``[vocab_start_r, vocab_start_r + V_r)`` of the ``[V, H]`` head weight
+(and of the bias); the hidden states and targets are the same on every rank of the group (replicated, as in
+Megatron-style tensor parallelism). Per chunk of C tokens each rank computes only its ``[C, V_r]`` logits and::
+
+    M        = all_reduce_max(max_j z_j)                         # [C]
+    S, z_t.. = all_reduce_sum(sum_j exp(z_j - M), z_target, ...)  # [k, C] in one collective
+    lse      = M + log S                                          # the global log-sum-exp
+    d loss / d z_j = coef * exp(z_j - M) / S - smoothing - one-hot(target), on the local columns only
+    dW_r    (+)= (d loss / d logits).T @ x_c                      # stays local
+    dX_part (+)= (d loss / d logits) @ W_r                        # summed over the group once, at the end
+
+where ``z`` are the (softcapped) fp32 logits, ``z_target`` comes from the rank that owns the target (the
+others add 0), and the label-smoothing and entropy sums ride in the same sum. No rank holds ``[N, V]``
+or the full ``[V, H]``. Every collective goes through :mod:`torch.distributed` on ``group`` (gloo on the
+CPU, NCCL on GPUs).
+
+Like the single-device op, "mean"/"sum" compute the gradients in forward (backward multiplies them by
+``grad_output``), and "none" recomputes the chunks in backward with the per-token ``grad_output`` (its
+collectives then run in backward too, on every rank in the same order).
+
+Shard layout and consistency are checked with one small integer all-reduce per call (one host sync):
+every rank learns every shard's ``(start, size)``, and a mismatch between ranks (different hidden states
+count, targets, hidden size, chunk size, dtype or ``requires_grad``) raises the same error on every rank
+instead of hanging in a later collective.
+
+Not supported (raise): ``class_weight`` (``NotImplementedError``), ``impl="triton"`` (the per-chunk math is
+PyTorch; the GEMMs dominate). Not tested: ``torch.compile`` of a graph containing this op (it is a plain
+``autograd.Function`` with host syncs and collectives, so dynamo graph-breaks around it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_flce.accumulate import accumulate_grad_weight, choose_path
+from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options
+from lightning_flce.kernels import LossOptions
+from lightning_flce.kernels.scale import scale_
+from lightning_flce.op import _accumulator_dtype, _loss_scales, _write_rows, default_chunk_size
+
+__all__ = [
+    "VocabParallelHead",
+    "fully_shard_lm",
+    "register_fsdp_step_methods",
+    "vocab_parallel_fused_linear_cross_entropy",
+    "vocab_parallel_fused_linear_cross_entropy_with_stats",
+    "vocab_shard_range",
+]
+
+_REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
+# Columns of the per-rank row of the layout all-reduce.
+(
+    _C_START_GIVEN,
+    _C_START,
+    _C_ROWS,
+    _C_HIDDEN,
+    _C_TOKENS,
+    _C_VALID,
+    _C_TARGET_MIN,
+    _C_TARGET_MAX,
+    _C_FINGERPRINT,
+    _C_CHUNK,
+    _C_ITEMSIZE,
+    _C_FLAGS,
+) = range(12)
+_N_COLUMNS = 12
+_FINGERPRINT_MOD = 65521
+
+
+def vocab_shard_range(vocab_size: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """``(start, end)`` of rank ``rank``'s rows in the default layout: contiguous shards in rank order whose
+    sizes differ by at most one (the first ``vocab_size % world_size`` ranks get the extra row)."""
+    if world_size <= 0 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a group of size {world_size}")
+    if vocab_size < world_size:
+        raise ValueError(f"cannot shard V={vocab_size} rows over {world_size} ranks (every rank needs one)")
+    base, extra = divmod(vocab_size, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def vocab_parallel_fused_linear_cross_entropy(
+    input: Tensor,
+    weight_shard: Tensor,
+    target: Tensor,
+    bias_shard: Optional[Tensor] = None,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    vocab_start: Optional[int] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: Optional[float] = None,
+    chunk_size: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    class_weight: Optional[Tensor] = None,
+) -> Tensor:
+    """:func:`~lightning_flce.fused_linear_cross_entropy` with the head weight sharded over V across ``group``.
+
+    Call it on every rank of ``group`` with the same ``input``, ``target`` and options; each rank passes its
+    own rows of the weight (and bias). The result — the loss and the gradient w.r.t. ``input`` — is the same
+    on every rank and equals the single-device op on the full weight; ``weight_shard.grad`` (and
+    ``bias_shard.grad``) get the rows of the full gradient that the rank holds.
+
+    Args:
+        input: [..., H] hidden states, identical on every rank of ``group``.
+        weight_shard: [V_r, H] this rank's rows of the head weight (V_r >= 1). A ``DTensor`` sharded
+            ``Shard(0)`` on a 1-D device mesh is accepted too: its local rows and the mesh's group are used.
+        target: [...] global class indices in ``[0, V)`` (or ``ignore_index``), identical on every rank.
+        bias_shard: optional [V_r] rows of the head bias.
+        group: the process group the vocabulary is sharded over (default: the world).
+        vocab_start: first global row of ``weight_shard``. ``None`` (default): shards are contiguous in rank
+            order, ``vocab_start_r = V_0 + ... + V_{r-1}`` (the sizes are exchanged, so uneven shards work).
+            If given, it must be given on every rank and the shards must tile ``[0, V)``.
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, chunk_size, accum_dtype: as in
+            :func:`~lightning_flce.fused_linear_cross_entropy` (``chunk_size=None`` picks the same size on
+            every rank, from the largest shard).
+        class_weight: not supported (``NotImplementedError``).
+
+    Returns:
+        The fp32 loss (a scalar, or [N] for ``reduction="none"``), replicated on every rank. Backpropagate
+        the same ``grad_output`` on every rank (the usual case: the loss feeds the same computation on all).
+    """
+    return _call(
+        input,
+        weight_shard,
+        target,
+        bias_shard,
+        group=group,
+        vocab_start=vocab_start,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        chunk_size=chunk_size,
+        accum_dtype=accum_dtype,
+        class_weight=class_weight,
+        compute_stats=False,
+    ).loss
+
+
+def vocab_parallel_fused_linear_cross_entropy_with_stats(
+    input: Tensor, weight_shard: Tensor, target: Tensor, bias_shard: Optional[Tensor] = None, **kwargs
+) -> FLCEOutput:
+    """:func:`vocab_parallel_fused_linear_cross_entropy` plus the per-token global LSE, ``argmax == target``
+    (first maximum over the whole vocabulary on ties) and entropy, as
+    :func:`~lightning_flce.fused_linear_cross_entropy_with_stats` returns them (one more all-reduce per
+    chunk, for the argmax)."""
+    return _call(input, weight_shard, target, bias_shard, compute_stats=True, **kwargs)
+
+
+class VocabParallelHead(nn.Module):
+    """An LM head whose ``[V, H]`` weight is sharded over V across a process group.
+
+    Holds the rows ``[vocab_start, vocab_start + V_r)`` of the full head (:func:`vocab_shard_range`);
+    ``forward`` returns the local logits ``[..., V_r]``, :meth:`loss` the vocab-parallel fused loss, and
+    :meth:`gather_logits` the full logits (inference; builds ``[..., V]``).
+
+    Example::
+
+        dist.init_process_group("nccl")
+        head = VocabParallelHead.from_linear(model.lm_head)  # keeps this rank's rows
+        loss = head.loss(hidden, labels, label_smoothing=0.1)
+        loss.backward()  # head.weight.grad: this rank's rows; hidden.grad: all-reduced over the group
+
+    Not a tied embedding: a vocab-parallel input embedding is not provided here.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        bias: bool = False,
+        *,
+        group: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        world_size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        start, end = vocab_shard_range(vocab_size, world_size, rank)
+        self.in_features = in_features
+        self.vocab_size = vocab_size
+        self.vocab_start = start
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(end - start, in_features, **factory))
+        self.bias = nn.Parameter(torch.empty(end - start, **factory)) if bias else None
+        self._init_like_linear()
+
+    def _init_like_linear(self) -> None:
+        # nn.Linear's init: kaiming_uniform(a=sqrt(5)) is uniform(+-1/sqrt(H)); independent per shard.
+        bound = 1.0 / self.in_features**0.5 if self.in_features else 0.0
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None) -> VocabParallelHead:
+        """A head holding this rank's rows of ``linear`` (copied; ``linear`` itself is left unchanged)."""
+        head = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            group=group,
+            device=linear.weight.device,
+            dtype=linear.weight.dtype,
+        )
+        rows = slice(head.vocab_start, head.vocab_start + head.weight.shape[0])
+        with torch.no_grad():
+            head.weight.copy_(linear.weight[rows])
+            if head.bias is not None:
+                head.bias.copy_(linear.bias[rows])
+        return head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """Local logits ``[..., V_r]`` (columns ``vocab_start .. vocab_start + V_r`` of the full logits)."""
+        return F.linear(hidden, self.weight, self.bias)
+
+    def loss(self, hidden: Tensor, target: Tensor, **kwargs) -> Tensor:
+        """:func:`vocab_parallel_fused_linear_cross_entropy` of this head (keyword options passed on)."""
+        return vocab_parallel_fused_linear_cross_entropy(
+            hidden, self.weight, target, self.bias, group=self.group, vocab_start=self.vocab_start, **kwargs
+        )
+
+    def loss_with_stats(self, hidden: Tensor, target: Tensor, **kwargs) -> FLCEOutput:
+        """:func:`vocab_parallel_fused_linear_cross_entropy_with_stats` of this head."""
+        return vocab_parallel_fused_linear_cross_entropy_with_stats(
+            hidden, self.weight, target, self.bias, group=self.group, vocab_start=self.vocab_start, **kwargs
+        )
+
+    @torch.no_grad()
+    def gather_logits(self, hidden: Tensor) -> Tensor:
+        """The full logits ``[..., V]`` on every rank (all-gather; no gradient). For inference only."""
+        local = self.forward(hidden).contiguous()
+        world_size = dist.get_world_size(self.group)
+        spans = [vocab_shard_range(self.vocab_size, world_size, r) for r in range(world_size)]
+        sizes = [end - start for start, end in spans]
+        padded = local.new_zeros(*local.shape[:-1], max(sizes))
+        padded[..., : local.shape[-1]] = local
+        parts = [torch.empty_like(padded) for _ in range(world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
+
+    def extra_repr(self) -> str:
+        rows = self.weight.shape[0]
+        return (
+            f"in_features={self.in_features}, vocab_size={self.vocab_size}, "
+            f"rows=[{self.vocab_start}, {self.vocab_start + rows}), bias={self.bias is not None}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP2 (ModelParallelStrategy)
+# ----------------------------------------------------------------------------------------------
+
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def _fsdp2():
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    except ImportError:  # torch 2.4/2.5
+        from torch.distributed._composable.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    return FSDPModule, fully_shard, register_fsdp_forward_method
+
+
+def register_fsdp_step_methods(module: nn.Module) -> list:
+    """Registers the step methods that a LightningModule overrides as FSDP2 forward methods; returns their
+    names. A no-op for a module that is not FSDP2-sharded, and for methods already registered.
+
+    FSDP2 unshards a module's parameters around ``forward`` only. Lightning calls ``training_step`` (and the
+    other steps) directly, and :class:`~lightning_flce.FLCEMixin` computes the loss inside them, so the
+    parameters that the root FSDP unit manages (e.g. the embeddings, and a head tied to them) would still be
+    sharded ``DTensor`` s there.
+    """
+    fsdp_module, _, register = _fsdp2()
+    if not isinstance(module, fsdp_module):
+        return []
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    registered = []
+    for name in _STEP_METHODS:
+        if name in module.__dict__:  # already patched on the instance (by the user or an earlier call)
+            continue
+        if isinstance(module, pl.LightningModule) and not is_overridden(name, module, pl.LightningModule):
+            continue
+        if callable(getattr(module, name, None)):
+            register(module, name)
+            registered.append(name)
+    return registered
+
+
+def fully_shard_lm(
+    module: nn.Module,
+    mesh: Optional[Any] = None,
+    *,
+    blocks: Iterable[nn.Module] = (),
+    head: Optional[nn.Module] = None,
+    register_steps: bool = True,
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
+    """FSDP2 for a language model that computes its loss with FLCE: ``fully_shard`` each of ``blocks``, the
+    (untied) ``head`` as its own unit, then ``module`` as the root; then :func:`register_fsdp_step_methods`.
+
+    Call it in ``configure_model`` under Lightning's ``ModelParallelStrategy``::
+
+        def configure_model(self):
+            if self.device_mesh is not None:
+                fully_shard_lm(self, self.device_mesh["data_parallel"], blocks=self.blocks, head=self.lm_head)
+
+    A head tied to the input embedding must stay in the root unit (``head=None``): FSDP2 cannot shard one
+    parameter in two units, and this raises instead. The head's weight is unsharded by its own forward
+    call (or the root's), which is where the fused loss reads it, so the op always sees the full ``[V, H]``
+    weight and the gradient lands, reduce-scattered, in the sharded parameter. ``fully_shard_kwargs`` (e.g.
+    ``mp_policy``, ``reshard_after_forward``) go to every ``fully_shard`` call.
+    """
+    _, fully_shard, _ = _fsdp2()
+    if head is not None:
+        head_params = {id(p) for p in head.parameters()}
+        head_modules = {id(m) for m in head.modules()}
+        outside = {
+            id(p) for m in module.modules() if id(m) not in head_modules for p in m.parameters(recurse=False)
+        }
+        if head_params & outside:
+            raise ValueError(
+                "the head shares a parameter with the rest of the model (tied embeddings): leave it in the root"
+                " unit (head=None)"
+            )
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **fully_shard_kwargs)
+    if head is not None:
+        fully_shard(head, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(module, mesh=mesh, **fully_shard_kwargs)
+    if register_steps:
+        register_fsdp_step_methods(module)
+    return module
+
+
+# ----------------------------------------------------------------------------------------------
+# Implementation
+# ----------------------------------------------------------------------------------------------
+
+
+class _Plan(NamedTuple):
+    """What every rank agreed on in :func:`_layout`, plus the loss options."""
+
+    group: Optional[dist.ProcessGroup]
+    vocab_start: int
+    vocab: int
+    n_valid: int
+    chunk_size: int
+    compute_dtype: torch.dtype
+    accum: str
+    ignore_index: int
+    label_smoothing: float
+    lse_square_scale: float
+    softcap: float
+
+
+def _call(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    vocab_start: Optional[int] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: Optional[float] = None,
+    chunk_size: Optional[int] = None,
+    accum_dtype: Optional[torch.dtype] = None,
+    class_weight: Optional[Tensor] = None,
+    compute_stats: bool,
+) -> FLCEOutput:
+    if class_weight is not None:
+        raise NotImplementedError(
+            "class_weight is not supported by the vocab-parallel op (its normalizer and smoothing term would"
+            " need the weights of every shard); use fused_linear_cross_entropy on the full weight"
+        )
+    input, weight, bias, group = _from_dtensors(input, weight, bias, group)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("vocab_parallel_fused_linear_cross_entropy needs an initialized torch.distributed")
+    compute_dtype = _check_inputs(input, weight, target, bias, None)
+    _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, "torch")
+    accum = _accum_mode(accum_dtype, weight)
+
+    grad_enabled = torch.is_grad_enabled()
+    needs = (
+        grad_enabled and input.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    )
+    vocab_start, vocab, n_valid, chunk_size = _layout(
+        input,
+        weight,
+        target,
+        group=group,
+        vocab_start=vocab_start,
+        ignore_index=int(ignore_index),
+        reduction=reduction,
+        chunk_size=chunk_size,
+        compute_dtype=compute_dtype,
+        need_grad_input=needs[0],
+        compute_stats=compute_stats,
+    )
+    plan = _Plan(
+        group=group,
+        vocab_start=vocab_start,
+        vocab=vocab,
+        n_valid=n_valid,
+        chunk_size=chunk_size,
+        compute_dtype=compute_dtype,
+        accum=accum,
+        ignore_index=int(ignore_index),
+        label_smoothing=float(label_smoothing),
+        lse_square_scale=float(lse_square_scale),
+        softcap=float(softcap) if softcap is not None else 0.0,
+    )
+    loss, lse, correct, entropy = _VocabParallelFLCE.apply(
+        input, weight, target, bias, plan, reduction, compute_stats, needs
+    )
+    return FLCEOutput(loss, lse, correct, entropy)
+
+
+def _from_dtensors(
+    input: Tensor, weight: Tensor, bias: Optional[Tensor], group: Optional[dist.ProcessGroup]
+) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[dist.ProcessGroup]]:
+    """Local tensors and group of a ``Shard(0)`` DTensor weight (and bias) on a 1-D mesh; a ``Replicate``
+    DTensor input becomes its local tensor. Plain tensors pass through."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # pragma: no cover - torch < 2.4
+        return input, weight, bias, group
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+            raise ValueError(
+                f"a DTensor weight must be Shard(0) on a 1-D mesh, got {weight.placements} on a {mesh.ndim}-D mesh"
+            )
+        mesh_group = mesh.get_group()
+        if group is not None and group != mesh_group:
+            raise ValueError("group differs from the process group of the DTensor weight's mesh")
+        group = mesh_group
+        weight = weight.to_local()
+        if isinstance(bias, DTensor):
+            if tuple(bias.placements) != (Shard(0),) or bias.device_mesh != mesh:
+                raise ValueError(
+                    f"a DTensor bias must be Shard(0) on the weight's mesh, got {bias.placements}"
+                )
+            bias = bias.to_local()
+    elif isinstance(bias, DTensor):
+        raise ValueError("the bias is a DTensor but the weight is not")
+    if isinstance(input, DTensor):
+        if any(p != Replicate() for p in input.placements):
+            raise ValueError(f"a DTensor input must be replicated, got {input.placements}")
+        input = input.to_local()
+    return input, weight, bias, group
+
+
+def _layout(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    group: Optional[dist.ProcessGroup],
+    vocab_start: Optional[int],
+    ignore_index: int,
+    reduction: str,
+    chunk_size: Optional[int],
+    compute_dtype: torch.dtype,
+    need_grad_input: bool,
+    compute_stats: bool,
+) -> Tuple[int, int, int, int]:
+    """``(vocab_start, V, number of non-ignored targets, chunk_size)``, agreed on by every rank through one
+    int64 all-reduce (one host sync) of every rank's shard and a fingerprint of what must agree."""
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    device = input.device
+    flat_target = target.reshape(-1).long()
+    n_tokens = flat_target.numel()
+    valid = flat_target != ignore_index
+    big = torch.iinfo(torch.int64).max
+    target_min = torch.where(valid, flat_target, big).amin() if n_tokens else flat_target.new_tensor(big)
+    target_max = torch.where(valid, flat_target, -big).amax() if n_tokens else flat_target.new_tensor(-big)
+    positions = torch.arange(n_tokens, device=device) % _FINGERPRINT_MOD + 1
+    fingerprint = (flat_target * positions).sum() % (1 << 40)
+    flags = (
+        int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2
+    )  # must agree as well
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    row = torch.stack(
+        [
+            flat_target.new_tensor(int(vocab_start is not None)),
+            flat_target.new_tensor(int(vocab_start) if vocab_start is not None else 0),
+            flat_target.new_tensor(weight.shape[0]),
+            flat_target.new_tensor(weight.shape[1]),
+            flat_target.new_tensor(n_tokens),
+            valid.sum(),
+            target_min,
+            target_max,
+            fingerprint,
+            flat_target.new_tensor(int(chunk_size) if chunk_size is not None else 0),
+            flat_target.new_tensor(itemsize),
+            flat_target.new_tensor(flags),
+        ]
+    )
+    table = torch.zeros(world_size, _N_COLUMNS, dtype=torch.int64, device=device)
+    table[rank] = row
+    dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
+    rows: Sequence[Sequence[int]] = table.tolist()
+
+    def column(index: int) -> list:
+        return [r[index] for r in rows]
+
+    for index, what in (
+        (_C_HIDDEN, "hidden sizes (weight columns)"),
+        (_C_TOKENS, "numbers of tokens"),
+        (_C_VALID, "numbers of non-ignored targets"),
+        (_C_FINGERPRINT, "targets"),
+        (_C_CHUNK, "chunk_size"),
+        (_C_ITEMSIZE, "compute dtypes"),
+        (_C_FLAGS, "reduction, stats or input.requires_grad"),
+        (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
+    ):
+        if len(set(column(index))) > 1:
+            raise ValueError(
+                f"the ranks of the vocab-parallel group disagree on their {what}: {column(index)}; input, target"
+                " and options must be the same on every rank"
+            )
+    sizes = column(_C_ROWS)
+    if min(sizes) < 1:
+        raise ValueError(f"every rank needs at least one vocabulary row, got shard sizes {sizes}")
+    vocab = sum(sizes)
+    if rows[0][_C_START_GIVEN]:
+        starts = column(_C_START)
+        spans = sorted(zip(starts, sizes))
+        covered = 0
+        for start, size in spans:
+            if start != covered:
+                raise ValueError(
+                    f"the shards (vocab_start, rows) {list(zip(starts, sizes))} do not tile [0, {vocab}) exactly"
+                )
+            covered += size
+        start = starts[rank]
+    else:
+        start = sum(sizes[:rank])
+
+    bad_min = rows[0][_C_TARGET_MIN] < 0
+    bad_max = rows[0][_C_TARGET_MAX] >= vocab and rows[0][_C_VALID] > 0
+    if bad_min or bad_max:
+        bad = flat_target[valid & ((flat_target < 0) | (flat_target >= vocab))]
+        raise ValueError(
+            f"{bad.numel()} target(s) outside [0, {vocab}) and not ignore_index={ignore_index},"
+            f" e.g. {bad[:5].tolist()}"
+        )
+    n_valid = rows[0][_C_VALID]
+    if chunk_size is None:
+        # The same on every rank: chunk boundaries must line up for the per-chunk collectives.
+        chunk_size = default_chunk_size(n_tokens, max(sizes), weight.shape[1], itemsize, use_triton=False)
+    return start, vocab, n_valid, int(chunk_size)
+
+
+class _VocabParallelFLCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, bias, plan: _Plan, reduction: str, compute_stats: bool, needs):
+        need_gx, need_gw, need_gb = needs
+        grads_now = reduction != "none"
+        with torch.autocast(x.device.type, enabled=False):
+            ce_scale, z_scale = _loss_scales(
+                target, reduction, LossOptions(ignore_index=plan.ignore_index), x.device
+            )
+            loss, lse, correct, entropy, gx, gw, gb = _chunk_loop(
+                x,
+                weight,
+                target,
+                bias,
+                plan,
+                ce_scale=ce_scale,
+                z_scale=z_scale,
+                need_grad_input=need_gx and grads_now,
+                need_grad_weight=need_gw and grads_now,
+                need_grad_bias=need_gb and grads_now,
+                compute_stats=compute_stats,
+            )
+        if reduction != "none":
+            loss = loss.sum()
+        ctx.plan, ctx.reduction, ctx.needs = plan, reduction, needs
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse, correct, entropy)
+        if reduction == "none":
+            ctx.save_for_backward(x, weight, target, bias)
+        else:
+            ctx.save_for_backward(gx, gw, gb)
+        return loss, lse, correct, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        grads = [None] * 8
+        if grad_loss is None:
+            return tuple(grads)
+        need_gx, need_gw, need_gb = ctx.needs
+        if ctx.reduction == "none":
+            x, weight, target, bias = ctx.saved_tensors
+            scale = grad_loss.reshape(-1).float()
+            with torch.autocast(x.device.type, enabled=False):
+                *_, gx, gw, gb = _chunk_loop(
+                    x,
+                    weight,
+                    target,
+                    bias,
+                    ctx.plan,
+                    ce_scale=scale,
+                    z_scale=scale,
+                    need_grad_input=need_gx,
+                    need_grad_weight=need_gw,
+                    need_grad_bias=need_gb,
+                    compute_stats=False,
+                )
+        else:
+            gx, gw, gb = ctx.saved_tensors
+            for grad in (gx, gw, gb):
+                if grad is not None:
+                    scale_(grad, grad_loss)
+        grads[0] = gx if need_gx else None
+        grads[1] = gw if need_gw else None
+        grads[3] = gb if need_gb else None
+        return tuple(grads)
+
+
+def _chunk_loop(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    plan: _Plan,
+    *,
+    ce_scale: Tensor,
+    z_scale: Tensor,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+    compute_stats: bool,
+) -> Tuple[Optional[Tensor], ...]:
+    """The chunk loop of :mod:`lightning_flce.op` on a shard: per-token loss/LSE/stats [N] (replicated) and
+    the gradients (dX all-reduced over the group; dW, db local rows); None for gradients not asked for."""
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    target = target.reshape(-1)
+    n_rows = x2.shape[0]
+    device = x.device
+    compute_dtype = plan.compute_dtype
+    n_valid = plan.n_valid
+    chunk_size = plan.chunk_size
+    valid = target != plan.ignore_index
+    rows = None
+    if n_valid < n_rows:
+        rows = torch.argsort(valid.to(torch.int8), descending=True, stable=True)[:n_valid]
+
+    weight_c = weight.to(compute_dtype)
+    bias_c = bias.to(compute_dtype) if bias is not None else None
+    per_row_scale = ce_scale.numel() > 1
+
+    loss = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    lse = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    correct = torch.zeros(n_rows if compute_stats else 0, dtype=torch.bool, device=device)
+    entropy = torch.zeros(n_rows if compute_stats else 0, dtype=torch.float32, device=device)
+    compute_grad = need_grad_input or need_grad_weight or need_grad_bias
+
+    accum_dtype = _accumulator_dtype(plan.accum, weight, n_chunks=-(-n_valid // chunk_size))
+    weight_for_grad_input = (
+        weight_c.double() if need_grad_input and accum_dtype == torch.float64 else weight_c
+    )
+    grad_input = None
+    if need_grad_input:
+        # The partial dX of each rank is summed over the group: in fp32 at least, so fp16/bf16 partials are
+        # not rounded before the sum.
+        reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+        grad_input = torch.zeros(n_rows, hidden, dtype=reduce_dtype, device=device)
+    grad_weight = accum_path = None
+    if need_grad_weight:
+        grad_weight = torch.empty(weight.shape, dtype=accum_dtype, device=device)
+        accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_grad_bias else None
+
+    logits_buffer = None
+    for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
+        end = min(start + chunk_size, n_valid)
+        if rows is None:
+            x_c, t_c, scale_rows = x2[start:end], target[start:end], slice(start, end)
+        else:
+            scale_rows = rows[start:end]
+            x_c, t_c = x2.index_select(0, scale_rows), target.index_select(0, scale_rows)
+        x_c = x_c.to(compute_dtype)
+        if logits_buffer is None:
+            logits_buffer = torch.empty(
+                min(chunk_size, n_valid), weight.shape[0], dtype=compute_dtype, device=device
+            )
+        logits = logits_buffer[: end - start]
+        if bias_c is not None:
+            torch.addmm(bias_c, x_c, weight_c.t(), out=logits)
+        else:
+            torch.mm(x_c, weight_c.t(), out=logits)
+
+        out_loss, out_lse, out_correct, out_entropy = _shard_chunk(
+            logits,
+            t_c,
+            plan,
+            ce_scale=ce_scale[scale_rows] if per_row_scale else ce_scale,
+            z_scale=z_scale[scale_rows] if per_row_scale else z_scale,
+            compute_grad=compute_grad,
+            compute_stats=compute_stats,
+        )
+        _write_rows(loss, scale_rows, out_loss)
+        _write_rows(lse, scale_rows, out_lse)
+        if compute_stats:
+            _write_rows(correct, scale_rows, out_correct)
+            _write_rows(entropy, scale_rows, out_entropy)
+        if need_grad_input:
+            partial = torch.mm(logits.to(weight_for_grad_input.dtype), weight_for_grad_input)
+            _write_rows(grad_input, scale_rows, partial)
+        if need_grad_weight:
+            accumulate_grad_weight(grad_weight, logits, x_c, first=chunk_index == 0, path=accum_path)
+        if need_grad_bias:
+            grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
+
+    if need_grad_input:
+        dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
+        grad_input = grad_input.to(x.dtype).view(x.shape)
+    if need_grad_weight:
+        if n_valid == 0:
+            grad_weight.zero_()
+        grad_weight = grad_weight.to(weight.dtype)
+    if need_grad_bias:
+        grad_bias = grad_bias.to(bias.dtype)
+    return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias
+
+
+def _shard_chunk(
+    logits: Tensor,
+    target: Tensor,
+    plan: _Plan,
+    *,
+    ce_scale: Tensor,
+    z_scale: Tensor,
+    compute_grad: bool,
+    compute_stats: bool,
+) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """One chunk of non-ignored rows on this rank's columns: the loss rows and global LSE (and stats), and
+    with ``compute_grad`` ``logits`` overwritten with d loss / d logits of the local columns.
+
+    Same formulas as :mod:`lightning_flce.kernels.cross_entropy_torch` (without class weights), with the
+    row reductions over V replaced by local reductions plus an all-reduce.
+    """
+    group = plan.group
+    n_rows, local_vocab = logits.shape
+    vocab = plan.vocab
+    eps = plan.label_smoothing
+    cap = plan.softcap
+    lam = plan.lse_square_scale
+
+    z = logits.float()
+    if cap > 0.0:
+        z = torch.tanh(z / cap).mul_(cap)
+    row_max = z.amax(dim=1)
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+
+    local_target = target - plan.vocab_start
+    owned = (local_target >= 0) & (local_target < local_vocab)
+    safe_target = torch.where(owned, local_target, 0).unsqueeze(1)
+    exp_shifted = (z - row_max.unsqueeze(1)).exp_()
+    sums = [exp_shifted.sum(dim=1), torch.where(owned, z.gather(1, safe_target).squeeze(1), 0.0)]
+    if eps > 0.0:
+        sums.append(z.sum(dim=1))
+    if compute_stats:
+        sums.append((exp_shifted * z).sum(dim=1))
+        # first global index of the row maximum on this shard (V where the maximum is elsewhere)
+        at_max = z == row_max.unsqueeze(1)
+        first = torch.where(at_max.any(dim=1), at_max.to(torch.int8).argmax(dim=1) + plan.vocab_start, vocab)
+        neg_first = (-first).to(torch.int64)
+        dist.all_reduce(neg_first, op=dist.ReduceOp.MAX, group=group)
+    summed = torch.stack(sums)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    sum_exp, z_target = summed[0], summed[1]
+    lse = row_max + sum_exp.log()
+
+    ce_scale = ce_scale.float()
+    z_scale = z_scale.float()
+    ce = (1.0 - eps) * (lse - z_target)
+    if eps > 0.0:
+        ce = ce + eps * (lse - summed[2] / vocab)
+    loss = ce_scale * ce + z_scale * lam * lse.square()
+
+    correct = entropy = None
+    if compute_stats:
+        correct = -neg_first == target
+        entropy = lse - summed[-1] / sum_exp
+
+    if compute_grad:
+        softcap_factor = (z / cap).square_().neg_().add_(1.0) if cap > 0.0 else None
+        del z
+        # softmax * (ce_scale + 2 z_scale lam lse) - ce_scale eps / V - ce_scale (1 - eps) one-hot
+        p_coef = (ce_scale + z_scale * 2.0 * lam * lse) / sum_exp
+        grad = exp_shifted.mul_(p_coef.unsqueeze(1))
+        if eps > 0.0:
+            grad.sub_((ce_scale * eps / vocab).unsqueeze(-1).expand(n_rows, 1))
+        target_coef = torch.where(owned, (ce_scale * (1.0 - eps)).expand(n_rows), 0.0)
+        grad.scatter_add_(1, safe_target, -target_coef.unsqueeze(1))
+        if softcap_factor is not None:
+            grad.mul_(softcap_factor)
+        logits.copy_(grad)
+    return loss, lse, correct, entropy

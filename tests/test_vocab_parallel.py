@@ -1,0 +1,544 @@
+"""Vocab-parallel fused linear cross-entropy on 2 and 3 CPU processes (gloo) against the float64 definition and
+the single-device op on the full weight.
+
+Each world size runs once (a module-scoped fixture): the test starts ``world`` copies of this file as scripts,
+which join a gloo group through a file store (no port), run every case of :func:`cases` in the same order and
+save their loss, dX, dW/d bias shards (and stats) per case. The parametrized tests then compare each rank's
+results with the float64 reference (``tests/reference.py``) and with ``fused_linear_cross_entropy`` on the
+full weight: dX and the loss on every rank, dW and d bias as the concatenation of the shards at their rows.
+
+Tolerances as in ``test_op.py``: relative L2 errors of 1e-5 (fp32 rounding grown over the short reductions
+here is ~1e-6; a missing or wrong term moves the result by more than 1e-3). Ignored-only batches must give
+exact zeros. Errors must raise on every rank and leave the group usable (the later cases still run).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import grads_of, reference_loss, relative_error
+
+from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
+from lightning_flce.parallel import (
+    VocabParallelHead,
+    vocab_parallel_fused_linear_cross_entropy,
+    vocab_parallel_fused_linear_cross_entropy_with_stats,
+    vocab_shard_range,
+)
+
+FP32_TOL = 1e-5
+HIDDEN = 16
+VOCAB = {2: 51, 3: 50}  # uneven shards: 26 + 25 and 17 + 17 + 16 rows
+# world 3, explicit vocab_start: not in rank order and of very different sizes
+EXPLICIT = {0: (35, 50), 1: (0, 10), 2: (10, 35)}
+FEATURES = {
+    "plain": {},
+    "bias": {"bias": True},
+    "smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"lse_square_scale": 1e-2},
+    "softcap": {"softcap": 4.0},
+    "all": {"bias": True, "label_smoothing": 0.15, "lse_square_scale": 1e-3, "softcap": 3.0},
+}
+REDUCTIONS = ("mean", "sum", "none")
+TIMEOUT_S = 120
+
+
+def cases(world: int) -> dict[str, dict]:
+    """The cases every rank runs, in this order (the collectives of all ranks must line up)."""
+    out = {}
+    for feature in FEATURES:
+        for reduction in REDUCTIONS:
+            out[f"{feature}-{reduction}"] = {"kind": "loss", "feature": feature, "reduction": reduction}
+    for reduction in REDUCTIONS:
+        out[f"fp64-all-{reduction}"] = {
+            "kind": "loss",
+            "feature": "all",
+            "reduction": reduction,
+            "dtype": torch.float64,
+        }
+        out[f"all_ignored-{reduction}"] = {
+            "kind": "loss",
+            "feature": "all",
+            "reduction": reduction,
+            "ignore": "all",
+        }
+    out["default_chunk-all-mean"] = {
+        "kind": "loss",
+        "feature": "all",
+        "reduction": "mean",
+        "chunk_size": None,
+    }
+    out["no_ignored-2d-all-none"] = {
+        "kind": "loss",
+        "feature": "all",
+        "reduction": "none",
+        "ignore": "none",
+        "lead_shape": (3, 11),
+    }
+    out["empty-mean"] = {"kind": "loss", "feature": "bias", "reduction": "mean", "lead_shape": (0,)}
+    if world == 3:
+        for reduction in REDUCTIONS:
+            out[f"explicit_start-all-{reduction}"] = {
+                "kind": "loss",
+                "feature": "all",
+                "reduction": reduction,
+                "layout": "explicit",
+            }
+    out["stats-smoothing"] = {"kind": "stats", "feature": "smoothing", "reduction": "mean"}
+    out["stats-ties"] = {"kind": "ties"}
+    out["module"] = {"kind": "module", "feature": "bias", "reduction": "mean"}
+    out["dtensor"] = {"kind": "dtensor", "reduction": "sum"}
+    out["autocast_bf16"] = {"kind": "autocast", "feature": "all", "reduction": "mean"}
+    out["error-target_out_of_range"] = {"kind": "error", "error": "target"}
+    out["error-targets_differ"] = {"kind": "error", "error": "mismatch"}
+    out["error-class_weight"] = {"kind": "error", "error": "class_weight"}
+    out["error-vocab_start_overlap"] = {"kind": "error", "error": "overlap"}
+    out["error-chunk_size_differs"] = {"kind": "error", "error": "chunk"}
+    out["after_errors-plain-mean"] = {"kind": "loss", "feature": "plain", "reduction": "mean"}
+    return out
+
+
+def make_problem(spec: dict, world: int):
+    """Full (replicated) problem of a case: x, weight, target, bias, grad_output."""
+    gen = torch.Generator().manual_seed(zlib.crc32(spec.get("feature", "plain").encode()))
+    dtype = spec.get("dtype", torch.float32)
+    shape = spec.get("lead_shape", (37,))
+    vocab = VOCAB[world]
+    x = torch.randn(*shape, HIDDEN, generator=gen).to(dtype)
+    weight = (torch.randn(vocab, HIDDEN, generator=gen) / HIDDEN**0.5 * 2).to(dtype)
+    target = torch.randint(0, vocab, shape, generator=gen)
+    ignore = spec.get("ignore", "some")
+    if ignore == "some":
+        target[torch.rand(shape, generator=gen) < 0.2] = -100
+    elif ignore == "all":
+        target.fill_(-100)
+    bias = torch.randn(vocab, generator=gen).to(dtype)
+    n_tokens = target.numel()
+    reduction = spec.get("reduction", "mean")
+    grad_output = {"mean": torch.tensor(1.0), "sum": torch.tensor(0.75)}.get(reduction)
+    if grad_output is None:
+        grad_output = torch.randn(n_tokens, generator=gen)
+    return x, weight, target, bias, grad_output
+
+
+def op_kwargs(spec: dict) -> dict:
+    feature = FEATURES[spec.get("feature", "plain")]
+    kwargs = {k: v for k, v in feature.items() if k != "bias"}
+    kwargs["reduction"] = spec.get("reduction", "mean")
+    return kwargs
+
+
+def shard_rows(spec: dict, world: int, rank: int) -> tuple[int, int]:
+    if spec.get("layout") == "explicit":
+        return EXPLICIT[rank]
+    return vocab_shard_range(VOCAB[world], world, rank)
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker (this file run as a script, one process per rank)
+# ----------------------------------------------------------------------------------------------
+
+
+def _backward(loss: torch.Tensor, grad_output: torch.Tensor) -> None:
+    (loss * grad_output.to(loss.dtype)).sum().backward()
+
+
+def run_case(spec: dict, world: int, rank: int) -> dict:
+    import torch.distributed as dist
+
+    kind = spec["kind"]
+    x, weight, target, bias, grad_output = make_problem(spec, world)
+    start, end = shard_rows(spec, world, rank)
+    use_bias = FEATURES[spec.get("feature", "plain")].get("bias", False)
+    x = x.requires_grad_()
+    w_shard = weight[start:end].clone().requires_grad_()
+    b_shard = bias[start:end].clone().requires_grad_() if use_bias else None
+    chunk_size = spec.get("chunk_size", 8)
+    result = {"rows": (start, end)}
+
+    if kind == "loss":
+        vocab_start = start if spec.get("layout") == "explicit" else None
+        loss = vocab_parallel_fused_linear_cross_entropy(
+            x, w_shard, target, b_shard, vocab_start=vocab_start, chunk_size=chunk_size, **op_kwargs(spec)
+        )
+        _backward(loss, grad_output)
+        result.update(
+            loss=loss.detach(), dx=x.grad, dw=w_shard.grad, db=None if b_shard is None else b_shard.grad
+        )
+    elif kind == "stats":
+        out = vocab_parallel_fused_linear_cross_entropy_with_stats(
+            x, w_shard, target, b_shard, chunk_size=chunk_size, **op_kwargs(spec)
+        )
+        _backward(out.loss, grad_output)
+        result.update(
+            loss=out.loss.detach(),
+            lse=out.lse,
+            correct=out.correct,
+            entropy=out.entropy,
+            dx=x.grad,
+            dw=w_shard.grad,
+        )
+    elif kind == "ties":
+        x, weight, target = tie_problem(world)
+        out = vocab_parallel_fused_linear_cross_entropy_with_stats(
+            x, weight[start:end], target, chunk_size=4, reduction="none"
+        )
+        result.update(correct=out.correct, lse=out.lse)
+    elif kind == "module":
+        linear = torch.nn.Linear(HIDDEN, VOCAB[world], bias=True)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            linear.bias.copy_(bias)
+        head = VocabParallelHead.from_linear(linear)
+        loss = head.loss(x, target, chunk_size=chunk_size, label_smoothing=0.1)
+        _backward(loss, grad_output)
+        result.update(
+            rows=(head.vocab_start, head.vocab_start + head.weight.shape[0]),
+            loss=loss.detach(),
+            dx=x.grad,
+            dw=head.weight.grad,
+            db=head.bias.grad,
+            logits=head.gather_logits(x.detach()),
+            local_logits=head(x.detach()).detach(),
+        )
+    elif kind == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        w_dt = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+        loss = vocab_parallel_fused_linear_cross_entropy(
+            x, w_dt, target, chunk_size=chunk_size, reduction="sum"
+        )
+        _backward(loss, grad_output)
+        local = w_dt.grad.to_local()
+        offset = vocab_shard_range(VOCAB[world], world, rank)[0]
+        result.update(
+            rows=(offset, offset + local.shape[0]),
+            grad_type=type(w_dt.grad).__name__,
+            placements=str(w_dt.grad.placements),
+            loss=loss.detach(),
+            dx=x.grad,
+            dw=local,
+        )
+    elif kind == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = vocab_parallel_fused_linear_cross_entropy(
+                x, w_shard, target, b_shard, chunk_size=chunk_size, **op_kwargs(spec)
+            )
+        _backward(loss, grad_output)
+        result.update(loss=loss.detach(), dx=x.grad, dw=w_shard.grad, db=b_shard.grad)
+    elif kind == "error":
+        error = spec["error"]
+        kwargs = {"chunk_size": chunk_size}
+        if error == "target":
+            target[5] = VOCAB[world] + 3
+        elif error == "mismatch":
+            if rank == 1:
+                index = int((target >= 0).nonzero()[0])
+                target[index] = (target[index] + 1) % VOCAB[world]
+        elif error == "class_weight":
+            kwargs["class_weight"] = torch.ones(end - start)
+        elif error == "overlap":
+            kwargs["vocab_start"] = 0  # every rank claims row 0
+        elif error == "chunk":
+            kwargs["chunk_size"] = chunk_size + rank  # chunk boundaries would not line up
+        try:
+            vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
+        except Exception as exc:  # recorded for the parent to check
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            result["error"] = None
+        dist.barrier()
+    return result
+
+
+def worker(out_dir: str, world: int, rank: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world
+    )
+    results = {}
+    start = time.perf_counter()
+    for name, spec in cases(world).items():
+        results[name] = run_case(spec, world, rank)
+    results["_seconds"] = time.perf_counter() - start
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def tie_problem(world: int):
+    """Logits where two rows on different shards tie for the maximum: the first one is the argmax."""
+    vocab = VOCAB[world]
+    weight = torch.zeros(vocab, HIDDEN)
+    weight[:, 1:] = torch.randn(vocab, HIDDEN - 1, generator=torch.Generator().manual_seed(5)) * 0.01
+    low, high = 3, vocab - 4  # on the first and the last shard
+    weight[low, 0] = weight[high, 0] = 10.0
+    weight[low, 1:] = weight[high, 1:] = 0.0
+    x = torch.zeros(4, HIDDEN)
+    x[:, 0] = 1.0
+    target = torch.tensor([low, high, 0, -100])
+    return x, weight, target
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+def _launch(world: int, out_dir: Path) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(out_dir), str(world), str(rank)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
+            outputs.append(out)
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"the {world} ranks did not finish in {TIMEOUT_S} s (a hang in a collective?)")
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            cache[world] = _launch(world, tmp_path_factory.mktemp(f"vp{world}"))
+        return cache[world]
+
+    return get
+
+
+def _case_ids():
+    return [(world, name) for world in (2, 3) for name in cases(world)]
+
+
+def _full_from_shards(shards: list[tuple[tuple[int, int], torch.Tensor]], vocab: int) -> torch.Tensor:
+    first = shards[0][1]
+    full = torch.full((vocab, *first.shape[1:]), float("nan"), dtype=first.dtype)
+    for (start, end), part in shards:
+        assert part.shape[0] == end - start
+        full[start:end] = part
+    assert not full.isnan().any(), "the shards do not cover the vocabulary"
+    return full
+
+
+def _expected(spec: dict, world: int):
+    """(loss, [dx, dw, db]) of the float64 reference and of the single-device op, on the full weight."""
+    x, weight, target, bias, grad_output = make_problem(spec, world)
+    use_bias = FEATURES[spec.get("feature", "plain")].get("bias", False)
+    kwargs = op_kwargs(spec)
+    b = bias.requires_grad_() if use_bias else None
+    weight.requires_grad_()
+    x.requires_grad_()
+    reference = grads_of(
+        lambda x_, w_, b_: reference_loss(x_, w_, target, b_, **kwargs),
+        x.double(),
+        weight.double(),
+        None if b is None else b.double(),
+        grad_output=grad_output,
+    )
+    single = grads_of(
+        lambda x_, w_, b_: fused_linear_cross_entropy(x_, w_, target, b_, chunk_size=8, **kwargs),
+        x,
+        weight,
+        b,
+        grad_output=grad_output,
+    )
+    return reference, single, target
+
+
+def _check_loss_and_grads(spec, world, ranks, tol=FP32_TOL):
+    (ref_loss, ref_grads), (single_loss, single_grads), target = _expected(spec, world)
+    vocab = VOCAB[world]
+    all_ignored = spec.get("ignore") == "all"
+    dw = _full_from_shards([(r["rows"], r["dw"]) for r in ranks], vocab)
+    db = None
+    if ranks[0].get("db") is not None:
+        db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], vocab)
+    for rank, r in enumerate(ranks):
+        assert r["loss"].dtype == torch.float32
+        assert r["loss"].shape == single_loss.shape
+        assert r["dx"].dtype == single_grads[0].dtype
+        if all_ignored:
+            assert torch.count_nonzero(r["loss"]) == 0 and torch.count_nonzero(r["dx"]) == 0
+            continue
+        if target.numel() == 0:
+            assert r["loss"].item() == 0.0 and r["dx"].shape == single_grads[0].shape
+            continue
+        assert relative_error(r["loss"], ref_loss) < tol, f"rank {rank} loss"
+        assert relative_error(r["loss"], single_loss) < tol, f"rank {rank} loss vs the single-device op"
+        assert relative_error(r["dx"], ref_grads[0]) < tol, f"rank {rank} dx"
+        assert relative_error(r["dx"], single_grads[0]) < tol, f"rank {rank} dx vs the single-device op"
+    if all_ignored or target.numel() == 0:
+        assert torch.count_nonzero(dw) == 0
+        assert db is None or torch.count_nonzero(db) == 0
+        return
+    assert dw.dtype == single_grads[1].dtype
+    assert relative_error(dw, ref_grads[1]) < tol
+    assert relative_error(dw, single_grads[1]) < tol
+    if ref_grads[2] is not None:
+        assert db is not None and db.dtype == single_grads[2].dtype
+        assert relative_error(db, ref_grads[2]) < tol
+        assert relative_error(db, single_grads[2]) < tol
+    else:
+        assert db is None
+
+
+@pytest.mark.parametrize(("world", "name"), _case_ids(), ids=[f"w{w}-{n}" for w, n in _case_ids()])
+def test_vocab_parallel(results, world, name):
+    spec = cases(world)[name]
+    ranks = [r[name] for r in results(world)]
+    kind = spec["kind"]
+    if kind == "loss":
+        if spec.get("layout") == "explicit":
+            assert [r["rows"] for r in ranks] == [EXPLICIT[rank] for rank in range(world)]
+        _check_loss_and_grads(spec, world, ranks)
+    elif kind == "stats":
+        _check_loss_and_grads(spec, world, ranks)
+        x, weight, target, _, _ = make_problem(spec, world)
+        single = fused_linear_cross_entropy_with_stats(x, weight, target, chunk_size=8)
+        logits = F.linear(x.double(), weight.double())
+        valid = target != -100
+        ref_lse = torch.where(valid, torch.logsumexp(logits, -1), 0.0)
+        probs = logits.softmax(-1)
+        ref_entropy = torch.where(valid, -(probs * probs.log()).sum(-1), 0.0)
+        for r in ranks:
+            assert relative_error(r["lse"], ref_lse) < FP32_TOL
+            assert relative_error(r["entropy"], ref_entropy) < FP32_TOL
+            assert torch.equal(r["correct"], (logits.argmax(-1) == target) & valid)
+            assert torch.equal(r["correct"], single.correct)
+    elif kind == "ties":
+        x, weight, target = tie_problem(world)
+        single = fused_linear_cross_entropy_with_stats(x, weight, target, reduction="none")
+        assert single.correct.tolist() == [True, False, False, False]
+        for r in ranks:
+            assert r["correct"].tolist() == [True, False, False, False]
+            torch.testing.assert_close(r["lse"], single.lse, rtol=1e-6, atol=1e-6)
+    elif kind == "module":
+        assert [r["rows"] for r in ranks] == [vocab_shard_range(VOCAB[world], world, k) for k in range(world)]
+        x, weight, target, bias, grad_output = make_problem(spec, world)
+        # the module case runs with label_smoothing=0.1 and the problem of the "bias" feature
+        (ref_loss, ref_grads) = grads_of(
+            lambda x_, w_, b_: reference_loss(x_, w_, target, b_, label_smoothing=0.1),
+            x.double().requires_grad_(),
+            weight.double().requires_grad_(),
+            bias.double().requires_grad_(),
+            grad_output=grad_output,
+        )
+        full_logits = F.linear(x, weight, bias)
+        for r in ranks:
+            assert relative_error(r["loss"], ref_loss) < FP32_TOL
+            assert relative_error(r["dx"], ref_grads[0]) < FP32_TOL
+            torch.testing.assert_close(r["logits"], full_logits, rtol=1e-6, atol=1e-6)
+            start, end = r["rows"]
+            torch.testing.assert_close(r["local_logits"], full_logits[:, start:end], rtol=1e-6, atol=1e-6)
+        dw = _full_from_shards([(r["rows"], r["dw"]) for r in ranks], VOCAB[world])
+        db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], VOCAB[world])
+        assert relative_error(dw, ref_grads[1]) < FP32_TOL
+        assert relative_error(db, ref_grads[2]) < FP32_TOL
+    elif kind == "dtensor":
+        for r in ranks:
+            assert r["grad_type"] == "DTensor" and r["placements"] == "(Shard(dim=0),)"
+        _check_loss_and_grads({"feature": "plain", "reduction": "sum"}, world, ranks)
+    elif kind == "autocast":
+        _check_autocast(spec, world, ranks)
+    elif kind == "error":
+        expected = {
+            "target": ("ValueError", "outside [0, "),
+            "mismatch": ("ValueError", "disagree on their targets"),
+            "class_weight": ("NotImplementedError", "class_weight is not supported"),
+            "overlap": ("ValueError", "do not tile"),
+            "chunk": ("ValueError", "disagree on their chunk_size"),
+        }[spec["error"]]
+        for rank, r in enumerate(ranks):
+            assert r["error"] is not None, f"rank {rank} did not raise"
+            kind_name, message = expected
+            assert r["error"].startswith(kind_name) and message in r["error"], r["error"]
+
+
+def _check_autocast(spec, world, ranks):
+    """bf16 autocast: the GEMMs in bf16 like the single-device op under the same autocast; fp32 grads.
+
+    Both round the logits and d logits to bf16 per chunk, so both are ~1e-3 off the float64 reference; the
+    vocab-parallel op must be no worse than 1.5x the single-device op (its dX partials are summed in fp32)."""
+    x, weight, target, bias, grad_output = make_problem(spec, world)
+    kwargs = op_kwargs(spec)
+    (ref_loss, ref_grads) = grads_of(
+        lambda x_, w_, b_: reference_loss(x_, w_, target, b_, **kwargs),
+        x.double().requires_grad_(),
+        weight.double().requires_grad_(),
+        bias.double().requires_grad_(),
+        grad_output=grad_output,
+    )
+
+    def single_op(x_, w_, b_):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fused_linear_cross_entropy(x_, w_, target, b_, chunk_size=8, **kwargs)
+
+    single_loss, single_grads = grads_of(
+        single_op, x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), grad_output=grad_output
+    )
+    dw = _full_from_shards([(r["rows"], r["dw"]) for r in ranks], VOCAB[world])
+    db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], VOCAB[world])
+    for r in ranks:
+        assert r["dx"].dtype == torch.float32
+        assert relative_error(r["loss"], ref_loss) <= 1.5 * relative_error(single_loss, ref_loss) + 1e-4
+        assert (
+            relative_error(r["dx"], ref_grads[0])
+            <= 1.5 * relative_error(single_grads[0], ref_grads[0]) + 1e-4
+        )
+    assert dw.dtype == torch.float32
+    assert relative_error(dw, ref_grads[1]) <= 1.5 * relative_error(single_grads[1], ref_grads[1]) + 1e-4
+    assert relative_error(db, ref_grads[2]) <= 1.5 * relative_error(single_grads[2], ref_grads[2]) + 1e-4
+    # and the error is a bf16 rounding error, not a wrong term
+    assert relative_error(ranks[0]["loss"], ref_loss) < 1e-2
+
+
+def test_shard_ranges_tile_the_vocabulary():
+    for vocab, world in ((51, 2), (50, 3), (7, 7), (100, 8)):
+        spans = [vocab_shard_range(vocab, world, rank) for rank in range(world)]
+        assert spans[0][0] == 0 and spans[-1][1] == vocab
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        sizes = [end - start for start, end in spans]
+        assert max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError):
+        vocab_shard_range(2, 3, 0)
+
+
+def test_needs_an_initialized_process_group():
+    with pytest.raises(RuntimeError, match="initialized torch.distributed"):
+        vocab_parallel_fused_linear_cross_entropy(
+            torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long)
+        )
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
