@@ -324,9 +324,14 @@ def fully_shard_lm(
     parameter in two units, and this raises instead. The head's weight is unsharded by its own forward
     call (or the root's), which is where the fused loss reads it, so the op always sees the full ``[V, H]``
     weight and the gradient lands, reduce-scattered, in the sharded parameter. ``fully_shard_kwargs`` (e.g.
-    ``mp_policy``, ``reshard_after_forward``) go to every ``fully_shard`` call.
+    ``mp_policy``, ``reshard_after_forward``) go to every ``fully_shard`` call. A module that is already
+    sharded is left as it is (``configure_model`` may run again, e.g. for ``trainer.validate`` after ``fit``).
     """
-    _, fully_shard, _ = _fsdp2()
+    fsdp_module, fully_shard, _ = _fsdp2()
+    if isinstance(module, fsdp_module):
+        if register_steps:
+            register_fsdp_step_methods(module)
+        return module
     if head is not None:
         head_params = {id(p) for p in head.parameters()}
         head_modules = {id(m) for m in head.modules()}

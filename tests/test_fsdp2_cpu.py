@@ -71,6 +71,16 @@ class ShardedTinyGPT(TinyGPT):
             register_steps=self.register_steps,
         )
         self.registered = [name for name in ("training_step", "validation_step") if name in self.__dict__]
+        # a second call (configure_model runs again for trainer.validate after fit) changes nothing
+        methods = {name: self.__dict__.get(name) for name in self.registered}
+        fully_shard_lm(
+            self,
+            self.device_mesh["data_parallel"],
+            blocks=self.blocks,
+            head=head,
+            register_steps=self.register_steps,
+        )
+        assert all(self.__dict__[name] is method for name, method in methods.items())
 
 
 def tiny_gpt(cls=TinyGPT, **kwargs) -> TinyGPT:
