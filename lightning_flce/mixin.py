@@ -9,6 +9,7 @@ from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 
 from lightning_flce.head import FLCEHeadLoss
+from lightning_flce.parallel import register_fsdp_step_methods
 
 _NORMALIZE_MODES = ("step", "micro_batch")
 
@@ -236,6 +237,8 @@ class FLCEMixin:
         super().on_before_optimizer_step(optimizer)
 
     def on_fit_start(self) -> None:
+        # FSDP2 unshards parameters only around forward(); the loss runs in the step methods.
+        register_fsdp_step_methods(self)
         self._flce_step_totals = None
         self._flce_step_index = None
         if self.flce_normalize == "step" and "DeepSpeed" in type(self.trainer.strategy).__name__:
@@ -244,6 +247,18 @@ class FLCEMixin:
                 " buffers; use flce_normalize='micro_batch' with DeepSpeed"
             )
         super().on_fit_start()
+
+    def on_validation_start(self) -> None:
+        register_fsdp_step_methods(self)
+        super().on_validation_start()
+
+    def on_test_start(self) -> None:
+        register_fsdp_step_methods(self)
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        register_fsdp_step_methods(self)
+        super().on_predict_start()
 
     def on_validation_epoch_end(self) -> None:
         self._flce_log_eval("val")

@@ -274,24 +274,9 @@ def test_fsdp2_step_equals_one_process_on_the_global_batch(results, scenario):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="FLCEMixin does not yet call torch.distributed.fsdp.register_fsdp_forward_method for its step methods;"
-    " training_step of an FSDP2-sharded root then reads sharded (DTensor) parameters",
-)
 def test_mixin_registers_fsdp2_step_methods(results):
+    """A plain FLCEMixin model sharded by the user's own fully_shard: the mixin registers its step methods."""
     _check_against_reference([r["mixin_only"] for r in results], tie_embeddings=True)
-
-
-@pytest.mark.slow
-def test_mixin_only_fails_today_for_the_documented_reason(results):
-    """Pins down why ``mixin_only`` fails (remove together with the xfail marker above once the mixin
-    registers the step methods)."""
-    errors = [r["mixin_only"]["error"] for r in results]
-    if all(error is None for error in errors):
-        pytest.skip("the mixin handles FSDP2 now")
-    for error in errors:
-        assert "got mixed torch.Tensor and DTensor" in error, error
 
 
 def test_fully_shard_lm_refuses_a_tied_head_as_its_own_unit():

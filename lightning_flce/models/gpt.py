@@ -92,6 +92,15 @@ class TinyGPT(FLCEMixin, pl.LightningModule):
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): shard each block, an untied head, then the root."""
+        if self.device_mesh is None:
+            return
+        from lightning_flce.parallel import fully_shard_lm
+
+        head = None if self.lm_head.weight is self.tok_emb.weight else self.lm_head
+        fully_shard_lm(self, self.device_mesh["data_parallel"], blocks=self.blocks, head=head)
+
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """Final hidden states [B, T, d_model] (after the last LayerNorm)."""
         if input_ids.dim() != 2:
