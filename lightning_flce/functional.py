@@ -170,6 +170,12 @@ def _check_inputs(
     input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], class_weight: Optional[Tensor]
 ) -> torch.dtype:
     """Validate shapes, dtypes and devices; return the dtype the GEMMs run in."""
+    if weight.numel() == 0 and weight.dim() != 2:
+        raise ValueError(
+            f"the head weight is empty (shape {tuple(weight.shape)}): a parameter partitioned by DeepSpeed ZeRO-3 "
+            "(or another sharding scheme) must be gathered first - call the loss inside the head module's forward "
+            "(FLCEMixin does) or within deepspeed.zero.GatheredParameters(head.weight)"
+        )
     if input.dim() < 1 or weight.dim() != 2:
         raise ValueError(
             f"expected input [..., H] and weight [V, H], got {tuple(input.shape)} and {tuple(weight.shape)}"

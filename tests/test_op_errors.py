@@ -102,6 +102,12 @@ def test_bad_options(kwargs, error, match):
         _call(kwargs)
 
 
+def test_empty_partitioned_weight_is_explained():
+    """DeepSpeed ZeRO-3 leaves a partitioned parameter as a 1-D tensor with numel 0 outside its module's forward."""
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        _call(weight=torch.empty(0))
+
+
 def test_triton_impl_on_cpu_without_interpreter_is_refused():
     with pytest.raises(RuntimeError, match="impl='triton'"):
         _call({"impl": "triton"})
