@@ -89,8 +89,88 @@ def _chunk_loop(
     chunk_size: int,
     impl: str,
 ) -> Tuple[Tensor, ...]:
-    """The shared loop: per-token loss/LSE/stats [N] and the gradients (empty when not needed).
+    """The op's loop: validate targets, drop ignored rows, :func:`run_chunks` with the local kernel.
 
+    Returns per-token loss/LSE/stats [N] and the gradients; unused outputs are distinct empty tensors
+    (custom-op outputs may not alias each other).
+    """
+    target = target.reshape(-1)
+    valid = target != options.ignore_index
+    n_valid = _check_targets(target, valid, weight.shape[0], options.ignore_index)
+    use_triton = impl == "triton"
+
+    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
+        return cross_entropy_chunk(
+            logits,
+            chunk_target,
+            options,
+            ce_scale=chunk_ce_scale,
+            z_scale=chunk_z_scale,
+            compute_grad=compute_grad,
+            compute_stats=compute_stats,
+            use_triton=use_triton,
+        )
+
+    *per_token, grad_input, grad_weight, grad_bias = run_chunks(
+        x,
+        weight,
+        target,
+        bias,
+        chunk_cross_entropy,
+        rows=valid_rows(valid, n_valid),
+        n_valid=n_valid,
+        chunk_size=chunk_size,
+        ce_scale=ce_scale,
+        z_scale=z_scale,
+        compute_dtype=compute_dtype,
+        need_grad_input=need_grad_input,
+        need_grad_weight=need_grad_weight,
+        need_grad_bias=need_grad_bias,
+        compute_stats=compute_stats,
+        accum=accum,
+        grad_input_dtype=x.dtype,
+    )
+    if grad_input is not None:
+        grad_input = grad_input.view(x.shape)
+    grads = [g if g is not None else x.new_empty(0) for g in (grad_input, grad_weight, grad_bias)]
+    return (*per_token, *grads)
+
+
+def valid_rows(valid: Tensor, n_valid: int) -> Optional[Tensor]:
+    """Indices of the rows that carry a loss (None when all do), without a host sync."""
+    if n_valid == valid.numel():
+        return None
+    return torch.argsort(valid.to(torch.int8), descending=True, stable=True)[:n_valid]
+
+
+def run_chunks(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    chunk_cross_entropy,
+    *,
+    rows: Optional[Tensor],
+    n_valid: int,
+    chunk_size: int,
+    ce_scale: Tensor,
+    z_scale: Tensor,
+    compute_dtype: torch.dtype,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+    compute_stats: bool,
+    accum: str,
+    grad_input_dtype: torch.dtype,
+) -> Tuple[Optional[Tensor], ...]:
+    """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
+
+    Over chunks of the ``rows`` that carry a loss (all rows when None): logits GEMM into one reused
+    buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad) -> ChunkOutputs``
+    (which overwrites the logits with their gradient), then dX rows, the dW accumulation and d bias.
+
+    Returns per-token loss/LSE/stats [N] (0 for ignored rows) and the gradients: dX [N, H] in
+    ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for.
     ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token). ``accum`` is "fp32", "fp64",
     "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
     """
@@ -100,14 +180,6 @@ def _chunk_loop(
     target = target.reshape(-1)
     n_rows = x2.shape[0]
     device = x.device
-    use_triton = impl == "triton"
-
-    valid = target != options.ignore_index
-    n_valid = _check_targets(target, valid, vocab, options.ignore_index)
-    # Gather only the rows that carry a loss: ignored rows never reach a GEMM.
-    rows = None
-    if n_valid < n_rows:
-        rows = torch.argsort(valid.to(torch.int8), descending=True, stable=True)[:n_valid]
 
     weight_c = weight.to(compute_dtype)
     bias_c = bias.to(compute_dtype) if bias is not None else None
@@ -119,12 +191,11 @@ def _chunk_loop(
     entropy = torch.zeros(n_rows if compute_stats else 0, dtype=torch.float32, device=device)
     compute_grad = need_grad_input or need_grad_weight or need_grad_bias
 
-    # Unused outputs are distinct empty tensors: custom-op outputs may not alias each other.
-    grad_input = x.new_empty(0)
+    grad_input = grad_weight = grad_bias = accum_path = None
     if need_grad_input:
         # Ignored rows keep a zero gradient; when every row is valid the chunks fill it all.
         grad_input = (torch.empty if rows is None else torch.zeros)(
-            n_rows, hidden, dtype=x.dtype, device=device
+            n_rows, hidden, dtype=grad_input_dtype, device=device
         )
     accum_dtype = _accumulator_dtype(accum, weight, n_chunks=-(-n_valid // chunk_size))
     # With an fp64 accumulator (fp32 weights), dX's long reduction over V runs in fp64 too: cuBLAS's
@@ -132,12 +203,11 @@ def _chunk_loop(
     weight_for_grad_input = (
         weight_c.double() if need_grad_input and accum_dtype == torch.float64 else weight_c
     )
-    grad_weight = x.new_empty(0)
-    accum_path = None
     if need_grad_weight:
         grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
         accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
-    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if need_grad_bias else x.new_empty(0)
+    if need_grad_bias:
+        grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
 
     logits_buffer = None
     for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
@@ -156,15 +226,12 @@ def _chunk_loop(
         else:
             torch.mm(x_c, weight_c.t(), out=logits)
 
-        out = cross_entropy_chunk(
+        out = chunk_cross_entropy(
             logits,
             t_c,
-            options,
-            ce_scale=ce_scale[scale_rows] if per_row_scale else ce_scale,
-            z_scale=z_scale[scale_rows] if per_row_scale else z_scale,
-            compute_grad=compute_grad,
-            compute_stats=compute_stats,
-            use_triton=use_triton,
+            ce_scale[scale_rows] if per_row_scale else ce_scale,
+            z_scale[scale_rows] if per_row_scale else z_scale,
+            compute_grad,
         )
         _write_rows(loss, scale_rows, out.loss)
         _write_rows(lse, scale_rows, out.lse)
@@ -192,8 +259,6 @@ def _chunk_loop(
         grad_weight = grad_weight.to(weight.dtype)
     if need_grad_bias:
         grad_bias = grad_bias.to(bias.dtype)
-    if need_grad_input:
-        grad_input = grad_input.view(x.shape)
     return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias
 
 

@@ -39,11 +39,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_flce.accumulate import accumulate_grad_weight, choose_path
 from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options
-from lightning_flce.kernels import LossOptions
+from lightning_flce.kernels import ChunkOutputs, LossOptions
 from lightning_flce.kernels.scale import scale_
-from lightning_flce.op import _accumulator_dtype, _loss_scales, _write_rows, default_chunk_size
+from lightning_flce.op import _loss_scales, default_chunk_size, run_chunks, valid_rows
 
 __all__ = [
     "VocabParallelHead",
@@ -661,98 +660,50 @@ def _chunk_loop(
     need_grad_bias: bool,
     compute_stats: bool,
 ) -> Tuple[Optional[Tensor], ...]:
-    """The chunk loop of :mod:`lightning_flce.op` on a shard: per-token loss/LSE/stats [N] (replicated) and
-    the gradients (dX all-reduced over the group; dW, db local rows); None for gradients not asked for."""
-    hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)
+    """The op's chunk loop (:func:`lightning_flce.op.run_chunks`) on a shard: per-token loss/LSE/stats [N]
+    (replicated) and the gradients (dX all-reduced over the group; dW, db local rows); None for gradients
+    not asked for."""
     target = target.reshape(-1)
-    n_rows = x2.shape[0]
-    device = x.device
-    compute_dtype = plan.compute_dtype
-    n_valid = plan.n_valid
-    chunk_size = plan.chunk_size
-    valid = target != plan.ignore_index
-    rows = None
-    if n_valid < n_rows:
-        rows = torch.argsort(valid.to(torch.int8), descending=True, stable=True)[:n_valid]
 
-    weight_c = weight.to(compute_dtype)
-    bias_c = bias.to(compute_dtype) if bias is not None else None
-    per_row_scale = ce_scale.numel() > 1
-
-    loss = torch.zeros(n_rows, dtype=torch.float32, device=device)
-    lse = torch.zeros(n_rows, dtype=torch.float32, device=device)
-    correct = torch.zeros(n_rows if compute_stats else 0, dtype=torch.bool, device=device)
-    entropy = torch.zeros(n_rows if compute_stats else 0, dtype=torch.float32, device=device)
-    compute_grad = need_grad_input or need_grad_weight or need_grad_bias
-
-    accum_dtype = _accumulator_dtype(plan.accum, weight, n_chunks=-(-n_valid // chunk_size))
-    weight_for_grad_input = (
-        weight_c.double() if need_grad_input and accum_dtype == torch.float64 else weight_c
-    )
-    grad_input = None
-    if need_grad_input:
-        # The partial dX of each rank is summed over the group: in fp32 at least, so fp16/bf16 partials are
-        # not rounded before the sum.
-        reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-        grad_input = torch.zeros(n_rows, hidden, dtype=reduce_dtype, device=device)
-    grad_weight = accum_path = None
-    if need_grad_weight:
-        grad_weight = torch.empty(weight.shape, dtype=accum_dtype, device=device)
-        accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
-    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if need_grad_bias else None
-
-    logits_buffer = None
-    for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
-        end = min(start + chunk_size, n_valid)
-        if rows is None:
-            x_c, t_c, scale_rows = x2[start:end], target[start:end], slice(start, end)
-        else:
-            scale_rows = rows[start:end]
-            x_c, t_c = x2.index_select(0, scale_rows), target.index_select(0, scale_rows)
-        x_c = x_c.to(compute_dtype)
-        if logits_buffer is None:
-            logits_buffer = torch.empty(
-                min(chunk_size, n_valid), weight.shape[0], dtype=compute_dtype, device=device
+    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
+        return ChunkOutputs(
+            *_shard_chunk(
+                logits,
+                chunk_target,
+                plan,
+                ce_scale=chunk_ce_scale,
+                z_scale=chunk_z_scale,
+                compute_grad=compute_grad,
+                compute_stats=compute_stats,
             )
-        logits = logits_buffer[: end - start]
-        if bias_c is not None:
-            torch.addmm(bias_c, x_c, weight_c.t(), out=logits)
-        else:
-            torch.mm(x_c, weight_c.t(), out=logits)
-
-        out_loss, out_lse, out_correct, out_entropy = _shard_chunk(
-            logits,
-            t_c,
-            plan,
-            ce_scale=ce_scale[scale_rows] if per_row_scale else ce_scale,
-            z_scale=z_scale[scale_rows] if per_row_scale else z_scale,
-            compute_grad=compute_grad,
-            compute_stats=compute_stats,
         )
-        _write_rows(loss, scale_rows, out_loss)
-        _write_rows(lse, scale_rows, out_lse)
-        if compute_stats:
-            _write_rows(correct, scale_rows, out_correct)
-            _write_rows(entropy, scale_rows, out_entropy)
-        if need_grad_input:
-            partial = torch.mm(logits.to(weight_for_grad_input.dtype), weight_for_grad_input)
-            _write_rows(grad_input, scale_rows, partial)
-        if need_grad_weight:
-            accumulate_grad_weight(grad_weight, logits, x_c, first=chunk_index == 0, path=accum_path)
-        if need_grad_bias:
-            grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
 
-    if need_grad_input:
+    # Each rank's partial dX is summed over the group: in fp32 at least, so fp16/bf16 partials are not
+    # rounded before the sum.
+    reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    *per_token, grad_input, grad_weight, grad_bias = run_chunks(
+        x,
+        weight,
+        target,
+        bias,
+        chunk_cross_entropy,
+        rows=valid_rows(target != plan.ignore_index, plan.n_valid),
+        n_valid=plan.n_valid,
+        chunk_size=plan.chunk_size,
+        ce_scale=ce_scale,
+        z_scale=z_scale,
+        compute_dtype=plan.compute_dtype,
+        need_grad_input=need_grad_input,
+        need_grad_weight=need_grad_weight,
+        need_grad_bias=need_grad_bias,
+        compute_stats=compute_stats,
+        accum=plan.accum,
+        grad_input_dtype=reduce_dtype,
+    )
+    if grad_input is not None:
         dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
         grad_input = grad_input.to(x.dtype).view(x.shape)
-    if need_grad_weight:
-        if n_valid == 0:
-            grad_weight.zero_()
-        grad_weight = grad_weight.to(weight.dtype)
-    if need_grad_bias:
-        grad_bias = grad_bias.to(bias.dtype)
-    return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias
+    return (*per_token, grad_input, grad_weight, grad_bias)
 
 
 def _shard_chunk(
