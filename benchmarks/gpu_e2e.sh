@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One-call end-to-end Lightning benchmark for the lent H200 (no internet there): install the carried wheels
+# (Liger-Kernel 0.8.5 from .whl/), print the environment, run benchmarks/bench_lightning_e2e.py (extra args
+# are passed through) under `timeout`, then print the summary table last. The whole script ends inside
+# E2E_TOTAL_S (default 540 s = 9 min, for a 10-minute device call).
+#
+#   bash benchmarks/gpu_e2e.sh                                  # ~1.2 B Llama, seq 4096, batch 4, flce,naive,liger
+#   bash benchmarks/gpu_e2e.sh --batch-size 8 --steps 6         # more tokens per step
+#   bash benchmarks/gpu_e2e.sh --providers flce,liger,liger_all
+#
+# Knobs (env): OUT (default ./bench_out), E2E_TOTAL_S (540), PYTHON (python3).
+# Local plumbing check without a GPU (Liger's Triton kernels fail on the CPU and show up as ERR):
+#   bash benchmarks/gpu_e2e.sh --device cpu --tiny
+# Files written under $OUT (4): env.txt, e2e.log, e2e.json, e2e.md (e2e<TAG>.* with --tag).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+START=$SECONDS
+TOTAL=${E2E_TOTAL_S:-540}
+OUT=${OUT:-./bench_out}
+export OUT
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+step() { echo; echo "=== [gpu_e2e +$((SECONDS - START))s] $*"; }
+
+# --- 1. carried wheels (.whl/*.whl from benchmarks/fetch_peers.sh) -----------------------------------------
+SITE=/tmp/site
+if compgen -G ".whl/*.whl" >/dev/null; then
+    step "installing carried wheels into $SITE"
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl; then
+        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        echo "warning: wheel install failed; liger may be unavailable" >&2
+    fi
+fi
+# The package is imported from the repo root, not installed.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# --- 2. environment ---------------------------------------------------------------------------------------
+step "environment"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,temperature.gpu,power.draw --format=csv \
+        || echo "nvidia-smi failed"
+    "$PY" - <<'EOF'
+import importlib, platform
+print("python", platform.python_version())
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+for name in ["triton", "lightning", "torchmetrics", "transformers", "liger_kernel", "lightning_flce"]:
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name:16s} {getattr(mod, '__version__', '?'):10s} {getattr(mod, '__file__', '')}")
+    except Exception as exc:
+        print(f"{name:16s} IMPORT FAILED: {type(exc).__name__}: {exc}")
+EOF
+} 2>&1 | tee "$OUT/env.txt"
+
+# --- 3. the benchmark (one subprocess per provider, each with its share of the budget) ---------------------
+t=$((TOTAL - (SECONDS - START) - 15))
+STATUS="not run: only ${t}s left"
+if [ "$t" -ge 60 ]; then
+    step "bench_lightning_e2e $* (timeout ${t}s, budget $((t - 20))s)"
+    # --budget-s first so a --budget-s in "$@" wins; each provider gets (budget left) / (providers left).
+    timeout -k 10 "$t" "$PY" benchmarks/bench_lightning_e2e.py --budget-s $((t - 20)) "$@" 2>&1 | tee "$OUT/e2e.log"
+    rc=$?
+    STATUS=$([ $rc -eq 0 ] && echo ok || echo "rc $rc")
+fi
+
+# --- 4. summary last (the device call returns only the output's tail) ---------------------------------------
+step "summary"
+nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader 2>/dev/null || true
+for f in "$OUT"/e2e*.md; do
+    [ -f "$f" ] || continue
+    echo "--- $f"
+    grep '^- \(date\|device\|torch\|lightning\|model\|batch\)' "$f" | cut -c1-400
+    awk '/^```$/{n++; next} n==1' "$f"
+done
+echo "bench_lightning_e2e: $STATUS; total $((SECONDS - START))s; files in $OUT:"
+ls "$OUT"
