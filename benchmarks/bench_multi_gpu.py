@@ -247,6 +247,7 @@ def batch(cfg: dict, args, step: int, rank: int, device: torch.device):
 def run_variant(variant: str, cfg: dict, args, device: torch.device) -> dict:
     rank = dist.get_rank()
     cuda = device.type == "cuda"
+    baseline = torch.cuda.memory_allocated(device) / GIB if cuda else None  # leftovers of earlier variants
     modules, step_fn, params = build(variant, cfg, device)
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     numel_local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
@@ -286,6 +287,7 @@ def run_variant(variant: str, cfg: dict, args, device: torch.device) -> dict:
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
         result["allocated_after_gib"] = torch.cuda.memory_allocated(device) / GIB
+        result["allocated_before_build_gib"] = baseline
     else:
         import resource
 
@@ -299,7 +301,7 @@ def worker(args) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", device_id=device)
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
@@ -369,7 +371,8 @@ def summarize(per_rank: list) -> dict:
         "last_loss": first["losses"][-1],
         "params_local_max": max(r["params_local"] for r in per_rank),
     }
-    for key in ("peak_allocated_gib", "peak_reserved_gib", "allocated_after_gib", "peak_rss_gib"):
+    keys = ("peak_allocated_gib", "peak_reserved_gib", "allocated_after_gib", "allocated_before_build_gib")
+    for key in (*keys, "peak_rss_gib"):
         if key in first:
             out[key] = max(r[key] for r in per_rank)
             out[key + "_per_rank"] = [r[key] for r in per_rank]
@@ -412,9 +415,10 @@ def write_outputs(args, cfg: dict, device: torch.device, results: list) -> None:
         "",
         "```",
         f"| variant | tokens/s | step ms | {'peak alloc GiB/GPU' if cuda else 'peak RSS GiB'} | vs ddp |"
-        " reserved GiB | alloc after step GiB | model states GiB (16 B/param, analytic) | params/GPU (M) |"
+        " reserved GiB | alloc after step GiB | alloc before build GiB | model states GiB (16 B/param, analytic) |"
+        " params/GPU (M) |"
         " loss step 0 | loss last step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
@@ -427,6 +431,7 @@ def write_outputs(args, cfg: dict, device: torch.device, results: list) -> None:
             f"| {row['variant']} | {row['tokens_per_s']:.0f} | {row['median_step_ms']:.1f} | {row[mem_key]:.2f} |"
             f" {delta} | {_common.fmt(row.get('peak_reserved_gib'), '.2f')} |"
             f" {_common.fmt(row.get('allocated_after_gib'), '.2f')} |"
+            f" {_common.fmt(row.get('allocated_before_build_gib'), '.2f')} |"
             f" {numbers['state_gib'][row['variant']]:.2f} | {row['params_local_max'] / 1e6:.1f} |"
             f" {row['first_loss']:.4f} | {row['last_loss']:.4f} |"
         )

@@ -280,6 +280,7 @@ def run_lightning_scenario(suite: str, name: str, device: str) -> dict:
         "world_size": trainer.world_size,
         "tied": inner.lm_head.weight is inner.tok_emb.weight,
         "head_type": type(inner.lm_head).__name__,
+        "block_type": type(inner.blocks[0]).__name__,
         "root_type": type(trainer.strategy.model).__name__,
     }
 
@@ -341,6 +342,7 @@ def check_lightning_scenario(suite: str, name: str, ranks: list[dict]) -> dict:
         if suite == "fsdp1":
             # the head (tied or not) is in the root FSDP unit: not wrapped by itself
             assert saved["head_type"] == "Linear", saved["head_type"]
+            assert saved["block_type"] == "FullyShardedDataParallel", saved["block_type"]
             assert saved["root_type"] == "FullyShardedDataParallel", saved["root_type"]
         assert len(saved["steps"]) == STEPS, [s.get("global_step") for s in saved["steps"]]
         for step, (got, want) in enumerate(zip(saved["steps"], reference)):
@@ -513,7 +515,7 @@ def op_worker(out_dir: str, device_name: str, cases: list[str]) -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", device_id=device)  # bound: barriers and DTensor use this GPU
     results = {}
     for name in cases:
         start = time.perf_counter()
