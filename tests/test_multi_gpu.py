@@ -1,7 +1,7 @@
 """Two GPUs with NCCL: the vocab-parallel op, and Lightning's DDP, FSDP1 and FSDP2 with FLCEMixin.
 
-Everything here is marked ``cuda`` and skips without 2 CUDA devices, except one CPU (gloo) smoke test of the
-harness itself (:func:`test_harness_smoke_on_cpu`). Each suite starts this file twice as a script
+Everything here is marked ``cuda`` and skips without 2 CUDA devices, except one CPU (gloo) run of the harness
+itself (:func:`test_harness_smoke_on_cpu`: the ``fsdp1`` suite, ~10 s on 2 cores). Each suite starts this file twice as a script
 (``--worker SUITE OUT_DIR [--device cpu]``) with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_*`` set for a
 free port (Lightning then uses the processes as they are and does not launch its own), and with NVLink
 multicast switched off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
@@ -33,6 +33,13 @@ normalization or a wrong shard is off by > 1e-2); ``bf16-mixed`` ``5e-2`` for gr
 loss (bf16 logits and, under FSDP1, bf16 parameters and gradient reduction: ~1e-2; a normalization error here
 is > 1e-1). The op suite uses the tolerances of ``test_vocab_parallel.py`` (fp32: 1e-5 against float64 and the
 single-GPU op; bf16: no worse than 1.5x the single-GPU op's own error plus 1e-3).
+
+Every suite also runs on 2 CPU processes (gloo), which is how this file was checked without GPUs (FSDP1 through
+a ``FSDPStrategy`` subclass that wraps with ``device_id="cpu"``; the op suite at a small size)::
+
+    cd tests && FLCE_MULTI_GPU_SMALL=1 python -c "import pathlib, tempfile, test_multi_gpu as t; \
+        r = t.launch('op', pathlib.Path(tempfile.mkdtemp()), device='cpu'); \
+        [t.check_op_case(n, [x[n] for x in r]) for n in t.OP_CASES]"
 """
 
 from __future__ import annotations
@@ -219,7 +226,26 @@ def _strategy(suite: str, device: str):
     if suite == "fsdp1":
         from lightning_flce.models.gpt import _Block
 
-        return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={_Block})
+        cls = FSDPStrategy
+        if device == "cpu":
+            # Lightning refuses FSDPStrategy itself on the CPU (exactly that type) and wraps with device_id=None,
+            # which torch's FSDP1 refuses there; FSDP1 itself runs on the CPU with gloo. For a CPU check of this
+            # path: a subclass that wraps with device_id="cpu" first (Lightning then keeps the wrapped model).
+            class CPUFSDPStrategy(FSDPStrategy):
+                def _setup_model(self, model):
+                    from torch.distributed.fsdp import FullyShardedDataParallel
+
+                    model = FullyShardedDataParallel(
+                        model,
+                        sharding_strategy=self.sharding_strategy,
+                        mixed_precision=self.mixed_precision_config,
+                        device_id=torch.device("cpu"),
+                        **self.kwargs,
+                    )
+                    return super()._setup_model(model)
+
+            cls = CPUFSDPStrategy
+        return cls(sharding_strategy="FULL_SHARD", auto_wrap_policy={_Block}, process_group_backend=backend)
     if suite == "fsdp2":
         return ModelParallelStrategy(
             data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend=backend
@@ -668,10 +694,12 @@ def test_lightning_two_steps_equal_one_process(suite_results, suite, scenario):
 
 @pytest.mark.slow
 def test_harness_smoke_on_cpu(tmp_path):
-    """The worker/launcher/check path on 2 CPU processes (gloo): FSDP2 (DTensor gradients), tied fp32, 2 steps
-    vs float64. (The op and ddp suites ran on the CPU too, by hand: see the module docstring.)"""
-    ranks = launch("fsdp2", tmp_path, device="cpu", only=["tied-fp32"])
-    check_lightning_scenario("fsdp2", "tied-fp32", [r["tied-fp32"] for r in ranks])
+    """The worker/launcher/check path on 2 CPU processes (gloo), with the suite nothing else runs on the CPU:
+    Lightning's FSDPStrategy (FSDP1, through a subclass that wraps on the CPU, see :func:`_strategy`), all three
+    scenarios, 2 steps each vs float64. (The op, ddp and fsdp2 suites ran on the CPU too, by hand.)"""
+    ranks = launch("fsdp1", tmp_path, device="cpu")
+    for name in SCENARIOS:
+        check_lightning_scenario("fsdp1", name, [r[name] for r in ranks])
 
 
 def main() -> None:
