@@ -326,6 +326,8 @@ def worker(args) -> None:
         results.append(per_rank)
         if rank == 0:
             print(f"[bench_multi_gpu] {variant}: {json.dumps(summarize(per_rank))}", flush=True)
+            # after every variant, so that a timeout still leaves the finished rows
+            write_outputs(args, cfg, device, results, final=False)
     if rank == 0:
         write_outputs(args, cfg, device, results)
     dist.barrier()
@@ -379,10 +381,18 @@ def summarize(per_rank: list) -> dict:
     return out
 
 
-def write_outputs(args, cfg: dict, device: torch.device, results: list) -> None:
+def nccl_version() -> str:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception as exc:
+        return f"unknown ({type(exc).__name__})"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def write_outputs(args, cfg: dict, device: torch.device, results: list, final: bool = True) -> None:
     env = _common.environment(device)
     env["world_size"] = WORLD
-    env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
+    env["nccl"] = nccl_version() if device.type == "cuda" else None
     env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     numbers = model_numbers(cfg)
     rows = [summarize(r) for r in results]
@@ -446,7 +456,8 @@ def write_outputs(args, cfg: dict, device: torch.device, results: list) -> None:
         "",
     ]
     (out / f"multi_gpu{tag}.md").write_text("\n".join(lines))
-    print("\n".join(lines), flush=True)
+    if final:
+        print("\n".join(lines), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -54,7 +54,10 @@ print("python", platform.python_version(), sys.executable)
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
 if torch.cuda.is_available():
-    print("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+    try:
+        print("nccl", torch.cuda.nccl.version())
+    except Exception as exc:
+        print("nccl version unknown:", exc)
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         print(f"gpu{i}", p.name, f"{p.total_memory / 2**30:.1f} GiB")
