@@ -13,31 +13,10 @@
 #   SKIP_TESTS=1 ACCUM_ARGS="--device cpu --quick" bash benchmarks/gpu_check.sh --device cpu --quick
 # Files written under $OUT (7, within the device tool's limit of 8): env.txt, cuda_tests.log, bench.log,
 # accumulation.{json,md}, flce.{json,md} (flce<TAG>.* with --tag).
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-START=$SECONDS
+NAME=gpu_check
 TOTAL=${GPU_CHECK_TOTAL_S:-540}
-OUT=${OUT:-./bench_out}
-export OUT
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-
-left() { echo $((TOTAL - (SECONDS - START))); }
-step() { echo; echo "=== [gpu_check +$((SECONDS - START))s] $*"; }
-
-# --- 1. carried wheels (.whl/*.whl from benchmarks/fetch_peers.sh) ---------------------------------------
-SITE=/tmp/site
-if compgen -G ".whl/*.whl" >/dev/null; then
-    step "installing carried wheels into $SITE"
-    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl; then
-        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    else
-        echo "warning: wheel install failed; peers may be unavailable" >&2
-    fi
-fi
-# The package is imported from the repo root, not installed.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=benchmarks/_gpu_env.sh
+source "$(dirname "$0")/_gpu_env.sh"
 
 # --- 2. environment ---------------------------------------------------------------------------------------
 step "environment"

@@ -16,31 +16,10 @@
 #
 # NVLink multicast stays off, here and in every process started from here (the workers inherit these).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-START=$SECONDS
+NAME=gpu_check_x2
 TOTAL=${GPU_CHECK_TOTAL_S:-540}
-OUT=${OUT:-./bench_out}
-export OUT
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-
-left() { echo $((TOTAL - (SECONDS - START))); }
-step() { echo; echo "=== [gpu_check_x2 +$((SECONDS - START))s] $*"; }
-
-# --- 1. carried wheels (.whl/*.whl from benchmarks/fetch_peers.sh: jsonargparse and its deps) -------------
-SITE=/tmp/site
-if compgen -G ".whl/*.whl" >/dev/null; then
-    step "installing carried wheels into $SITE"
-    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl; then
-        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    else
-        echo "warning: wheel install failed" >&2
-    fi
-fi
-# The package is imported from the repo root, not installed.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=benchmarks/_gpu_env.sh
+source "$(dirname "$0")/_gpu_env.sh"
 
 # --- 2. environment ---------------------------------------------------------------------------------------
 step "environment"

@@ -12,30 +12,10 @@
 # Local plumbing check without a GPU (Liger's Triton kernels fail on the CPU and show up as ERR):
 #   bash benchmarks/gpu_e2e.sh --device cpu --tiny
 # Files written under $OUT (4): env.txt, e2e.log, e2e.json, e2e.md (e2e<TAG>.* with --tag).
-set -u -o pipefail
-cd "$(dirname "$0")/.."
-START=$SECONDS
+NAME=gpu_e2e
 TOTAL=${E2E_TOTAL_S:-540}
-OUT=${OUT:-./bench_out}
-export OUT
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-
-step() { echo; echo "=== [gpu_e2e +$((SECONDS - START))s] $*"; }
-
-# --- 1. carried wheels (.whl/*.whl from benchmarks/fetch_peers.sh) -----------------------------------------
-SITE=/tmp/site
-if compgen -G ".whl/*.whl" >/dev/null; then
-    step "installing carried wheels into $SITE"
-    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl; then
-        export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    else
-        echo "warning: wheel install failed; liger may be unavailable" >&2
-    fi
-fi
-# The package is imported from the repo root, not installed.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=benchmarks/_gpu_env.sh
+source "$(dirname "$0")/_gpu_env.sh"
 
 # --- 2. environment ---------------------------------------------------------------------------------------
 step "environment"
