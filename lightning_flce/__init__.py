@@ -11,13 +11,27 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
   models in ``models/``, data in ``data/``, the CLI in ``cli.py``.
 """
 
-from lightning_flce.callbacks import FLCEMemoryCallback
+import importlib
+
 from lightning_flce.functional import (
     FLCEOutput,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
 )
-from lightning_flce.mixin import FLCEMixin
+
+# The Lightning pieces load on first use, so the op alone does not import lightning.
+_LAZY = {"FLCEMixin": "lightning_flce.mixin", "FLCEMemoryCallback": "lightning_flce.callbacks"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_flce' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "FLCEMemoryCallback",

@@ -1,0 +1,32 @@
+"""The package's public surface: what `import lightning_flce` loads and what it exports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import lightning_flce
+
+
+def test_the_op_alone_does_not_import_lightning():
+    code = "import sys, lightning_flce; lightning_flce.fused_linear_cross_entropy; print('lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "False"
+
+
+def test_lightning_exports_resolve_lazily_and_by_class_path():
+    from jsonargparse._util import import_object
+
+    from lightning_flce.callbacks.memory import FLCEMemoryCallback
+    from lightning_flce.mixin import FLCEMixin
+
+    assert lightning_flce.FLCEMixin is FLCEMixin
+    # The YAML class path of the README's callback example.
+    assert import_object("lightning_flce.FLCEMemoryCallback") is FLCEMemoryCallback
+    assert set(lightning_flce.__all__) <= set(dir(lightning_flce))
+    try:
+        lightning_flce.not_a_name  # noqa: B018
+    except AttributeError as err:
+        assert "not_a_name" in str(err)
+    else:
+        raise AssertionError("unknown attributes must raise AttributeError")
