@@ -15,14 +15,21 @@ def test_the_op_alone_does_not_import_lightning():
 
 
 def test_lightning_exports_resolve_lazily_and_by_class_path():
-    from jsonargparse._util import import_object
-
     from lightning_flce.callbacks.memory import FLCEMemoryCallback
     from lightning_flce.mixin import FLCEMixin
 
     assert lightning_flce.FLCEMixin is FLCEMixin
-    # The YAML class path of the README's callback example.
-    assert import_object("lightning_flce.FLCEMemoryCallback") is FLCEMemoryCallback
+    # The class path of the README's YAML callback example, through jsonargparse as LightningCLI uses it.
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.callbacks import Callback
+
+    parser = ArgumentParser()
+    parser.add_argument("--callback", type=Callback)
+    config = parser.parse_args(
+        ['--callback={"class_path": "lightning_flce.FLCEMemoryCallback", "init_args": {"plot": true}}']
+    )
+    callback = parser.instantiate_classes(config).callback
+    assert type(callback) is FLCEMemoryCallback
     assert set(lightning_flce.__all__) <= set(dir(lightning_flce))
     try:
         lightning_flce.not_a_name  # noqa: B018
