@@ -13,6 +13,7 @@ from lightning_flce.functional import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
 )
+from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_cross_entropy_with_stats
 
 # Wrappers that keep the real module under one attribute and pass their inputs on to it unchanged (FSDP1).
 _PASS_THROUGH_WRAPPER_ATTRIBUTES = ("_fsdp_wrapped_module",)
@@ -35,7 +36,12 @@ class FLCEHeadLoss(nn.Module):
 
     The head must compute ``F.linear(hidden, head.weight, head.bias)``: an ``nn.Linear`` that does not
     override ``forward``, or an ``nn.Embedding`` whose weight is used as the output matrix (tied
-    embeddings without a separate head module).
+    embeddings without a separate head module). A :class:`~lightning_flce.parallel.VocabParallelHead`
+    (the head sharded over V across a process group) is accepted too: the loss is then its vocab-parallel
+    op (:meth:`~lightning_flce.parallel.VocabParallelHead.loss` / ``loss_with_stats``), still inside the
+    head's own call, on hidden states and labels that must be the same on every rank of the head's group;
+    ``last_logits_shape`` reports the full vocabulary. That op has no Triton kernel, no class weights and no
+    naive path: ``impl="triton"`` and ``naive=True`` raise ``NotImplementedError`` for such a head.
 
     Args:
         ignore_index: target value that does not contribute to the loss.
@@ -126,6 +132,8 @@ class FLCEHeadLoss(nn.Module):
 
         module = unwrap_head(head)
         _check_linear_head(module)
+        if isinstance(module, VocabParallelHead):
+            _check_vocab_parallel_options(self)
         ran = []
 
         def loss_as_forward(head_input: Tensor) -> Union[Tensor, tuple[Tensor, ...]]:
@@ -164,6 +172,17 @@ class FLCEHeadLoss(nn.Module):
         logit_scale: Optional[float],
         softcap: Optional[float],
     ) -> Union[Tensor, FLCEOutput]:
+        if isinstance(module, VocabParallelHead):
+            return self._vocab_parallel_loss_of(
+                module,
+                hidden,
+                labels,
+                reduction=reduction,
+                with_stats=with_stats,
+                regularized=regularized,
+                logit_scale=logit_scale,
+                softcap=softcap,
+            )
         weight = module.weight
         bias = getattr(module, "bias", None)
         if hidden.shape[-1] != weight.shape[1]:
@@ -203,6 +222,65 @@ class FLCEHeadLoss(nn.Module):
             accum_dtype=torch.float32 if self.accum_fp32 else None,
             chunk_size=self.chunk_size,
             impl=self.impl,
+        )
+
+    def _vocab_parallel_loss_of(
+        self,
+        module: VocabParallelHead,
+        hidden: Tensor,
+        labels: Tensor,
+        *,
+        reduction: str,
+        with_stats: bool,
+        regularized: bool,
+        logit_scale: Optional[float],
+        softcap: Optional[float],
+    ) -> Union[Tensor, FLCEOutput]:
+        """The head's vocab-parallel loss (collectives over ``module.group``; every rank must call it)."""
+        if hidden.shape[-1] != module.in_features:
+            raise ValueError(
+                f"hidden size {hidden.shape[-1]} does not match the vocab-parallel head's in_features"
+                f" {module.in_features}"
+            )
+        self.last_logits_shape = (hidden.numel() // hidden.shape[-1], module.vocab_size)
+        options = {
+            "ignore_index": self.ignore_index,
+            "reduction": reduction,
+            "label_smoothing": self.label_smoothing if regularized else 0.0,
+            "lse_square_scale": self.z_loss if regularized else 0.0,
+            "softcap": softcap,
+            "accum_dtype": torch.float32 if self.accum_fp32 else None,
+            "chunk_size": self.chunk_size,
+        }
+        if logit_scale is not None:
+            hidden = hidden * logit_scale
+            if module.bias is not None:
+                # the head's loss() reads its own bias; a scaled bias goes to the op directly
+                output = vocab_parallel_fused_linear_cross_entropy_with_stats(
+                    hidden,
+                    module.weight,
+                    labels,
+                    module.bias * logit_scale,
+                    group=module.group,
+                    vocab_start=module.vocab_start,
+                    **options,
+                )
+                return output if with_stats else output.loss
+        if with_stats:
+            return module.loss_with_stats(hidden, labels, **options)
+        return module.loss(hidden, labels, **options)
+
+
+def _check_vocab_parallel_options(head_loss: FLCEHeadLoss) -> None:
+    if head_loss.naive:
+        raise NotImplementedError(
+            "naive=True (flce_naive) is not supported with a VocabParallelHead: the plain logits path needs the"
+            " full [V, H] weight on one rank; use naive=False"
+        )
+    if head_loss.impl == "triton":
+        raise NotImplementedError(
+            "impl='triton' is not supported with a VocabParallelHead: the vocab-parallel op computes its chunks"
+            " with PyTorch; use impl='auto' or 'torch'"
         )
 
 
@@ -258,10 +336,11 @@ def _active_module_to_save(wrapper: nn.Module) -> nn.Module:
 
 def _check_linear_head(module: nn.Module) -> None:
     is_linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-    if not (is_linear or isinstance(module, nn.Embedding)):
+    if not (is_linear or isinstance(module, (nn.Embedding, VocabParallelHead))):
         raise TypeError(
             "The LM head must compute F.linear(hidden, head.weight, head.bias): an nn.Linear that keeps"
-            f" nn.Linear.forward, or an nn.Embedding used as the tied output matrix; got {type(module).__name__}"
+            " nn.Linear.forward, an nn.Embedding used as the tied output matrix, or a"
+            f" lightning_flce.parallel.VocabParallelHead; got {type(module).__name__}"
         )
 
 

@@ -8,8 +8,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 
-from lightning_flce.head import FLCEHeadLoss
-from lightning_flce.parallel import register_fsdp_step_methods
+from lightning_flce.head import FLCEHeadLoss, unwrap_head
+from lightning_flce.parallel import VocabParallelHead, register_fsdp_step_methods
 
 _NORMALIZE_MODES = ("step", "micro_batch")
 
@@ -87,6 +87,29 @@ class FLCEMixin:
     - Needs the gradients in ``param.grad`` (single device, DDP, FSDP); with DeepSpeed use ``"micro_batch"``.
     - In manual optimization call ``self.manual_backward(self.flce_loss(...))`` without dividing by the
       number of accumulated micro-batches; the next ``optimizer.step()`` normalizes.
+
+    Vocab-parallel head: the head (found as above) may be a :class:`~lightning_flce.parallel.VocabParallelHead`,
+    whose ``[V, H]`` weight is sharded over V across its process group (the *TP group*). The loss is then its
+    vocab-parallel op, inside the head's own call; every rank of the TP group must feed the same hidden states
+    and labels (the op checks the labels and raises on every rank otherwise), and :meth:`flce_logits` gathers
+    the full logits (``head.gather_logits``, no gradient). ``flce_naive=True`` and ``flce_impl="triton"`` raise.
+    Supported layouts:
+
+    - *pure head-TP, data replicated* (tested): one process per TP rank, each with a single-device strategy
+      (``Trainer(accelerator=..., devices=1)``) and the process group initialized by the user; the TP group
+      is the whole world and ``trainer.world_size == 1``, so the step's token count is the local one (every
+      rank holds the same tokens; nothing is multiplied by the TP size). The body's gradient is already the
+      full one on every rank (the op all-reduces dX), the head's is this rank's rows; no strategy reduction.
+    - *DP x TP* (not tested): a strategy whose world is ``dp * tp`` ranks and that reduces gradients over
+      the data-parallel ranks only (``ModelParallelStrategy`` with the head built on
+      ``device_mesh["tensor_parallel"]`` and ``fully_shard`` on ``device_mesh["data_parallel"]``). The step
+      totals are then summed over the whole world, which counts each token ``tp`` times, and the scale is
+      ``accumulate_grad_batches * world_size / that sum`` = ``accumulate_grad_batches * dp / tokens``: the
+      TP factor cancels, which is what an average over the ``dp`` data-parallel ranks needs.
+    - Refused (``ValueError`` at the start of fit): ``DDPStrategy``, ``DeepSpeedStrategy`` and
+      ``FSDPStrategy`` with a head group of more than one rank. They reduce every gradient over the whole
+      world, which would average the head shards of different vocabulary rows (and assume different data
+      per rank). Also refused: a world size that is not a multiple of the TP size.
 
     :meth:`flce_loss` returns a tensor whose *value* is the micro-batch mean and whose gradient is that of
     the token sum. A micro-batch whose labels are all ignored gives 0 with the graph connected, so every
@@ -207,7 +230,9 @@ class FLCEMixin:
     def flce_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the head on ``hidden`` with the loss's logit scale and softcap (inference path)."""
         head, logit_scale, softcap = self._flce_resolve_head()
-        logits = head(hidden)
+        module = unwrap_head(head)
+        # a vocab-parallel head's own call gives this rank's columns only: all-gather the full [..., V]
+        logits = module.gather_logits(hidden) if isinstance(module, VocabParallelHead) else head(hidden)
         if logit_scale is not None:
             logits = logits * logit_scale
         if softcap is not None:
@@ -246,6 +271,7 @@ class FLCEMixin:
                 "flce_normalize='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
                 " buffers; use flce_normalize='micro_batch' with DeepSpeed"
             )
+        self._flce_check_vocab_parallel_layout()
         super().on_fit_start()
 
     def on_validation_start(self) -> None:
@@ -311,6 +337,36 @@ class FLCEMixin:
             return head, None, self.flce_softcap
         return head, *self._flce_hf_logit_transform(hf_model)
 
+    def _flce_check_vocab_parallel_layout(self) -> None:
+        """Raises for the strategies that cannot train a vocab-parallel head (see the class docstring)."""
+        try:
+            module = unwrap_head(self._flce_resolve_head()[0])
+        except (AttributeError, TypeError, ValueError):
+            return  # no usable head yet: flce_loss raises its own error when it is called
+        if not isinstance(module, VocabParallelHead):
+            return
+        import torch.distributed as dist
+
+        tp_size = dist.get_world_size(module.group)
+        if tp_size == 1:
+            return
+        strategy = self.trainer.strategy
+        world_reducing = {"DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy"}
+        found = world_reducing.intersection(cls.__name__ for cls in type(strategy).__mro__)
+        if found:
+            raise ValueError(
+                f"FLCEMixin: the head is a VocabParallelHead sharded over {tp_size} ranks, but {type(strategy).__name__}"
+                f" ({sorted(found)[0]}) reduces every gradient over the whole world, which would average head shards"
+                " of different vocabulary rows. Run one single-device Trainer per TP rank (data replicated), or a"
+                " strategy that reduces gradients over the data-parallel ranks only (ModelParallelStrategy)"
+            )
+        world_size = self.trainer.world_size
+        if world_size > 1 and world_size % tp_size:
+            raise ValueError(
+                f"FLCEMixin: the trainer's world size {world_size} is not a multiple of the VocabParallelHead's"
+                f" group size {tp_size}; the head's group must be a tensor-parallel group inside the world"
+            )
+
     def _flce_hf_model(self) -> Optional[nn.Module]:
         """The Hugging Face model that is this module or its only direct child with an LM head."""
 
@@ -368,6 +424,9 @@ class FLCEMixin:
             return
         self._flce_step_totals = None
         trainer = self.trainer
+        # With a VocabParallelHead inside a DP x TP world, each token is counted once per TP rank here, and
+        # world_size (below) includes the TP ranks too: the TP factor cancels in the scale and the logged mean.
+        # With one single-device Trainer per TP rank, world_size is 1 and the local count is the step's count.
         if trainer.world_size > 1:
             totals = trainer.strategy.reduce(totals, reduce_op="sum")
         loss_sum, num_tokens = totals.tolist()
