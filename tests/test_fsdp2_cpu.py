@@ -24,11 +24,8 @@ Tolerances as in ``test_ddp_cpu.py``.
 """
 
 import os
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -36,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
+from ranks import free_port, run_ranks, torchrun_env
 from torch.utils.data import DataLoader
 
 import lightning_flce.head
@@ -183,50 +181,19 @@ def worker(out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("fsdp2")
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            WORLD_SIZE="2",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, str(out_dir)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=out_dir,
-            )
-        )
-    outputs = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail(f"the 2 ranks did not finish in {TIMEOUT_S} s")
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
-    return [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(2)]
+    port = free_port()
+    return run_ranks(
+        2,
+        lambda rank: [__file__, out_dir],
+        out_dir,
+        TIMEOUT_S,
+        env=lambda rank: torchrun_env(rank, 2, port, OMP_NUM_THREADS="1"),
+        cwd=out_dir,
+        label="fsdp2",
+    )
 
 
 def _reference(tie_embeddings: bool):

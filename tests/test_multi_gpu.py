@@ -47,8 +47,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,6 +54,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks import free_port, run_ranks, torchrun_env
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _key, _value in NO_MULTICAST.items():  # also for anything this process starts
@@ -610,54 +609,36 @@ def check_op_case(name: str, ranks: list[dict]) -> dict:
 # ===========================================================================================================
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(suite: str, out_dir: Path, device: str = "cuda", only: list[str] | None = None) -> list[dict]:
     """Runs ``suite`` on 2 processes (this file with ``--worker``); returns each rank's saved results."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            WORLD_SIZE=str(WORLD),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            OMP_NUM_THREADS="1" if device == "cpu" else os.environ.get("OMP_NUM_THREADS", "4"),
+    port = free_port()
+    command = [HERE, "--worker", suite, out_dir, "--device", device]
+    if only:
+        command += ["--only", ",".join(only)]
+    pythonpath = os.pathsep.join(filter(None, [str(HERE.parent.parent), os.environ.get("PYTHONPATH")]))
+
+    def env(rank: int) -> dict:
+        threads = "1" if device == "cpu" else os.environ.get("OMP_NUM_THREADS", "4")
+        return torchrun_env(
+            rank,
+            WORLD,
+            port,
+            OMP_NUM_THREADS=threads,
             TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
-            PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent.parent), os.environ.get("PYTHONPATH")])),
+            PYTHONPATH=pythonpath,
             **NO_MULTICAST,
         )
-        command = [sys.executable, str(HERE), "--worker", suite, str(out_dir), "--device", device]
-        if only:
-            command += ["--only", ",".join(only)]
-        procs.append(
-            subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out_dir
-            )
-        )
-    outputs = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        tails = [proc.communicate()[0][-2000:] for proc in procs]
-        pytest.fail(
-            f"suite {suite}: the 2 ranks did not finish in {TIMEOUT_S} s (a hang?)\n" + "\n".join(tails)
-        )
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"suite {suite}, rank {rank} failed:\n{out[-4000:]}"
-    print(outputs[0][-1000:])
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD)]
+
+    return run_ranks(
+        WORLD,
+        lambda rank: command,
+        out_dir,
+        TIMEOUT_S,
+        env=env,
+        cwd=out_dir,
+        label=f"suite {suite}",
+        echo=True,
+    )
 
 
 @pytest.fixture(scope="module")

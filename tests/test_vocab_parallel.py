@@ -15,7 +15,6 @@ exact zeros. Errors must raise on every rank and leave the group usable (the lat
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from ranks import run_ranks
 from reference import grads_of, reference_loss, relative_error
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
@@ -298,30 +298,9 @@ def tie_problem(world: int):
 
 
 def _launch(world: int, out_dir: Path) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(out_dir), str(world), str(rank)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail(f"the {world} ranks did not finish in {TIMEOUT_S} s (a hang in a collective?)")
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
+    return run_ranks(
+        world, lambda rank: [__file__, out_dir, world, rank], out_dir, TIMEOUT_S, label="vocab-parallel"
+    )
 
 
 @pytest.fixture(scope="module")

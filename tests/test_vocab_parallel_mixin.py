@@ -24,7 +24,6 @@ Tolerances as in ``test_mixin.py`` (fp32 vs float64 through a small network: rto
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 import types
@@ -34,6 +33,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from ranks import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -191,30 +191,9 @@ def worker(out_dir: str, world: int, rank: int) -> None:
 
 
 def _launch(world: int, out_dir: Path) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(out_dir), str(world), str(rank)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-            outputs.append(out)
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        pytest.fail(f"the {world} ranks did not finish in {TIMEOUT_S} s (a hang in a collective?)")
-    for rank, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
+    return run_ranks(
+        world, lambda rank: [__file__, out_dir, world, rank], out_dir, TIMEOUT_S, label="vocab-parallel mixin"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,86 @@
+"""Runs a test file on several processes: start them, wait under one deadline, load each rank's results.
+
+Each worker writes ``out_dir / f"rank{rank}.pt"``; a hang (e.g. in a collective) kills every rank and fails
+the test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_env(rank: int, world: int, port: int, **extra: str) -> dict:
+    """The environment torchrun would give ``rank`` (one node), plus ``extra``."""
+    return dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        **extra,
+    )
+
+
+def run_ranks(
+    world: int,
+    args: Callable[[int], list],
+    out_dir: Path,
+    timeout_s: float,
+    *,
+    env: Optional[Callable[[int], dict]] = None,
+    cwd: Optional[Path] = None,
+    label: str = "",
+    echo: bool = False,
+) -> list:
+    """Starts ``python *args(rank)`` for every rank, waits at most ``timeout_s`` for all of them, checks that
+    each exited 0 and returns the loaded ``rank{r}.pt`` files (``echo``: print the end of rank 0's output)."""
+
+    def default_env(rank: int) -> dict:
+        return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+    env = env or default_env
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *map(str, args(rank))],
+            env=env(rank),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=cwd,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        tails = "\n".join(proc.communicate()[0][-2000:] for proc in procs)
+        pytest.fail(
+            f"{label}: the {world} ranks did not finish in {timeout_s} s (a hang in a collective?)\n{tails}"
+        )
+    for rank, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"{label} rank {rank} failed:\n{out[-4000:]}"
+    if echo:
+        print(outputs[0][-1000:])
+    return [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(world)]
