@@ -249,7 +249,14 @@ def run_variant(variant: str, cfg: dict, args, device: torch.device) -> dict:
     cuda = device.type == "cuda"
     baseline = torch.cuda.memory_allocated(device) / GIB if cuda else None  # leftovers of earlier variants
     modules, step_fn, params = build(variant, cfg, device)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # One AdamW per parameter kind: the foreach kernels refuse a list mixing DTensors (FSDP2 body) and plain
+    # tensors (the vocab-parallel head's local shard).
+    kinds = {}
+    for p in params:
+        kinds.setdefault(hasattr(p, "to_local"), []).append(p)
+    optimizers = [
+        torch.optim.AdamW(group, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0) for group in kinds.values()
+    ]
     numel_local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
     times, losses = [], []
     for index in range(args.warmup + args.steps):
@@ -259,11 +266,13 @@ def run_variant(variant: str, cfg: dict, args, device: torch.device) -> dict:
         input_ids, labels = batch(cfg, args, index, rank, device)
         _common.synchronize(device)
         start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = step_fn(input_ids, labels)
         loss.backward()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
         _common.synchronize(device)
         elapsed = time.perf_counter() - start
         if index >= args.warmup:
@@ -292,7 +301,7 @@ def run_variant(variant: str, cfg: dict, args, device: torch.device) -> dict:
         import resource
 
         result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
-    del modules, step_fn, params, optimizer
+    del modules, step_fn, params, optimizers
     return result
 
 

@@ -197,7 +197,7 @@ def run_chunks(
         grad_input = (torch.empty if rows is None else torch.zeros)(
             n_rows, hidden, dtype=grad_input_dtype, device=device
         )
-    accum_dtype = _accumulator_dtype(accum, weight, n_chunks=-(-n_valid // chunk_size))
+    accum_dtype = _accumulator_dtype(accum, weight, compute_dtype, n_chunks=-(-n_valid // chunk_size))
     # With an fp64 accumulator (fp32 weights), dX's long reduction over V runs in fp64 too: cuBLAS's
     # fp32 accuracy over K = V varies with the chunk's shape, fp64 makes it a non-issue.
     weight_for_grad_input = (
@@ -262,17 +262,18 @@ def run_chunks(
     return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias
 
 
-def _accumulator_dtype(accum: str, weight: Tensor, n_chunks: int) -> torch.dtype:
+def _accumulator_dtype(accum: str, weight: Tensor, compute_dtype: torch.dtype, n_chunks: int) -> torch.dtype:
     """The dW accumulator's dtype. "auto" widens only where rounding the running sum once per chunk
-    would make dW less accurate than one unchunked GEMM: fp16/bf16 weights accumulate in fp32, and fp32
-    weights in fp64 on GPUs with full-rate fp64 (there an fp64 GEMM is as fast as a non-TF32 fp32 one;
+    would make dW less accurate than one unchunked GEMM. It follows the GEMMs' operand dtype, not the
+    weight's storage: fp16/bf16 GEMMs (also an fp32 weight under autocast) accumulate in fp32, and fp32
+    GEMMs in fp64 on GPUs with full-rate fp64 (there an fp64 GEMM is as fast as a non-TF32 fp32 one;
     dX's GEMM then runs in fp64 as well)."""
     if accum in ("fp32", "fp64"):
         return torch.float32 if accum == "fp32" else torch.float64
     if accum == "auto" and n_chunks > 1:
-        if weight.dtype in _LOW_PRECISION:
+        if compute_dtype in _LOW_PRECISION and weight.dtype in _LOW_PRECISION + (torch.float32,):
             return torch.float32
-        if weight.dtype == torch.float32 and _has_full_rate_fp64(weight.device):
+        if compute_dtype == weight.dtype == torch.float32 and _has_full_rate_fp64(weight.device):
             return torch.float64
     return weight.dtype
 

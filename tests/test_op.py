@@ -384,6 +384,34 @@ def test_autocast_bf16_matches_autocast_reference():
         assert relative_error(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("autocast", [True, False])
+def test_auto_accumulator_follows_gemm_dtype(monkeypatch, autocast):
+    """The "auto" accumulator: from the GEMMs' dtype, not the weight's storage: an fp32 weight under
+    bf16 autocast accumulates in fp32 (fp64 there would run every dW/dX GEMM in fp64: 10x slower on an
+    H100); without autocast, fp32 GEMMs get fp64 on GPUs with full-rate fp64 (forced here on the CPU)."""
+    import lightning_flce.op as op
+
+    accumulator_dtypes = set()
+
+    def spy(grad_weight, grad_logits, x, **kwargs):
+        accumulator_dtypes.add((grad_weight.dtype, grad_logits.dtype))
+        return accumulate(grad_weight, grad_logits, x, **kwargs)
+
+    accumulate = op.accumulate_grad_weight
+    monkeypatch.setattr(op, "accumulate_grad_weight", spy)
+    monkeypatch.setattr(op, "_has_full_rate_fp64", lambda device: True)
+    x, weight, target, *_ = make_problem(64, 32, 200, seed=9)
+    hidden = (x.bfloat16() if autocast else x).requires_grad_()
+    w = weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        fused_linear_cross_entropy(hidden, w, target, chunk_size=16).backward()
+    assert w.grad.dtype == torch.float32
+    if autocast:
+        assert accumulator_dtypes == {(torch.float32, torch.bfloat16)}
+    else:
+        assert accumulator_dtypes == {(torch.float64, torch.float32)}
+
+
 def test_flop_counter_reports_model_flops():
     from torch.utils.flop_counter import FlopCounterMode
 
