@@ -74,7 +74,8 @@ def _pkg_version(name: str) -> Optional[str]:
 def _git_commit() -> Optional[str]:
     try:
         res = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            # --dirty: the device machine's copy of .git can lag behind the working tree that was sent.
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,

@@ -4,6 +4,9 @@
 #
 #   .whl/*.whl       peer libraries (Liger-Kernel 0.8.5, cut-cross-entropy 25.1.1) and the pure-Python
 #                    dependencies of lightning_flce missing from the GPU image (jsonargparse[signatures]).
+#   .whl/deepspeed/  DeepSpeed 0.19.8 (a py3-none-any wheel built here from its sdist, ops JIT-compiled on use)
+#                    and its dependencies for cp312 x86-64, installed by gpu_check_x2.sh with pip's resolver
+#                    (`--no-index --find-links`): only what the GPU image lacks gets installed.
 #   .whl/torch213/   the two pure-Python modules of torch 2.13's chunked F.linear_cross_entropy, copied
 #                    from a local torch >= 2.13 install, loaded at run time by benchmarks/_providers.py
 #                    when the GPU's torch is older.
@@ -32,6 +35,19 @@ for w in "$DEST"/*.whl; do
         *) echo "warning: $w is not a pure-Python wheel; re-download it for cp312 manylinux x86_64" >&2 ;;
     esac
 done
+
+# DeepSpeed (ZeRO-3 test on 2 GPUs): no wheel on PyPI, so build one from the sdist (DS_BUILD_OPS=0: pure
+# Python; setup.py imports torch, hence --no-build-isolation with this interpreter's torch).
+DS="$DEST/deepspeed"
+mkdir -p "$DS"
+if ! compgen -G "$DS/deepspeed-0.19.8-*.whl" >/dev/null; then
+    DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DS" deepspeed==0.19.8
+fi
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$DS" \
+    hjson py-cpuinfo einops msgpack ninja psutil pydantic pydantic-core annotated-types typing-inspection \
+    typing-extensions tqdm packaging
 
 # torch 2.13's linear_cross_entropy modules (pure Python: they import only torch, dataclasses, functools,
 # typing). Copy them only if this interpreter's torch actually has them.

@@ -11,6 +11,7 @@
 # Knobs (env): OUT (default ./bench_out), GPU_CHECK_TOTAL_S (540), BENCH_TIMEOUT_S (210), SKIP_BENCH,
 # SKIP_TESTS (1 skips a step), PYTEST_ARGS. Local plumbing check without GPUs (the cuda tests then skip):
 #   bash benchmarks/gpu_check_x2.sh --device cpu --tiny
+# DeepSpeed (ZeRO-3 suite) comes from .whl/deepspeed (benchmarks/fetch_peers.sh) when carried.
 # Files written under $OUT (5 of the device tool's 8): env.txt, bench_multi_gpu.log, multi_gpu.json,
 # multi_gpu.md, multi_gpu_tests.log.
 #
@@ -48,6 +49,13 @@ for name in ["triton", "lightning", "torchmetrics", "transformers", "jsonargpars
         print(f"{name:14s} IMPORT FAILED: {type(exc).__name__}: {exc}")
 EOF
 } 2>&1 | tee "$OUT/env.txt"
+
+# --- 2b. DeepSpeed (for the ZeRO-3 suite): pip's resolver installs only what the image lacks ---------------
+if compgen -G ".whl/deepspeed/deepspeed-*.whl" >/dev/null; then
+    step "installing DeepSpeed from .whl/deepspeed"
+    "$PY" -m pip install -q --no-index --find-links .whl/deepspeed --no-compile deepspeed 2>&1 | tail -n 5
+    "$PY" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -n 3 | tee -a "$OUT/env.txt"
+fi
 
 # --- 3. benchmark ------------------------------------------------------------------------------------------
 BENCH_STATUS="skipped"

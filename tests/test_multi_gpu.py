@@ -16,6 +16,15 @@ Suites:
   weights, :class:`~lightning_flce.parallel.VocabParallelHead` (loss and ``gather_logits`` over NCCL), and a
   ``DTensor`` weight on a CUDA mesh. The workers compute the errors on the GPU (the tensors are large) and save
   squared norms, combined here over the shards.
+- ``deepspeed3``: Lightning ``DeepSpeedStrategy(stage=3)`` (skipped where ``deepspeed`` is not installed): the
+  head weight is partitioned (``numel 0``) outside its module's forward; FLCEMixin computes the loss inside the
+  head's own call, where ZeRO-3 has gathered it, so the op must see the whole ``[V, H]`` weight. DeepSpeed keeps
+  gradients in its own buffers, so the mixin runs with ``flce_normalize="micro_batch"`` (the plain mean of each
+  micro-batch) and one micro-batch per optimizer step (Lightning divides the loss by ``accumulate_grad_batches``
+  and DeepSpeed's engine divides it again, so accumulation under DeepSpeed is not what this suite checks); the
+  float64 reference averages the micro-batch means over the ranks, and rank 1's second micro-batch has no label
+  at all (loss 0, zero gradient, the ZeRO-3 collectives still run). Gradients are read with
+  ``deepspeed.utils.safe_get_full_grad``.
 - ``ddp``, ``fsdp1``, ``fsdp2``: Lightning ``strategy="ddp"``, ``FSDPStrategy`` (FSDP1, FULL_SHARD, one unit per
   block: the embedding and the head, tied or not, stay in the root unit) and ``ModelParallelStrategy`` (FSDP2
   through ``TinyGPT.configure_model``) train a TinyGPT (V=83, odd, so the shards are uneven) with SGD for 2
@@ -71,7 +80,6 @@ STEPS = 2
 ACCUMULATE = 2
 MICRO_BATCH = 2
 NUM_SAMPLES = STEPS * ACCUMULATE * WORLD * MICRO_BATCH  # 16
-SAMPLES_PER_STEP = NUM_SAMPLES // STEPS
 LR = 0.5
 ALL_IGNORED = (5, 7, 12)  # step 1: rank 1's 2nd micro-batch ([5, 7]); step 2: half of rank 0's 2nd ([12, 14])
 SCENARIOS = {
@@ -153,7 +161,7 @@ def _model_class():
     return SGDTinyGPT
 
 
-def tiny_gpt(tie_embeddings: bool):
+def tiny_gpt(tie_embeddings: bool, **mixin_kwargs):
     torch.manual_seed(0)
     return _model_class()(
         vocab_size=VOCAB,
@@ -162,7 +170,22 @@ def tiny_gpt(tie_embeddings: bool):
         n_heads=2,
         max_seq_len=SEQ,
         tie_embeddings=tie_embeddings,
+        **mixin_kwargs,
     )
+
+
+def suite_accumulation(suite: str) -> int:
+    """Micro-batches per optimizer step (see the module docstring for DeepSpeed's 1)."""
+    return 1 if suite == "deepspeed3" else ACCUMULATE
+
+
+def suite_normalize(suite: str) -> str:
+    return "micro_batch" if suite == "deepspeed3" else "step"
+
+
+def micro_batch_samples(rank: int, index: int) -> list[int]:
+    """The samples of micro-batch ``index`` of ``rank`` (DistributedSampler without shuffling, batch 2)."""
+    return [rank + 2 * WORLD * index, rank + 2 * WORLD * index + WORLD]
 
 
 def _clean(name: str) -> str:
@@ -173,8 +196,14 @@ def _clean(name: str) -> str:
 
 def _full_grads(trainer, pl_module) -> dict[str, torch.Tensor]:
     """Every gradient as the full tensor on the CPU (a collective under FSDP: all ranks run this in order)."""
-    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
+    if isinstance(trainer.strategy, DeepSpeedStrategy):
+        from deepspeed.utils import safe_get_full_grad
+
+        # a collective under ZeRO-3 (all ranks, same order); the fp32 gradient of the whole parameter
+        full = {_clean(n): safe_get_full_grad(p) for n, p in pl_module.named_parameters() if p.requires_grad}
+        return {n: g.detach().float().cpu().clone() for n, g in full.items() if g is not None}
     if isinstance(trainer.strategy, FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -249,6 +278,12 @@ def _strategy(suite: str, device: str):
         return ModelParallelStrategy(
             data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend=backend
         )
+    if suite == "deepspeed3":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(
+            stage=3, logging_batch_size_per_gpu=MICRO_BATCH, process_group_backend=backend
+        )
     raise ValueError(suite)
 
 
@@ -274,7 +309,7 @@ def run_lightning_scenario(suite: str, name: str, device: str) -> dict:
         strategy=_strategy(suite, device),
         precision=options["precision"],
         max_steps=STEPS,
-        accumulate_grad_batches=ACCUMULATE,
+        accumulate_grad_batches=suite_accumulation(suite),
         use_distributed_sampler=False,  # Lightning's would shuffle the training samples
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -284,7 +319,7 @@ def run_lightning_scenario(suite: str, name: str, device: str) -> dict:
         enable_model_summary=False,
         callbacks=[save],
     )
-    model = tiny_gpt(options["tie_embeddings"])
+    model = tiny_gpt(options["tie_embeddings"], flce_normalize=suite_normalize(suite))
     try:
         sampler = DistributedSampler(
             samples(), num_replicas=WORLD, rank=int(os.environ["RANK"]), shuffle=False
@@ -327,18 +362,37 @@ def lightning_worker(suite: str, out_dir: str, device: str, scenarios: list[str]
     torch.save(results, os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 
 
-def reference_steps(tie_embeddings: bool) -> list[dict]:
-    """Loss and gradients of the 2 optimizer steps in one float64 process on the CPU (SGD in between)."""
+def reference_steps(
+    tie_embeddings: bool, normalize: str = "step", accumulate: int = ACCUMULATE
+) -> list[dict]:
+    """Loss and gradients of the 2 optimizer steps in one float64 process on the CPU (SGD in between).
+
+    The loss is the mean over the step's labels (what FLCEMixin logs); the gradient is that of the loss
+    (``normalize="step"``) or the mean over ranks and micro-batches of each micro-batch's mean (``"micro_batch"``,
+    0 for a micro-batch without labels)."""
     model = tiny_gpt(tie_embeddings).double()
     data = samples()
     out = []
+
+    def token_loss_sum(indices: list[int]) -> tuple[torch.Tensor, int]:
+        input_ids = torch.stack([data[i]["input_ids"] for i in indices])
+        labels = torch.stack([data[i]["labels"] for i in indices]).reshape(-1)
+        logits = model(input_ids).reshape(-1, VOCAB)
+        return F.cross_entropy(logits, labels, reduction="sum"), int((labels != -100).sum())
+
     for step in range(STEPS):
-        batch = data[step * SAMPLES_PER_STEP : (step + 1) * SAMPLES_PER_STEP]
-        input_ids = torch.stack([s["input_ids"] for s in batch])
-        labels = torch.stack([s["labels"] for s in batch])
+        parts = [
+            token_loss_sum(micro_batch_samples(rank, index))
+            for index in range(step * accumulate, (step + 1) * accumulate)
+            for rank in range(WORLD)
+        ]
         model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(input_ids).reshape(-1, VOCAB), labels.reshape(-1))
-        loss.backward()
+        total_tokens = sum(n for _, n in parts)
+        loss = sum(s for s, _ in parts) / total_tokens
+        if normalize == "step":
+            loss.backward()
+        else:
+            (sum(s / max(n, 1) for s, n in parts) / len(parts)).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         out.append({"loss": loss.item(), "grads": grads})
         with torch.no_grad():
@@ -353,7 +407,8 @@ def check_lightning_scenario(suite: str, name: str, ranks: list[dict]) -> dict:
     options = SCENARIOS[name]
     fp32 = options["precision"] == "32-true"
     grad_tol, loss_tol = (FP32_REL, FP32_REL) if fp32 else (BF16_REL, BF16_LOSS_REL)
-    reference = reference_steps(options["tie_embeddings"])
+    accumulate = suite_accumulation(suite)
+    reference = reference_steps(options["tie_embeddings"], suite_normalize(suite), accumulate)
     worst = {"loss": 0.0, "grad": 0.0, "grad_name": None}
     for rank, saved in enumerate(ranks):
         assert saved["error"] is None, f"rank {rank}: {saved['error']}"
@@ -361,7 +416,7 @@ def check_lightning_scenario(suite: str, name: str, ranks: list[dict]) -> dict:
         if suite != "fsdp1":  # (FSDP1 swaps the parameters; the gradient keys below show the tie anyway)
             assert saved["tied"] is options["tie_embeddings"]
         # the op ran once per micro-batch on the whole [V, H] weight, never on a shard or a DTensor
-        assert len(saved["op_weights"]) == STEPS * ACCUMULATE, saved["op_weights"]
+        assert len(saved["op_weights"]) == STEPS * accumulate, saved["op_weights"]
         for type_name, shape, _dtype in saved["op_weights"]:
             assert type_name in ("Parameter", "Tensor") and shape == (VOCAB, D_MODEL), saved["op_weights"]
         if suite == "fsdp1":
@@ -666,8 +721,10 @@ def test_vocab_parallel_op_nccl(suite_results, name):
 @pytest.mark.cuda
 @needs_two_gpus
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("suite", ["ddp", "fsdp1", "fsdp2"])
+@pytest.mark.parametrize("suite", ["ddp", "fsdp1", "fsdp2", "deepspeed3"])
 def test_lightning_two_steps_equal_one_process(suite_results, suite, scenario):
+    if suite == "deepspeed3":
+        pytest.importorskip("deepspeed")
     ranks = [r[scenario] for r in suite_results(suite)]
     worst = check_lightning_scenario(suite, scenario, ranks)
     print(f"[multi_gpu] {suite} {scenario}: {ranks[0]['seconds']:.1f} s, worst relative errors {worst}")
