@@ -144,3 +144,86 @@ def test_scale_kernel(scale):
         else:
             # The interpreter truncates fp32 -> bf16 where torch rounds to nearest: within 1 ulp (2^-7).
             torch.testing.assert_close(tensor, expected, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("feature_name", ["plain", "all", "smoothing+class_weight"])
+@pytest.mark.parametrize("vocab", [1000, 10007], ids=["V1000", "V10007-two-blocks"])
+def test_kernel_wide_logits_aliased_output(feature_name, vocab):
+    """fp32 logits in, the bf16 gradient written into the same rows (``buf.view(bf16)[:, :V]``, row stride
+    2V): equal to the gradient of the non-aliased computation. V=10007 spans two 8192-wide blocks, so the
+    second block's logits are read after the first block's gradient was stored (in the same row's bytes).
+    Ignored rows get zeros. bf16 tolerance: the interpreter truncates fp32 -> bf16 (1 ulp, 2^-7 relative)
+    where torch rounds to nearest."""
+    from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton
+    from lightning_flce.kernels.cross_entropy_torch import cross_entropy_chunk_torch
+
+    gen = torch.Generator().manual_seed(3)
+    n_rows = 12
+    options = _options(FEATURES[feature_name], vocab, gen)
+    logits = torch.randn(n_rows, vocab, generator=gen) * 4
+    target = torch.randint(0, vocab, (n_rows,), generator=gen)
+    target[::5] = -100
+    kwargs = {
+        "ce_scale": torch.tensor([0.3]),
+        "z_scale": torch.tensor([0.6]),
+        "compute_grad": True,
+        "compute_stats": True,
+    }
+    expected_grad = logits.clone()  # fp32 gradient, in place, no aliasing
+    expected = cross_entropy_chunk_torch(expected_grad, target, options, **kwargs)
+
+    buffer = logits.clone()
+    grad_view = buffer.view(torch.bfloat16)[:, :vocab]
+    assert grad_view.stride() == (2 * vocab, 1)
+    out = cross_entropy_chunk_triton(buffer, target, options, grad_out=grad_view, **kwargs)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.lse, expected.lse, rtol=1e-6, atol=1e-6)
+    # entropy = lse - E_p[z]: two terms up to ~16 here, summed in fp32 over up to 10007 logits
+    torch.testing.assert_close(out.entropy, expected.entropy, rtol=1e-5, atol=1e-4)
+    assert torch.equal(out.correct, expected.correct)
+    torch.testing.assert_close(grad_view.float(), expected_grad, rtol=2**-7, atol=1e-9)
+    assert torch.all(grad_view[target == -100] == 0)
+
+    # The PyTorch twin under the same contract (it converts through a copy) agrees with the kernel.
+    buffer_torch = logits.clone()
+    grad_view_torch = buffer_torch.view(torch.bfloat16)[:, :vocab]
+    cross_entropy_chunk_torch(buffer_torch, target, options, grad_out=grad_view_torch, **kwargs)
+    torch.testing.assert_close(grad_view_torch.float(), expected_grad, rtol=2**-8, atol=1e-9)
+    # truncated vs rounded to nearest: at most 1 bf16 ulp (2^-7 relative) apart per element
+    assert relative_error(grad_view, grad_view_torch) < 2**-7
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_op_triton_path_wide_logits(reduction):
+    """The op with impl="triton" and logits_dtype=float32 on bf16 inputs: the same loss as the PyTorch path
+    (both fp32 softmax of the same fp32 logits) and gradients within bf16 rounding of it (the interpreter
+    truncates to bf16, torch rounds to nearest: 1 ulp, 2^-7 relative, at most); the loss is fp32-accurate
+    against float64 of the bf16 inputs (the default path's is ~1e-4 off)."""
+    x, weight, target, bias, class_weight = make_problem(128, 64, 1000, dtype=torch.bfloat16, seed=14)
+    grad_output = torch.randn(128) if reduction == "none" else None
+    kwargs = {"reduction": reduction, "label_smoothing": 0.1, "class_weight": class_weight, "softcap": 30.0}
+    results = {}
+    for impl in ("triton", "torch"):
+        results[impl] = grads_of(
+            lambda a, b, c, impl=impl: fused_linear_cross_entropy(
+                a, b, target, c, impl=impl, chunk_size=48, logits_dtype=torch.float32, **kwargs
+            ),
+            x.requires_grad_(),
+            weight.requires_grad_(),
+            bias.requires_grad_(),
+            grad_output=grad_output,
+        )
+    ref_loss, ref_grads = grads_of(
+        lambda a, b, c: reference_loss(a, b, target, c, **kwargs),
+        x.double(),
+        weight.double().requires_grad_(),
+        bias.double().requires_grad_(),
+        grad_output=grad_output,
+    )
+    (loss_tr, grads_tr), (loss_pt, grads_pt) = results["triton"], results["torch"]
+    torch.testing.assert_close(loss_tr, loss_pt, rtol=1e-5, atol=1e-6)
+    assert relative_error(loss_tr, ref_loss) < 1e-6
+    for got, want, ref in zip(grads_tr, grads_pt, ref_grads):
+        assert got.dtype == torch.bfloat16
+        assert relative_error(got, want) < 2**-7
+        assert relative_error(got, ref) < 1e-2
