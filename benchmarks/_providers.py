@@ -27,17 +27,6 @@ FLCE_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce": {},
     # Minimum-memory setting: dW accumulated in place in the weight's dtype ("param"), smaller chunks.
     "flce_minmem": {"chunk_size": 512, "accum_dtype": "param"},
-    # Wide logits: fp32 GEMM outputs into the softmax (more accurate dX/dW, half the rows per chunk), with dW
-    # accumulated in the weight's dtype (least memory) or, by default, in fp32.
-    "flce_wide": {"logits_dtype": "float32", "accum_dtype": "param"},
-    "flce_wide_acc32": {"logits_dtype": "float32"},
-}
-# JSON-friendly dtype names accepted in variant kwargs ("torch.float32" too); "param" is the weight's dtype.
-DTYPE_NAMES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
 }
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.
@@ -230,26 +219,14 @@ TORCH_NATIVE_SOURCE: Dict[str, str] = {}
 
 
 # --------------------------------------------------------------------------------------------- flce
-def resolve_dtype_names(kwargs: Dict[str, Any], weight_dtype: torch.dtype) -> Dict[str, Any]:
-    """Variant kwargs with "param" as ``weight_dtype`` and dtype names ("float32", "torch.bfloat16", ...) as
-    torch dtypes, for any key; other values unchanged."""
-
-    def resolve(value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        if value == "param":
-            return weight_dtype
-        return DTYPE_NAMES.get(value.removeprefix("torch."), value)
-
-    return {k: resolve(v) for k, v in kwargs.items()}
-
-
 def _build_flce(kwargs: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
     def build(device: torch.device) -> LossFn:
         from lightning_flce import fused_linear_cross_entropy
 
         def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return fused_linear_cross_entropy(x, w, t, **resolve_dtype_names(kwargs, w.dtype))
+            # "param" (JSON-friendly) stands for the weight's own dtype.
+            resolved = {k: (w.dtype if v == "param" else v) for k, v in kwargs.items()}
+            return fused_linear_cross_entropy(x, w, t, **resolved)
 
         return fn
 

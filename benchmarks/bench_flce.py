@@ -465,8 +465,10 @@ def parse_variants(items: List[str]) -> Dict[str, Dict[str, Any]]:
         name, sep, spec = item.partition("=")
         if not sep:
             raise argparse.ArgumentTypeError(f"--flce-variant wants NAME=JSON, got {item!r}")
-        # dtype names and "param" stay strings here: _providers.resolve_dtype_names maps them per call
-        variants[name] = json.loads(spec or "{}")
+        kwargs = json.loads(spec or "{}")
+        if "accum_dtype" in kwargs and isinstance(kwargs["accum_dtype"], str):
+            kwargs["accum_dtype"] = getattr(torch, kwargs["accum_dtype"].replace("torch.", ""))
+        variants[name] = kwargs
     return variants
 
 

@@ -97,25 +97,6 @@ def decide_path(
     return AccumulationPath.ADD_MM
 
 
-def widening_gemm_available(device: torch.device, operand_dtype: torch.dtype) -> bool:
-    """Whether a GEMM of ``operand_dtype`` operands can write fp32 outputs directly (``torch.mm``/``addmm``
-    with ``out_dtype=torch.float32``): the conditions of the widening ``addmm_out`` path above."""
-    if operand_dtype not in _LOW_PRECISION:
-        return False
-    is_cuda = device.type == "cuda"
-    return (
-        decide_path(
-            device_type=device.type,
-            operand_dtype=operand_dtype,
-            grad_weight_dtype=torch.float32,
-            torch_version=TORCH_VERSION,
-            capability=torch.cuda.get_device_capability(device) if is_cuda else None,
-            is_rocm=torch.version.hip is not None,
-        )
-        is AccumulationPath.ADDMM_OUT
-    )
-
-
 def accumulate_grad_weight(
     grad_weight: torch.Tensor,
     grad_logits: torch.Tensor,
@@ -128,9 +109,7 @@ def accumulate_grad_weight(
 
     Args:
         grad_weight: [V, H] accumulator, contiguous.
-        grad_logits: [C, V] gradient of the loss w.r.t. one chunk's logits; any strides with a unit
-            stride along V (the wide-logits view has row stride 2V) reaches the GEMM as it is (only the
-            ``upcast_addmm`` path copies it, to the accumulator's dtype, as it does any chunk).
+        grad_logits: [C, V] gradient of the loss w.r.t. one chunk's logits.
         input: [C, H] the chunk's hidden states (same dtype as ``grad_logits``).
         first: overwrite instead of accumulate, so ``grad_weight`` may be uninitialized memory.
         path: a precomputed :func:`choose_path` result (the chunk loop computes it once).

@@ -50,7 +50,6 @@ def fused_linear_cross_entropy(
     lse_square_scale: float = 0.0,
     softcap: Optional[float] = None,
     accum_dtype: Optional[torch.dtype] = None,
-    logits_dtype: Optional[torch.dtype] = None,
     chunk_size: Optional[int] = None,
     impl: str = "auto",
 ) -> Tensor:
@@ -82,12 +81,6 @@ def fused_linear_cross_entropy(
             dW is as accurate as one unchunked GEMM: fp32 for fp16/bf16 weights, fp64 for fp32
             weights on GPUs with full-rate fp64 (A100, H100, ...); the weight's dtype otherwise.
             ``torch.float64`` is accepted too. (d bias is always accumulated in fp32.)
-        logits_dtype: None (default): each chunk's logits in the compute dtype. ``torch.float32`` with
-            fp16/bf16 compute ("wide logits"): the softmax runs on the fp32 GEMM outputs instead of logits
-            rounded to 16 bits (naive bf16's main error), so gradients are more accurate, at 2x the chunk's
-            bytes per row (the default chunk_size halves; the bias is added in fp32). Pairs with
-            ``accum_dtype=<weight dtype>`` (least memory): accurate per-chunk gradients leave room for
-            rounding dW once per chunk. The compute dtype itself means the same as None.
         chunk_size: tokens per chunk; None picks it from a memory budget (a quarter of dX + dW).
         impl: ``"triton"`` (CUDA; the CPU only under ``TRITON_INTERPRET=1``), ``"torch"``, or
             ``"auto"`` (Triton on CUDA, PyTorch elsewhere).
@@ -112,7 +105,6 @@ def fused_linear_cross_entropy(
         lse_square_scale=lse_square_scale,
         softcap=softcap,
         accum_dtype=accum_dtype,
-        logits_dtype=logits_dtype,
         chunk_size=chunk_size,
         impl=impl,
         compute_stats=False,
@@ -143,14 +135,12 @@ def _call(
     lse_square_scale: float = 0.0,
     softcap: Optional[float] = None,
     accum_dtype: Optional[torch.dtype] = None,
-    logits_dtype: Optional[torch.dtype] = None,
     chunk_size: Optional[int] = None,
     impl: str = "auto",
     compute_stats: bool,
 ) -> FLCEOutput:
     compute_dtype = _check_inputs(input, weight, target, bias, class_weight)
     _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
-    logits_dtype = resolve_logits_dtype(logits_dtype, compute_dtype)
     impl = _resolve_impl(impl, input.device)
     grad_enabled = torch.is_grad_enabled()
     loss, lse, correct, entropy, *_ = flce_forward(
@@ -165,7 +155,6 @@ def _call(
         float(lse_square_scale),
         float(softcap) if softcap is not None else 0.0,
         compute_dtype,
-        logits_dtype,
         _accum_mode(accum_dtype, weight),
         int(chunk_size) if chunk_size is not None else 0,
         impl,
@@ -260,23 +249,6 @@ def _check_options(
         raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size}")
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-
-
-def resolve_logits_dtype(logits_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a chunk's logits buffer: ``compute_dtype`` (None, or given), or torch.float32 ("wide")
-    with fp16/bf16 compute; anything else raises."""
-    allowed = "None, the compute dtype, or torch.float32 with fp16/bf16 compute"
-    if logits_dtype is None:
-        return compute_dtype
-    if not isinstance(logits_dtype, torch.dtype):
-        raise TypeError(f"logits_dtype must be a torch.dtype or None ({allowed}), got {logits_dtype!r}")
-    if logits_dtype == compute_dtype or (
-        logits_dtype == torch.float32 and compute_dtype in (torch.float16, torch.bfloat16)
-    ):
-        return logits_dtype
-    raise ValueError(
-        f"logits_dtype must be {allowed}; the compute dtype is {compute_dtype}, got {logits_dtype}"
-    )
 
 
 def _accum_mode(accum_dtype: Optional[torch.dtype], weight: Tensor) -> str:

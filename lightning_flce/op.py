@@ -14,12 +14,6 @@ when it is 1. For "none" each token has its own grad_output, which dW cannot abs
 forward computes only the loss, and backward (``lightning_flce::flce_backward``) recomputes the
 chunks with the per-token scales.
 
-With wide logits (``logits_dtype=torch.float32``, fp16/bf16 compute) the buffer is fp32: the GEMM writes
-fp32 outputs, the kernel reads them and writes the gradient in the compute dtype into the first half of
-each fp32 row (``buffer.view(compute_dtype)[:, :V]``), which dX, dW and db then read. Where no GEMM
-writes fp32 outputs from 16-bit operands (the CPU, ROCm, pre-Ampere GPUs, torch < 2.8), the logits GEMM
-runs on fp32 operands, with one fp32 copy of the weight per call.
-
 Rows whose target is ``ignore_index`` are dropped before the GEMMs (they cost nothing but a gather).
 Targets are validated and counted with one host sync per call, before any kernel runs; the mean's
 normalizer stays on the device.
@@ -36,7 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_flce._compat import triton_usable
-from lightning_flce.accumulate import accumulate_grad_weight, choose_path, widening_gemm_available
+from lightning_flce.accumulate import accumulate_grad_weight, choose_path
 from lightning_flce.kernels import LossOptions, cross_entropy_chunk
 from lightning_flce.kernels.scale import scale_
 
@@ -52,27 +46,12 @@ _TORCH_PATH_BYTES_PER_LOGIT = 12
 _TORCH_PATH_MIN_CHUNK_BYTES = 128 * _MiB
 
 
-def default_chunk_size(
-    n_rows: int,
-    vocab: int,
-    hidden: int,
-    itemsize: int,
-    use_triton: bool,
-    logits_itemsize: Optional[int] = None,
-) -> int:
-    """Tokens per chunk: the chunk's logits workspace gets about a quarter of the memory floor.
-
-    ``itemsize`` is the compute dtype's (the floor is dX + dW in it), ``logits_itemsize`` the logits
-    buffer's (default: the same; 4 for wide logits, which so get half the rows of the same budget).
-    """
-    if logits_itemsize is None:
-        logits_itemsize = itemsize
+def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, use_triton: bool) -> int:
+    """Tokens per chunk: the chunk's logits workspace gets about a quarter of the memory floor."""
     floor_bytes = (n_rows + vocab) * hidden * itemsize
     min_bytes = _MIN_CHUNK_BYTES if use_triton else _TORCH_PATH_MIN_CHUNK_BYTES
     budget = min(max(floor_bytes // 4, min_bytes), _MAX_CHUNK_BYTES)
-    # The PyTorch path's fp32 working copies come on top of the buffer; a wider buffer adds its difference.
-    torch_path_bytes = _TORCH_PATH_BYTES_PER_LOGIT + logits_itemsize - itemsize
-    bytes_per_row = vocab * (logits_itemsize if use_triton else torch_path_bytes)
+    bytes_per_row = vocab * (itemsize if use_triton else _TORCH_PATH_BYTES_PER_LOGIT)
     rows = max(_CHUNK_ALIGN, budget // bytes_per_row // _CHUNK_ALIGN * _CHUNK_ALIGN)
     return int(min(rows, max(n_rows, 1)))
 
@@ -102,7 +81,6 @@ def _chunk_loop(
     ce_scale: Tensor,
     z_scale: Tensor,
     compute_dtype: torch.dtype,
-    logits_dtype: torch.dtype,
     need_grad_input: bool,
     need_grad_weight: bool,
     need_grad_bias: bool,
@@ -121,7 +99,7 @@ def _chunk_loop(
     n_valid = _check_targets(target, valid, weight.shape[0], options.ignore_index)
     use_triton = impl == "triton"
 
-    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad, grad_out):
+    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
         return cross_entropy_chunk(
             logits,
             chunk_target,
@@ -131,7 +109,6 @@ def _chunk_loop(
             compute_grad=compute_grad,
             compute_stats=compute_stats,
             use_triton=use_triton,
-            grad_out=grad_out,
         )
 
     *per_token, grad_input, grad_weight, grad_bias = run_chunks(
@@ -146,7 +123,6 @@ def _chunk_loop(
         ce_scale=ce_scale,
         z_scale=z_scale,
         compute_dtype=compute_dtype,
-        logits_dtype=logits_dtype,
         need_grad_input=need_grad_input,
         need_grad_weight=need_grad_weight,
         need_grad_bias=need_grad_bias,
@@ -186,16 +162,12 @@ def run_chunks(
     compute_stats: bool,
     accum: str,
     grad_input_dtype: torch.dtype,
-    logits_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Optional[Tensor], ...]:
     """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
 
     Over chunks of the ``rows`` that carry a loss (all rows when None): logits GEMM into one reused
-    buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad, grad_out) ->
-    ChunkOutputs`` (which writes the logits' gradient into ``grad_out``: the logits themselves, or with
-    wide logits their compute-dtype view), then dX rows, the dW accumulation and d bias.
-    ``logits_dtype``: None or ``compute_dtype`` (logits in the compute dtype), or torch.float32 with
-    fp16/bf16 compute (wide logits: an fp32 buffer, see the module docstring).
+    buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad) -> ChunkOutputs``
+    (which overwrites the logits with their gradient), then dX rows, the dW accumulation and d bias.
 
     Returns per-token loss/LSE/stats [N] (0 for ignored rows) and the gradients: dX [N, H] in
     ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for.
@@ -212,19 +184,6 @@ def run_chunks(
     weight_c = weight.to(compute_dtype)
     bias_c = bias.to(compute_dtype) if bias is not None else None
     per_row_scale = ce_scale.numel() > 1
-    wide = logits_dtype is not None and logits_dtype != compute_dtype
-    if wide:
-        if not (logits_dtype == torch.float32 and compute_dtype in _LOW_PRECISION):
-            raise ValueError(
-                f"wide logits are fp32 with fp16/bf16 compute, got {logits_dtype} / {compute_dtype}"
-            )
-        widening = widening_gemm_available(device, compute_dtype)
-        # Without a widening GEMM: fp32 operands, with one fp32 copy of the weight for all chunks.
-        weight_gemm = weight_c if widening else weight_c.float()
-        # The bias is added in fp32, as given (not rounded to the compute dtype).
-        bias_gemm = bias.float() if bias is not None else None
-    else:
-        logits_dtype, widening, weight_gemm, bias_gemm = compute_dtype, False, weight_c, bias_c
 
     loss = torch.zeros(n_rows, dtype=torch.float32, device=device)
     lse = torch.zeros(n_rows, dtype=torch.float32, device=device)
@@ -260,12 +219,12 @@ def run_chunks(
             x_c, t_c = x2.index_select(0, scale_rows), target.index_select(0, scale_rows)
         x_c = x_c.to(compute_dtype)
         if logits_buffer is None:
-            logits_buffer = torch.empty(min(chunk_size, n_valid), vocab, dtype=logits_dtype, device=device)
+            logits_buffer = torch.empty(min(chunk_size, n_valid), vocab, dtype=compute_dtype, device=device)
         logits = logits_buffer[: end - start]
-        logits_gemm(x_c, weight_gemm, bias_gemm, logits, widening=widening)
-        # Wide: row r's gradient is the first half of row r's fp32 bytes (row stride 2V compute-dtype
-        # elements); dX, dW and db read it through this strided view, without a copy.
-        grad = logits.view(compute_dtype)[:, :vocab] if wide else logits
+        if bias_c is not None:
+            torch.addmm(bias_c, x_c, weight_c.t(), out=logits)
+        else:
+            torch.mm(x_c, weight_c.t(), out=logits)
 
         out = chunk_cross_entropy(
             logits,
@@ -273,7 +232,6 @@ def run_chunks(
             ce_scale[scale_rows] if per_row_scale else ce_scale,
             z_scale[scale_rows] if per_row_scale else z_scale,
             compute_grad,
-            grad,
         )
         _write_rows(loss, scale_rows, out.loss)
         _write_rows(lse, scale_rows, out.lse)
@@ -283,17 +241,17 @@ def run_chunks(
 
         if need_grad_input:
             if rows is None and grad_input.dtype == weight_for_grad_input.dtype:
-                torch.mm(grad, weight_for_grad_input, out=grad_input[start:end])
+                torch.mm(logits, weight_for_grad_input, out=grad_input[start:end])
             else:
                 _write_rows(
                     grad_input,
                     scale_rows,
-                    torch.mm(grad.to(weight_for_grad_input.dtype), weight_for_grad_input),
+                    torch.mm(logits.to(weight_for_grad_input.dtype), weight_for_grad_input),
                 )
         if need_grad_weight:
-            accumulate_grad_weight(grad_weight, grad, x_c, first=chunk_index == 0, path=accum_path)
+            accumulate_grad_weight(grad_weight, logits, x_c, first=chunk_index == 0, path=accum_path)
         if need_grad_bias:
-            grad_bias.add_(grad.sum(dim=0, dtype=torch.float32))
+            grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
 
     if need_grad_weight:
         if n_valid == 0:
@@ -302,31 +260,6 @@ def run_chunks(
     if need_grad_bias:
         grad_bias = grad_bias.to(bias.dtype)
     return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias
-
-
-def logits_gemm(
-    x_c: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor, *, widening: bool = False
-) -> None:
-    """``out = x_c @ weight.T (+ bias)``. Logits in the operands' dtype: one (add)mm. Wide (fp32 ``out``):
-    with ``widening`` one mm with fp32 outputs (``out_dtype``, CUDA, torch >= 2.8) and the fp32 bias added
-    after (addmm's out_dtype variant wants a bias in the operands' dtype on some versions); otherwise fp32
-    operands (``weight`` already fp32: the caller hoists that copy out of the chunk loop)."""
-    if out.dtype == x_c.dtype:
-        if bias is not None:
-            torch.addmm(bias, x_c, weight.t(), out=out)
-        else:
-            torch.mm(x_c, weight.t(), out=out)
-        return
-    if widening:
-        torch.mm(x_c, weight.t(), out_dtype=out.dtype, out=out)
-        if bias is not None:
-            out.add_(bias)
-        return
-    x_wide = x_c.to(out.dtype)
-    if bias is not None:
-        torch.addmm(bias, x_wide, weight.t(), out=out)
-    else:
-        torch.mm(x_wide, weight.t(), out=out)
 
 
 def _accumulator_dtype(accum: str, weight: Tensor, compute_dtype: torch.dtype, n_chunks: int) -> torch.dtype:
@@ -409,21 +342,13 @@ def _options(
 
 
 def _resolve_chunk_size(
-    chunk_size: int,
-    x: Tensor,
-    weight: Tensor,
-    compute_dtype: torch.dtype,
-    impl: str,
-    logits_dtype: Optional[torch.dtype] = None,
+    chunk_size: int, x: Tensor, weight: Tensor, compute_dtype: torch.dtype, impl: str
 ) -> int:
     if chunk_size > 0:
         return chunk_size
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    logits_itemsize = torch.empty((), dtype=logits_dtype).element_size() if logits_dtype else itemsize
-    return default_chunk_size(
-        n_rows, weight.shape[0], weight.shape[1], itemsize, impl == "triton", logits_itemsize
-    )
+    return default_chunk_size(n_rows, weight.shape[0], weight.shape[1], itemsize, impl == "triton")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -444,7 +369,6 @@ def flce_forward(
     lse_square_scale: float,
     softcap: float,
     compute_dtype: torch.dtype,
-    logits_dtype: torch.dtype,
     accum: str,
     chunk_size: int,
     impl: str,
@@ -471,13 +395,12 @@ def flce_forward(
             ce_scale=ce_scale,
             z_scale=z_scale,
             compute_dtype=compute_dtype,
-            logits_dtype=logits_dtype,
             need_grad_input=need_grad_input and grads_now,
             need_grad_weight=need_grad_weight and grads_now,
             need_grad_bias=need_grad_bias and grads_now,
             compute_stats=compute_stats,
             accum=accum,
-            chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, logits_dtype),
+            chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl),
             impl=impl,
         )
     if reduction != "none":
@@ -500,7 +423,6 @@ def _(
     lse_square_scale,
     softcap,
     compute_dtype,
-    logits_dtype,
     accum,
     chunk_size,
     impl,
@@ -552,7 +474,6 @@ def flce_backward(
     lse_square_scale: float,
     softcap: float,
     compute_dtype: torch.dtype,
-    logits_dtype: torch.dtype,
     accum: str,
     chunk_size: int,
     impl: str,
@@ -573,13 +494,12 @@ def flce_backward(
             ce_scale=scale,
             z_scale=scale,
             compute_dtype=compute_dtype,
-            logits_dtype=logits_dtype,
             need_grad_input=need_grad_input,
             need_grad_weight=need_grad_weight,
             need_grad_bias=need_grad_bias,
             compute_stats=False,
             accum=accum,
-            chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, logits_dtype),
+            chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl),
             impl=impl,
         )
     return gx, gw, gb
@@ -598,7 +518,6 @@ def _(
     lse_square_scale,
     softcap,
     compute_dtype,
-    logits_dtype,
     accum,
     chunk_size,
     impl,
@@ -634,7 +553,6 @@ def _setup_context(ctx, inputs, output) -> None:
         lse_square_scale,
         softcap,
         compute_dtype,
-        logits_dtype,
         accum,
         chunk_size,
         impl,
@@ -657,7 +575,6 @@ def _setup_context(ctx, inputs, output) -> None:
             lse_square_scale,
             softcap,
             compute_dtype,
-            logits_dtype,
             accum,
             chunk_size,
             impl,
@@ -667,7 +584,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
-    grads: List[Optional[Tensor]] = [None] * 19
+    grads: List[Optional[Tensor]] = [None] * 18
     if grad_loss is None:
         return tuple(grads)
     need_grad_input, need_grad_weight, need_grad_bias = ctx.needs
@@ -708,7 +625,7 @@ def _register_flop_formulas() -> None:
     @register_flop_formula(torch.ops.lightning_flce.flce_forward)
     def _forward_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
         reduction = args[4]
-        need_grad_input, need_grad_weight = args[13], args[14]
+        need_grad_input, need_grad_weight = args[12], args[13]
         flops = _gemm_flops(x_shape, weight_shape)
         if reduction != "none":
             flops *= 1 + int(need_grad_input) + int(need_grad_weight)
@@ -716,7 +633,7 @@ def _register_flop_formulas() -> None:
 
     @register_flop_formula(torch.ops.lightning_flce.flce_backward)
     def _backward_flops(grad_shape, x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-        need_grad_input, need_grad_weight = args[12], args[13]
+        need_grad_input, need_grad_weight = args[11], args[12]
         return _gemm_flops(x_shape, weight_shape) * (int(need_grad_input) + int(need_grad_weight))
 
 

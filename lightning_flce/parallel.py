@@ -39,13 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_flce.functional import (
-    FLCEOutput,
-    _accum_mode,
-    _check_inputs,
-    _check_options,
-    resolve_logits_dtype,
-)
+from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options
 from lightning_flce.kernels import ChunkOutputs, LossOptions
 from lightning_flce.kernels.scale import scale_
 from lightning_flce.op import _loss_scales, default_chunk_size, run_chunks, valid_rows
@@ -107,7 +101,6 @@ def vocab_parallel_fused_linear_cross_entropy(
     chunk_size: Optional[int] = None,
     accum_dtype: Optional[torch.dtype] = None,
     class_weight: Optional[Tensor] = None,
-    logits_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """:func:`~lightning_flce.fused_linear_cross_entropy` with the head weight sharded over V across ``group``.
 
@@ -126,9 +119,9 @@ def vocab_parallel_fused_linear_cross_entropy(
         vocab_start: first global row of ``weight_shard``. ``None`` (default): shards are contiguous in rank
             order, ``vocab_start_r = V_0 + ... + V_{r-1}`` (the sizes are exchanged, so uneven shards work).
             If given, it must be given on every rank and the shards must tile ``[0, V)``.
-        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, chunk_size, accum_dtype,
-            logits_dtype: as in :func:`~lightning_flce.fused_linear_cross_entropy` (``chunk_size=None`` picks
-            the same size on every rank, from the largest shard; wide logits apply to each rank's shard).
+        ignore_index, reduction, label_smoothing, lse_square_scale, softcap, chunk_size, accum_dtype: as in
+            :func:`~lightning_flce.fused_linear_cross_entropy` (``chunk_size=None`` picks the same size on
+            every rank, from the largest shard).
         class_weight: not supported (``NotImplementedError``).
 
     Returns:
@@ -150,7 +143,6 @@ def vocab_parallel_fused_linear_cross_entropy(
         chunk_size=chunk_size,
         accum_dtype=accum_dtype,
         class_weight=class_weight,
-        logits_dtype=logits_dtype,
         compute_stats=False,
     ).loss
 
@@ -374,7 +366,6 @@ class _Plan(NamedTuple):
     n_valid: int
     chunk_size: int
     compute_dtype: torch.dtype
-    logits_dtype: torch.dtype
     accum: str
     ignore_index: int
     label_smoothing: float
@@ -398,7 +389,6 @@ def _call(
     chunk_size: Optional[int] = None,
     accum_dtype: Optional[torch.dtype] = None,
     class_weight: Optional[Tensor] = None,
-    logits_dtype: Optional[torch.dtype] = None,
     compute_stats: bool,
 ) -> FLCEOutput:
     if class_weight is not None:
@@ -412,7 +402,6 @@ def _call(
     compute_dtype = _check_inputs(input, weight, target, bias, None)
     _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, "torch")
     accum = _accum_mode(accum_dtype, weight)
-    logits_dtype = resolve_logits_dtype(logits_dtype, compute_dtype)
 
     grad_enabled = torch.is_grad_enabled()
     needs = (
@@ -430,7 +419,6 @@ def _call(
         reduction=reduction,
         chunk_size=chunk_size,
         compute_dtype=compute_dtype,
-        logits_dtype=logits_dtype,
         need_grad_input=needs[0],
         compute_stats=compute_stats,
     )
@@ -441,7 +429,6 @@ def _call(
         n_valid=n_valid,
         chunk_size=chunk_size,
         compute_dtype=compute_dtype,
-        logits_dtype=logits_dtype,
         accum=accum,
         ignore_index=int(ignore_index),
         label_smoothing=float(label_smoothing),
@@ -500,7 +487,6 @@ def _layout(
     reduction: str,
     chunk_size: Optional[int],
     compute_dtype: torch.dtype,
-    logits_dtype: torch.dtype,
     need_grad_input: bool,
     compute_stats: bool,
 ) -> Tuple[int, int, int, int]:
@@ -517,12 +503,10 @@ def _layout(
     target_max = torch.where(valid, flat_target, -big).amax() if n_tokens else flat_target.new_tensor(-big)
     positions = torch.arange(n_tokens, device=device) % _FINGERPRINT_MOD + 1
     fingerprint = (flat_target * positions).sum() % (1 << 40)
-    wide = logits_dtype != compute_dtype
     flags = (
-        int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2 | int(wide) << 4
+        int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2
     )  # must agree as well
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    logits_itemsize = torch.empty((), dtype=logits_dtype).element_size()
     row = torch.stack(
         [
             flat_target.new_tensor(int(vocab_start is not None)),
@@ -554,7 +538,7 @@ def _layout(
         (_C_FINGERPRINT, "targets"),
         (_C_CHUNK, "chunk_size"),
         (_C_ITEMSIZE, "compute dtypes"),
-        (_C_FLAGS, "reduction, stats, logits_dtype or input.requires_grad"),
+        (_C_FLAGS, "reduction, stats or input.requires_grad"),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
     ):
         if len(set(column(index))) > 1:
@@ -591,9 +575,7 @@ def _layout(
     n_valid = rows[0][_C_VALID]
     if chunk_size is None:
         # The same on every rank: chunk boundaries must line up for the per-chunk collectives.
-        chunk_size = default_chunk_size(
-            n_tokens, max(sizes), weight.shape[1], itemsize, use_triton=False, logits_itemsize=logits_itemsize
-        )
+        chunk_size = default_chunk_size(n_tokens, max(sizes), weight.shape[1], itemsize, use_triton=False)
     return start, vocab, n_valid, int(chunk_size)
 
 
@@ -683,7 +665,7 @@ def _chunk_loop(
     not asked for."""
     target = target.reshape(-1)
 
-    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad, grad_out):
+    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
         return ChunkOutputs(
             *_shard_chunk(
                 logits,
@@ -693,7 +675,6 @@ def _chunk_loop(
                 z_scale=chunk_z_scale,
                 compute_grad=compute_grad,
                 compute_stats=compute_stats,
-                grad_out=grad_out,
             )
         )
 
@@ -712,7 +693,6 @@ def _chunk_loop(
         ce_scale=ce_scale,
         z_scale=z_scale,
         compute_dtype=plan.compute_dtype,
-        logits_dtype=plan.logits_dtype,
         need_grad_input=need_grad_input,
         need_grad_weight=need_grad_weight,
         need_grad_bias=need_grad_bias,
@@ -735,11 +715,9 @@ def _shard_chunk(
     z_scale: Tensor,
     compute_grad: bool,
     compute_stats: bool,
-    grad_out: Tensor,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
     """One chunk of non-ignored rows on this rank's columns: the loss rows and global LSE (and stats), and
-    with ``compute_grad`` d loss / d logits of the local columns written to ``grad_out`` (``logits``
-    itself, or with wide logits its compute-dtype view: ``grad`` below is a separate tensor either way).
+    with ``compute_grad`` ``logits`` overwritten with d loss / d logits of the local columns.
 
     Same formulas as :mod:`lightning_flce.kernels.cross_entropy_torch` (without class weights), with the
     row reductions over V replaced by local reductions plus an all-reduce.
@@ -800,5 +778,5 @@ def _shard_chunk(
         grad.scatter_add_(1, safe_target, -target_coef.unsqueeze(1))
         if softcap_factor is not None:
             grad.mul_(softcap_factor)
-        grad_out.copy_(grad)
+        logits.copy_(grad)
     return loss, lse, correct, entropy

@@ -111,38 +111,3 @@ def test_empty_partitioned_weight_is_explained():
 def test_triton_impl_on_cpu_without_interpreter_is_refused():
     with pytest.raises(RuntimeError, match="impl='triton'"):
         _call({"impl": "triton"})
-
-
-@pytest.mark.parametrize(
-    ("dtype", "logits_dtype", "error"),
-    [
-        (torch.float32, "float32", TypeError),
-        (torch.float32, torch.float16, ValueError),
-        (torch.float32, torch.float64, ValueError),
-        (torch.float32, torch.int32, ValueError),
-        (torch.bfloat16, torch.float16, ValueError),
-        (torch.bfloat16, torch.float64, ValueError),
-        (torch.float16, torch.bfloat16, ValueError),
-        (torch.float64, torch.float32, ValueError),
-    ],
-    ids=["string", "fp32-fp16", "fp32-fp64", "fp32-int", "bf16-fp16", "bf16-fp64", "fp16-bf16", "fp64-fp32"],
-)
-def test_bad_logits_dtype(dtype, logits_dtype, error):
-    """Allowed: None, the compute dtype, or torch.float32 with fp16/bf16 compute; the message says so."""
-    x = torch.randn(N, H, dtype=dtype, requires_grad=True)
-    with pytest.raises(error, match=r"logits_dtype must be .*None.*torch\.float32 with fp16/bf16 compute"):
-        fused_linear_cross_entropy(
-            x, torch.randn(V, H, dtype=dtype), torch.randint(0, V, (N,)), logits_dtype=logits_dtype
-        )
-    assert x.grad is None
-
-
-def test_logits_dtype_checked_against_the_autocast_dtype():
-    """Under autocast the compute dtype is the autocast dtype: fp32 inputs, bf16 GEMMs -> float32 is wide (ok),
-    float16 is neither."""
-    args = (torch.randn(N, H), torch.randn(V, H), torch.randint(0, V, (N,)))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.isfinite(fused_linear_cross_entropy(*args, logits_dtype=torch.float32))
-        assert torch.isfinite(fused_linear_cross_entropy(*args, logits_dtype=torch.bfloat16))
-        with pytest.raises(ValueError, match="the compute dtype is torch.bfloat16"):
-            fused_linear_cross_entropy(*args, logits_dtype=torch.float16)

@@ -97,19 +97,11 @@ def cases(world: int) -> dict[str, dict]:
     out["module"] = {"kind": "module", "feature": "bias", "reduction": "mean"}
     out["dtensor"] = {"kind": "dtensor", "reduction": "sum"}
     out["autocast_bf16"] = {"kind": "autocast", "feature": "all", "reduction": "mean"}
-    for reduction in ("mean", "none"):
-        out[f"autocast_bf16_wide_logits-{reduction}"] = {
-            "kind": "autocast",
-            "feature": "all",
-            "reduction": reduction,
-            "logits_dtype": torch.float32,
-        }
     out["error-target_out_of_range"] = {"kind": "error", "error": "target"}
     out["error-targets_differ"] = {"kind": "error", "error": "mismatch"}
     out["error-class_weight"] = {"kind": "error", "error": "class_weight"}
     out["error-vocab_start_overlap"] = {"kind": "error", "error": "overlap"}
     out["error-chunk_size_differs"] = {"kind": "error", "error": "chunk"}
-    out["error-logits_dtype_differs"] = {"kind": "error", "error": "logits_dtype"}
     out["after_errors-plain-mean"] = {"kind": "loss", "feature": "plain", "reduction": "mean"}
     return out
 
@@ -141,8 +133,6 @@ def op_kwargs(spec: dict) -> dict:
     feature = FEATURES[spec.get("feature", "plain")]
     kwargs = {k: v for k, v in feature.items() if k != "bias"}
     kwargs["reduction"] = spec.get("reduction", "mean")
-    if "logits_dtype" in spec:
-        kwargs["logits_dtype"] = spec["logits_dtype"]
     return kwargs
 
 
@@ -261,12 +251,8 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             kwargs["vocab_start"] = 0  # every rank claims row 0
         elif error == "chunk":
             kwargs["chunk_size"] = chunk_size + rank  # chunk boundaries would not line up
-        elif error == "logits_dtype":
-            # under bf16 autocast (below): wide logits on rank 1 only, so its default chunk would differ
-            kwargs["logits_dtype"] = torch.float32 if rank == 1 else None
         try:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=error == "logits_dtype"):
-                vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
+            vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
         except Exception as exc:  # recorded for the parent to check
             result["error"] = f"{type(exc).__name__}: {exc}"
         else:
@@ -470,7 +456,6 @@ def test_vocab_parallel(results, world, name):
             "class_weight": ("NotImplementedError", "class_weight is not supported"),
             "overlap": ("ValueError", "do not tile"),
             "chunk": ("ValueError", "disagree on their chunk_size"),
-            "logits_dtype": ("ValueError", "disagree on their reduction, stats, logits_dtype"),
         }[spec["error"]]
         for rank, r in enumerate(ranks):
             assert r["error"] is not None, f"rank {rank} did not raise"
@@ -482,13 +467,11 @@ def _check_autocast(spec, world, ranks):
     """bf16 autocast: the GEMMs in bf16 like the single-device op under the same autocast; fp32 grads.
 
     Both round the logits and d logits to bf16 per chunk, so both are ~1e-3 off the float64 reference; the
-    vocab-parallel op must be no worse than 1.5x the single-device op (its dX partials are summed in fp32).
-    With wide logits (logits_dtype=float32) both keep fp32 logits per chunk and compare the same way."""
+    vocab-parallel op must be no worse than 1.5x the single-device op (its dX partials are summed in fp32)."""
     x, weight, target, bias, grad_output = make_problem(spec, world)
     kwargs = op_kwargs(spec)
-    ref_kwargs = {k: v for k, v in kwargs.items() if k != "logits_dtype"}
     (ref_loss, ref_grads) = grads_of(
-        lambda x_, w_, b_: reference_loss(x_, w_, target, b_, **ref_kwargs),
+        lambda x_, w_, b_: reference_loss(x_, w_, target, b_, **kwargs),
         x.double().requires_grad_(),
         weight.double().requires_grad_(),
         bias.double().requires_grad_(),

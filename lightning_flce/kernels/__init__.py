@@ -48,12 +48,8 @@ def cross_entropy_chunk(
     compute_grad: bool,
     compute_stats: bool,
     use_triton: bool,
-    grad_out: Optional[torch.Tensor] = None,
 ) -> ChunkOutputs:
-    """Loss rows of one chunk; with ``compute_grad`` overwrites ``logits`` with d loss / d logits, or writes
-    it to ``grad_out`` ([C, V], unit stride along V) instead. ``grad_out`` may alias the logits' memory
-    with another dtype: the wide-logits path passes fp32 logits and ``logits.view(compute_dtype)[:, :V]``,
-    whose row r is the first half of row r's bytes. The math is fp32 either way.
+    """Loss rows of one chunk; with ``compute_grad`` overwrites ``logits`` with d loss / d logits.
 
     Row ``i``'s loss is ``ce_scale[i] * ce_i + z_scale[i] * lse_square_scale * lse_i**2`` (0 for ignored
     rows); ``ce_scale``/``z_scale`` are fp32 of shape [1] (shared) or [C] (per row), so the same kernel
@@ -71,5 +67,4 @@ def cross_entropy_chunk(
         z_scale=z_scale,
         compute_grad=compute_grad,
         compute_stats=compute_stats,
-        grad_out=grad_out,
     )

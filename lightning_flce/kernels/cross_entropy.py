@@ -3,9 +3,7 @@
 One program per row. Pass 1 streams the row once with an online softmax (running max ``m`` and
 ``d = sum(exp(z - m))``), collecting what the loss needs: the smoothing term ``sum(w_j z_j)``, and for
 the optional statistics the argmax and ``sum(exp(z - m) z)`` (entropy = lse - E_p[z]). Pass 2 streams
-the row again and overwrites it with the gradient, so the chunk needs no second [C, V] buffer. The
-gradient may also go to a separate output (``grad_ptr``), which may alias the logits: the wide-logits
-path reads fp32 logits and writes the compute-dtype gradient into the first half of each fp32 row.
+the row again and overwrites it with the gradient, so the chunk needs no second [C, V] buffer.
 
 With logits ``z`` (after the optional softcap ``z = c tanh(r / c)``), target ``t``, class weights
 ``w`` (1 without), smoothing ``eps`` and z-loss scale ``lam``, a row's terms are
@@ -20,8 +18,6 @@ factor ``1 - (z / c)^2``. Rows whose target is ``ignore_index`` skip both passes
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import triton
@@ -71,10 +67,8 @@ def _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _cross_entropy_chunk_kernel(
-    logits_ptr,  # [C, V] chunk logits (compute dtype, or fp32 for wide logits)
+    logits_ptr,  # [C, V] chunk logits in the compute dtype; overwritten with the gradient
     logits_row_stride,
-    grad_ptr,  # [C, V] out: d loss / d logits; may be logits_ptr itself or alias its rows (GRAD_ALIASES)
-    grad_row_stride,
     target_ptr,  # [C] int64, already validated to be in [0, V) or ignore_index
     class_weight_ptr,  # [V] fp32 (read only with HAS_CLASS_WEIGHT)
     class_weight_sum_ptr,  # [1] fp32 sum of class weights (read only with HAS_CLASS_WEIGHT)
@@ -96,12 +90,10 @@ def _cross_entropy_chunk_kernel(
     COMPUTE_GRAD: tl.constexpr,
     COMPUTE_STATS: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice exp/log (fp32 logits on a GPU)
-    GRAD_ALIASES: tl.constexpr,  # grad_ptr is another view of the logits' memory (not the same elements)
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
-    grad_row_ptr = grad_ptr + row * grad_row_stride
     target = tl.load(target_ptr + row)
     offsets = tl.arange(0, BLOCK_V)
 
@@ -109,8 +101,8 @@ def _cross_entropy_chunk_kernel(
         if COMPUTE_GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + offsets
-                zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
-                tl.store(grad_row_ptr + cols, zeros, mask=cols < V)
+                zeros = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
+                tl.store(row_ptr + cols, zeros, mask=cols < V)
         tl.store(loss_ptr + row, 0.0)
         tl.store(lse_ptr + row, 0.0)
         if COMPUTE_STATS:
@@ -171,14 +163,7 @@ def _cross_entropy_chunk_kernel(
             tl.store(entropy_ptr + row, lse - exp_z_sum / d)
 
         if COMPUTE_GRAD:
-            # Pass 2: write d loss / d logits (over the row itself, or to grad_ptr's row).
-            # Wide logits (GRAD_ALIASES): row r's fp32 logits are bytes [4rV, 4rV + 4V), its 16-bit gradient
-            # bytes [4rV, 4rV + 2V). Block [s, s+B)'s gradient lands on bytes [4rV + 2s, 4rV + 2s + 2B), i.e.
-            # on fp32 logits [s/2, (s+B)/2): never on a later block's (from byte 4rV + 4(s+B)) nor another
-            # row's, but on this block's, which other warps of this program may not have loaded yet. Hence
-            # the barrier between the block's loads and its stores (it also orders pass 1 and the z_target
-            # load before the first store). In place (same layout) each thread overwrites only what it
-            # loaded itself: no barrier.
+            # Pass 2: overwrite the row with d loss / d logits.
             p_coef = ce_scale * (1.0 - label_smoothing) * w_target + z_scale * 2.0 * lse_square_scale * lse
             if HAS_SMOOTHING:
                 p_coef += ce_scale * label_smoothing * w_total / V
@@ -198,9 +183,7 @@ def _cross_entropy_chunk_kernel(
                 if HAS_SOFTCAP:
                     capped = tl.where(mask, z, 0.0) / softcap
                     grad = grad * (1.0 - capped * capped)
-                if GRAD_ALIASES:
-                    tl.debug_barrier()
-                tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+                tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
 def cross_entropy_chunk_triton(
@@ -212,22 +195,10 @@ def cross_entropy_chunk_triton(
     z_scale: torch.Tensor,
     compute_grad: bool,
     compute_stats: bool,
-    grad_out: Optional[torch.Tensor] = None,
 ) -> ChunkOutputs:
     """Launch :func:`_cross_entropy_chunk_kernel` on a [C, V] chunk (contract in ``lightning_flce.kernels``)."""
     n_rows, vocab = logits.shape
-    if grad_out is None:
-        grad_out = logits
-    assert logits.stride(1) == 1 and grad_out.stride(1) == 1, (
-        "the kernel needs unit stride along the vocabulary"
-    )
-    assert grad_out.shape == logits.shape
-    same_elements = (
-        grad_out.data_ptr() == logits.data_ptr()
-        and grad_out.dtype == logits.dtype
-        and grad_out.stride() == logits.stride()
-    )
-    grad_aliases = not same_elements and _shares_memory(grad_out, logits)
+    assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
     device = logits.device
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -245,8 +216,6 @@ def cross_entropy_chunk_triton(
     _cross_entropy_chunk_kernel[(n_rows,)](
         logits,
         logits.stride(0),
-        grad_out,
-        grad_out.stride(0),
         target,
         class_weight,
         class_weight_sum,
@@ -268,14 +237,9 @@ def cross_entropy_chunk_triton(
         COMPUTE_GRAD=compute_grad,
         COMPUTE_STATS=compute_stats,
         PRECISE=logits.dtype == torch.float32 and not TRITON_INTERPRET,
-        GRAD_ALIASES=grad_aliases,
         BLOCK_V=block_v,
         num_warps=max(4, block_v // 256),
     )
     if not compute_stats:
         return ChunkOutputs(loss, lse)
     return ChunkOutputs(loss, lse, correct.bool(), entropy)
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()

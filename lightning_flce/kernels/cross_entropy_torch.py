@@ -1,13 +1,11 @@
 """Plain-PyTorch twin of the Triton chunk kernel (same contract, same formulas; see
 :mod:`lightning_flce.kernels.cross_entropy`). Serves the CPU and devices without Triton.
 
-It works in fp32 on a [C, V] copy of the chunk (on the chunk itself when the logits are fp32), so the
-chunk loop sizes its chunks for that workspace.
+It works in fp32 on a [C, V] copy of the chunk, so the chunk loop sizes its chunks for that
+workspace.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -23,7 +21,6 @@ def cross_entropy_chunk_torch(
     z_scale: torch.Tensor,
     compute_grad: bool,
     compute_stats: bool,
-    grad_out: Optional[torch.Tensor] = None,
 ) -> ChunkOutputs:
     n_rows, vocab = logits.shape
     eps = options.label_smoothing
@@ -76,10 +73,5 @@ def cross_entropy_chunk_torch(
         if softcap_factor is not None:
             grad.mul_(softcap_factor)
         grad.mul_(valid.unsqueeze(1))
-        if grad_out is None or grad_out is logits:
-            logits.copy_(grad)  # a no-op for fp32 logits: z (now the gradient) is the chunk itself
-        else:
-            # grad_out may alias the logits (the wide path's compute-dtype view of the fp32 rows), and so
-            # grad: convert through a separate copy (copy_ refuses partially overlapping tensors).
-            grad_out.copy_(grad.to(grad_out.dtype, copy=True))
+        logits.copy_(grad)
     return ChunkOutputs(loss, lse_out, correct, entropy)
