@@ -40,6 +40,11 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _MIN_CHUNK_BYTES = 32 * _MiB
 _MAX_CHUNK_BYTES = 2048 * _MiB
 _CHUNK_ALIGN = 64
+# On the GPU a chunk has at least this many rows (memory permitting, see default_chunk_size): every chunk
+# reads and writes the whole dW accumulator (8 V H bytes in fp32), which costs about 760 / rows of the
+# chunk's dW GEMM on an H100/H200 (2 rows H V FLOP at ~800 TFLOP/s vs ~4.2 TB/s); the profile of the
+# quarter-floor rule showed it as the largest loss (results/*_run8_*: dW 30% over its FLOP floor).
+_MIN_TRITON_CHUNK_ROWS = 4096
 # The PyTorch path works on about three fp32 copies of a chunk, and needs larger chunks than the GPU to
 # keep its GEMMs efficient (CPU, 4096x1024x32000 fp32: 64-row chunks run 1.4x slower than 320-row ones).
 _TORCH_PATH_BYTES_PER_LOGIT = 12
@@ -47,11 +52,20 @@ _TORCH_PATH_MIN_CHUNK_BYTES = 128 * _MiB
 
 
 def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, use_triton: bool) -> int:
-    """Tokens per chunk: the chunk's logits workspace gets about a quarter of the memory floor."""
+    """Tokens per chunk.
+
+    The chunk's logits get a quarter of the memory floor (dX + dW). On the GPU (Triton path) a chunk gets at
+    least ``_MIN_TRITON_CHUNK_ROWS`` rows as long as its logits stay within the floor itself, so the per-chunk
+    dW accumulator traffic stays small next to the GEMMs; peak extra memory is then at most about the
+    floor for the logits plus the accumulator (see ``accum_dtype``).
+    """
     floor_bytes = (n_rows + vocab) * hidden * itemsize
     min_bytes = _MIN_CHUNK_BYTES if use_triton else _TORCH_PATH_MIN_CHUNK_BYTES
-    budget = min(max(floor_bytes // 4, min_bytes), _MAX_CHUNK_BYTES)
+    budget = max(floor_bytes // 4, min_bytes)
     bytes_per_row = vocab * (itemsize if use_triton else _TORCH_PATH_BYTES_PER_LOGIT)
+    if use_triton:
+        budget = max(budget, min(_MIN_TRITON_CHUNK_ROWS * bytes_per_row, floor_bytes))
+    budget = min(budget, _MAX_CHUNK_BYTES)
     rows = max(_CHUNK_ALIGN, budget // bytes_per_row // _CHUNK_ALIGN * _CHUNK_ALIGN)
     return int(min(rows, max(n_rows, 1)))
 
