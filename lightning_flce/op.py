@@ -45,6 +45,7 @@ _CHUNK_ALIGN = 64
 # chunk's dW GEMM on an H100/H200 (2 rows H V FLOP at ~800 TFLOP/s vs ~4.2 TB/s); the profile of the
 # quarter-floor rule showed it as the largest loss (results/*_run8_*: dW 30% over its FLOP floor).
 _MIN_TRITON_CHUNK_ROWS = 4096
+_FLOOR_LIMITED_ALIGN = 256
 # The PyTorch path works on about three fp32 copies of a chunk, and needs larger chunks than the GPU to
 # keep its GEMMs efficient (CPU, 4096x1024x32000 fp32: 64-row chunks run 1.4x slower than 320-row ones).
 _TORCH_PATH_BYTES_PER_LOGIT = 12
@@ -63,10 +64,17 @@ def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, use_
     min_bytes = _MIN_CHUNK_BYTES if use_triton else _TORCH_PATH_MIN_CHUNK_BYTES
     budget = max(floor_bytes // 4, min_bytes)
     bytes_per_row = vocab * (itemsize if use_triton else _TORCH_PATH_BYTES_PER_LOGIT)
-    if use_triton:
-        budget = max(budget, min(_MIN_TRITON_CHUNK_ROWS * bytes_per_row, floor_bytes))
+    align = _CHUNK_ALIGN
+    wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row
+    if use_triton and wanted > budget:
+        if wanted <= floor_bytes:
+            budget = wanted
+        elif floor_bytes > budget:
+            # Limited by the floor: whole multiples of 256 rows. cuBLAS's fp16 dX GEMM came out 1.3x less
+            # accurate than naive's at 576 rows (4096 x 512 x 32003, sum/none); 512 and 768 rows matched it.
+            budget, align = floor_bytes, _FLOOR_LIMITED_ALIGN
     budget = min(budget, _MAX_CHUNK_BYTES)
-    rows = max(_CHUNK_ALIGN, budget // bytes_per_row // _CHUNK_ALIGN * _CHUNK_ALIGN)
+    rows = max(_CHUNK_ALIGN, budget // bytes_per_row // align * align)
     return int(min(rows, max(n_rows, 1)))
 
 

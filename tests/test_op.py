@@ -318,15 +318,20 @@ def test_default_chunk_size_follows_budget():
     # GPU: at least _MIN_TRITON_CHUNK_ROWS rows while the chunk's logits fit in the floor (dX + dW) ...
     assert default_chunk_size(16384, 32000, 4096, 2, use_triton=True) == _MIN_TRITON_CHUNK_ROWS
     assert default_chunk_size(16384, 128256, 4096, 2, use_triton=True) == _MIN_TRITON_CHUNK_ROWS
-    # ... else as many as fit in it: 8192 x 2304 x 256000 bf16 -> 2368 rows of 512000 B
+    # ... else as many whole 256-row blocks as fit in it: 8192 x 2304 x 256000 bf16 -> 2304 rows of 512000 B
     rows = default_chunk_size(8192, 256000, 2304, 2, use_triton=True)
-    assert rows % 64 == 0 and rows * 256000 * 2 <= floor(8192, 256000, 2304, 2) < (rows + 64) * 256000 * 2
+    assert rows % 256 == 0 and rows * 256000 * 2 <= floor(8192, 256000, 2304, 2) < (rows + 256) * 256000 * 2
+    # the CUDA tests' shapes: 512 and 768 rows (see _FLOOR_LIMITED_ALIGN)
+    assert default_chunk_size(4096, 32003, 512, 2, use_triton=True) == 512
+    assert default_chunk_size(3000, 50257, 768, 2, use_triton=True) == 768
     # a quarter of the floor when that is more (many tokens, small vocabulary)
     rows = default_chunk_size(65536, 4000, 8192, 2, use_triton=True)
     assert rows * 4000 * 2 <= floor(65536, 4000, 8192, 2) // 4 < (rows + 64) * 4000 * 2
     # CPU (PyTorch path): a quarter of the floor at 12 bytes per logit, at least 128 MiB
     rows = default_chunk_size(16384, 32000, 4096, 4, use_triton=False)
     assert rows * 32000 * 12 <= floor(16384, 32000, 4096, 4) // 4 < (rows + 64) * 32000 * 12
+    # tiny problems keep the 32 MiB minimum: 32 MiB / (1000 x 4 B) rows, capped at N
+    assert default_chunk_size(100000, 1000, 8, 4, use_triton=True) == 32 * 2**20 // 4000 // 64 * 64
     assert default_chunk_size(10, 32000, 4096, 2, use_triton=True) == 10  # never beyond N
     assert default_chunk_size(0, 32000, 64, 4, use_triton=False) == 1
 
