@@ -466,8 +466,9 @@ def parse_variants(items: List[str]) -> Dict[str, Dict[str, Any]]:
         if not sep:
             raise argparse.ArgumentTypeError(f"--flce-variant wants NAME=JSON, got {item!r}")
         kwargs = json.loads(spec or "{}")
-        if "accum_dtype" in kwargs and isinstance(kwargs["accum_dtype"], str):
-            kwargs["accum_dtype"] = getattr(torch, kwargs["accum_dtype"].replace("torch.", ""))
+        accum = kwargs.get("accum_dtype")
+        if isinstance(accum, str) and accum != "param":  # "param": the weight's dtype, resolved per call
+            kwargs["accum_dtype"] = getattr(torch, accum.replace("torch.", ""))
         variants[name] = kwargs
     return variants
 

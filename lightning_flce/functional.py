@@ -77,11 +77,14 @@ def fused_linear_cross_entropy(
         accum_dtype: dtype of the dW accumulator across chunks; the gradient is returned in the
             weight's dtype either way. ``torch.float32``: always fp32. The weight's own dtype:
             accumulate in place in it (least memory; an fp16/bf16 dW then rounds once per chunk).
-            None (default): one step wider than the weight where there is more than one chunk, so
-            dW is as accurate as one unchunked GEMM: fp32 for fp16/bf16 weights, fp64 for fp32
-            weights on GPUs with full-rate fp64 (A100, H100, ...); the weight's dtype otherwise.
+            None (default): one step wider than the GEMM operands where there is more than one chunk,
+            so dW is as accurate as one unchunked GEMM: fp32 for fp16/bf16 GEMMs (an fp32 weight under
+            autocast included), fp64 for fp32 GEMMs on GPUs with full-rate fp64 (A100, H100, ...); the
+            weight's dtype otherwise.
             ``torch.float64`` is accepted too. (d bias is always accumulated in fp32.)
-        chunk_size: tokens per chunk; None picks it from a memory budget (a quarter of dX + dW).
+        chunk_size: tokens per chunk; None picks it from a memory budget: a quarter of dX + dW, and on
+            the GPU at least 4096 tokens while their logits fit in dX + dW (fewer chunks: each one reads
+            and writes the whole dW accumulator). Smaller chunks save memory at some speed.
         impl: ``"triton"`` (CUDA; the CPU only under ``TRITON_INTERPRET=1``), ``"torch"``, or
             ``"auto"`` (Triton on CUDA, PyTorch elsewhere).
 
