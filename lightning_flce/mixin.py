@@ -61,7 +61,7 @@ class FLCEMixin:
             ``config.final_logit_softcapping`` is used; setting a different value here is an error.
         flce_accum_fp32: always accumulate the head weight gradient over chunks in float32
             (``accum_dtype=torch.float32``); ``False`` keeps the op's default (one step wider than the
-            weight when there are several chunks, see :func:`~lightning_flce.fused_linear_cross_entropy`).
+            GEMM operands when there are several chunks, see :func:`~lightning_flce.fused_linear_cross_entropy`).
         flce_impl: ``"auto"``, ``"triton"`` or ``"torch"``.
         flce_naive: compute plain logits and ``F.cross_entropy`` instead (same normalization and logging),
             to compare memory and results.
