@@ -32,6 +32,51 @@ DTYPES = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+def dtype_from_name(name: str) -> torch.dtype:
+    """ "bf16"/"fp16"/"fp32"/"fp64" or a torch attribute name ("bfloat16", "torch.float32")."""
+    short = {**DTYPES, "fp64": torch.float64}
+    if name in short:
+        return short[name]
+    dtype = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def resolve_flce_kwargs(kwargs: Dict[str, Any], weight_dtype: torch.dtype) -> Dict[str, Any]:
+    """JSON kwargs of a lightning_flce variant -> op kwargs: "param" is the weight's dtype, dtype names of
+    ``*dtype`` keys become torch dtypes."""
+    out = {}
+    for key, value in kwargs.items():
+        if value == "param":
+            value = weight_dtype
+        elif isinstance(value, str) and key.endswith("dtype"):
+            value = dtype_from_name(value)
+        out[key] = value
+    return out
+
+
+def parse_flce_variants(items: Iterable[str], flag: str) -> Dict[str, Dict[str, Any]]:
+    """``NAME=JSON`` command-line items -> {name: JSON kwargs} (checked; resolved per call by
+    :func:`resolve_flce_kwargs`)."""
+    import argparse
+
+    variants: Dict[str, Dict[str, Any]] = {}
+    for item in items:
+        name, sep, spec = item.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"{flag} wants NAME=JSON, got {item!r}")
+        kwargs = json.loads(spec or "{}")
+        if not isinstance(kwargs, dict):
+            raise argparse.ArgumentTypeError(f"{flag} {name}: JSON must be an object, got {spec!r}")
+        try:
+            resolve_flce_kwargs(kwargs, torch.float32)  # fail early on a bad dtype name
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{flag} {name}: {exc}") from None
+        variants[name.strip()] = kwargs
+    return variants
+
+
 def ensure_repo_on_path() -> None:
     """Make ``import lightning_flce`` work from a plain checkout (the GPU machine does not install it)."""
     root = str(REPO_ROOT)

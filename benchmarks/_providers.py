@@ -221,12 +221,12 @@ TORCH_NATIVE_SOURCE: Dict[str, str] = {}
 # --------------------------------------------------------------------------------------------- flce
 def _build_flce(kwargs: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
     def build(device: torch.device) -> LossFn:
+        from _common import resolve_flce_kwargs
+
         from lightning_flce import fused_linear_cross_entropy
 
         def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            # "param" (JSON-friendly) stands for the weight's own dtype.
-            resolved = {k: (w.dtype if v == "param" else v) for k, v in kwargs.items()}
-            return fused_linear_cross_entropy(x, w, t, **resolved)
+            return fused_linear_cross_entropy(x, w, t, **resolve_flce_kwargs(kwargs, w.dtype))
 
         return fn
 

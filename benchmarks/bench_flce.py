@@ -20,7 +20,6 @@ Writes $OUT/flce.json (all records) and $OUT/flce.md (tables); $OUT defaults to 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -460,17 +459,8 @@ def parse_shapes(spec: str, device: torch.device) -> List[Shape]:
 
 
 def parse_variants(items: List[str]) -> Dict[str, Dict[str, Any]]:
-    variants = dict(P.FLCE_VARIANTS)
-    for item in items:
-        name, sep, spec = item.partition("=")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"--flce-variant wants NAME=JSON, got {item!r}")
-        kwargs = json.loads(spec or "{}")
-        accum = kwargs.get("accum_dtype")
-        if isinstance(accum, str) and accum != "param":  # "param": the weight's dtype, resolved per call
-            kwargs["accum_dtype"] = getattr(torch, accum.replace("torch.", ""))
-        variants[name] = kwargs
-    return variants
+    """The default lightning_flce variants plus/overridden by ``--flce-variant NAME=JSON`` items."""
+    return {**P.FLCE_VARIANTS, **C.parse_flce_variants(items, "--flce-variant")}
 
 
 def build_parser() -> argparse.ArgumentParser:

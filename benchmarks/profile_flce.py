@@ -114,42 +114,10 @@ def parse_shapes(values: Optional[List[str]], device: torch.device) -> List[Shap
     return shapes
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
-    short = {**C.DTYPES, "fp64": torch.float64}
-    if name in short:
-        return short[name]
-    dtype = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise argparse.ArgumentTypeError(f"not a torch dtype: {name!r}")
-    return dtype
-
-
-def resolve_kwargs(kwargs: Dict[str, Any], weight_dtype: torch.dtype) -> Dict[str, Any]:
-    """JSON kwargs -> op kwargs: "param" is the weight's dtype, dtype names become torch dtypes."""
-    out = {}
-    for key, value in kwargs.items():
-        if value == "param":
-            value = weight_dtype
-        elif isinstance(value, str) and key.endswith("dtype"):
-            value = _dtype_from_name(value)
-        out[key] = value
-    return out
-
-
 def parse_variants(items: Optional[List[str]]) -> Dict[str, Dict[str, Any]]:
     if not items:
         return {k: dict(v) for k, v in DEFAULT_VARIANTS.items()}
-    variants: Dict[str, Dict[str, Any]] = {}
-    for item in items:
-        name, sep, spec = item.partition("=")
-        if not sep or not name.strip():
-            raise argparse.ArgumentTypeError(f"--variant wants NAME=JSON, got {item!r}")
-        kwargs = json.loads(spec or "{}")
-        if not isinstance(kwargs, dict):
-            raise argparse.ArgumentTypeError(f"--variant {name}: JSON must be an object, got {spec!r}")
-        resolve_kwargs(kwargs, torch.float32)  # fail early on a bad dtype name
-        variants[name.strip()] = kwargs
-    return variants
+    return C.parse_flce_variants(items, "--variant")
 
 
 # ------------------------------------------------------------------------------------------ probes
@@ -540,7 +508,7 @@ def profile_config(
     }
     x, w, t = make_data(shape, dtype, "random", device, seed, args.ignore_frac, 2.0)
     rec["n_valid"] = int((t != -100).sum())
-    op_kwargs = resolve_kwargs(kwargs, w.dtype)
+    op_kwargs = C.resolve_flce_kwargs(kwargs, w.dtype)
 
     def fwd_bwd() -> None:
         x.grad = None
