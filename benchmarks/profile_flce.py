@@ -32,19 +32,12 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import _common as C
 import torch
-from bench_flce import make_data
+from bench_flce import SHAPES as GPU_SHAPES  # the four shapes
+from bench_flce import Shape, make_data
 from torch.profiler import ProfilerActivity, profile, record_function
 
 C.ensure_repo_on_path()
 
-Shape = Tuple[int, int, int]  # (N tokens, H hidden, V vocab)
-
-GPU_SHAPES: List[Shape] = [
-    (16384, 4096, 32000),  # Llama-2-7B-like head
-    (16384, 4096, 128256),  # Llama-3-8B-like head
-    (8192, 2304, 256000),  # Gemma-2-2B-like head
-    (8192, 3584, 151936),  # Qwen2-7B-like head
-]
 CPU_SHAPES: List[Shape] = [(256, 64, 1000)]
 DEFAULT_VARIANTS: Dict[str, Dict[str, Any]] = {
     "default": {},
