@@ -187,17 +187,10 @@ def run_config(
     dtype = C.DTYPES[dtype_name]
     flops = 6.0 * N * H * V
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cfg: Dict[str, Any] = {
-        "shape": f"{N}x{H}x{V}",
-        "N": N,
-        "H": H,
-        "V": V,
-        "dtype": dtype_name,
-        "dist": dist,
-        "ref_loss": None,
-        "floor_ms": flops / (rates[dtype_name] * 1e12) * 1e3 if rates.get(dtype_name) else None,
-        "mem_floor_mib": (N * H + V * H) * itemsize / C.MIB,
-    }
+    cfg = _cfg_stub(shape, dtype_name, dist)
+    if rates.get(dtype_name):
+        cfg["floor_ms"] = flops / (rates[dtype_name] * 1e12) * 1e3
+    cfg["mem_floor_mib"] = (N * H + V * H) * itemsize / C.MIB
     records = {p.name: _blank_record(p, cfg) for p in providers}
     tol_loss, tol_grad = TOLERANCES[dtype_name]
 

@@ -70,25 +70,22 @@ class ShardedTinyGPT(TinyGPT):
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        fully_shard_lm(
-            self,
-            self.device_mesh["data_parallel"],
-            blocks=self.blocks,
-            head=head,
-            register_steps=self.register_steps,
-            **extra,
-        )
+
+        def shard() -> None:
+            fully_shard_lm(
+                self,
+                self.device_mesh["data_parallel"],
+                blocks=self.blocks,
+                head=head,
+                register_steps=self.register_steps,
+                **extra,
+            )
+
+        shard()
         self.registered = [name for name in ("training_step", "validation_step") if name in self.__dict__]
         # a second call (configure_model runs again for trainer.validate after fit) changes nothing
         methods = {name: self.__dict__.get(name) for name in self.registered}
-        fully_shard_lm(
-            self,
-            self.device_mesh["data_parallel"],
-            blocks=self.blocks,
-            head=head,
-            register_steps=self.register_steps,
-            **extra,
-        )
+        shard()
         assert all(self.__dict__[name] is method for name, method in methods.items())
 
 
