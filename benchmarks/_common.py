@@ -272,8 +272,11 @@ def matmul_tflops(dtype: torch.dtype, device: torch.device, n: int, reps: int = 
     return 2.0 * n**3 / (ms * 1e-3) / 1e12
 
 
-def rel_l2(a: torch.Tensor, ref: torch.Tensor, rows_per_chunk: Optional[int] = None) -> float:
-    """||a - ref|| / ||ref|| in float64, in row chunks so no full-size float64 copy of ``a`` exists."""
+def rel_l2(
+    a: torch.Tensor, ref: torch.Tensor, rows_per_chunk: Optional[int] = None, ref_scale: float = 1.0
+) -> float:
+    """||a - s ref|| / ||s ref|| (s = ``ref_scale``) in float64, in row chunks so no full-size float64 copy
+    of ``a`` exists."""
     if a.shape != ref.shape:
         raise ValueError(f"shape mismatch {tuple(a.shape)} vs {tuple(ref.shape)}")
     a2 = a.reshape(a.shape[0], -1) if a.dim() > 1 else a.reshape(-1, 1)
@@ -284,7 +287,7 @@ def rel_l2(a: torch.Tensor, ref: torch.Tensor, rows_per_chunk: Optional[int] = N
     den = 0.0
     for s in range(0, a2.shape[0], rows_per_chunk):
         ac = a2[s : s + rows_per_chunk].to(torch.float64)
-        rc = r2[s : s + rows_per_chunk].to(torch.float64)
+        rc = r2[s : s + rows_per_chunk].to(torch.float64) * ref_scale
         num += float((ac - rc).square().sum())
         den += float(rc.square().sum())
     if not math.isfinite(num):

@@ -130,9 +130,12 @@ def _clear_grads(x: torch.Tensor, w: torch.Tensor) -> None:
     w.grad = None
 
 
-def _fwd_bwd(fn: P.LossFn, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def _fwd_bwd(
+    fn: P.LossFn, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, loss_scale: float = 1.0
+) -> torch.Tensor:
+    """One fwd+bwd; ``loss_scale`` is the grad_output (as torch's GradScaler gives it, for fp16)."""
     loss = fn(x, w, t)
-    loss.backward()
+    loss.backward(None if loss_scale == 1.0 else torch.full_like(loss, loss_scale))
     return loss.detach()
 
 
@@ -191,6 +194,10 @@ def run_config(
     if rates.get(dtype_name):
         cfg["floor_ms"] = flops / (rates[dtype_name] * 1e12) * 1e3
     cfg["mem_floor_mib"] = (N * H + V * H) * itemsize / C.MIB
+    # fp16 trains with a loss scale (GradScaler): without one, the "mean" gradients of every provider
+    # underflow fp16 alike and the errors say nothing about the providers.
+    loss_scale = args.fp16_loss_scale if dtype_name == "fp16" else 1.0
+    cfg["loss_scale"] = loss_scale
     records = {p.name: _blank_record(p, cfg) for p in providers}
     tol_loss, tol_grad = TOLERANCES[dtype_name]
 
@@ -208,15 +215,15 @@ def run_config(
             continue
         try:
             _clear_grads(x, w)
-            loss = _fwd_bwd(p.fn, x, w, t)
+            loss = _fwd_bwd(p.fn, x, w, t, loss_scale)
             C.synchronize(device)
             rec["loss"] = float(loss.float())
             if x.grad is None or w.grad is None:
                 raise RuntimeError("backward produced no dX or no dW")
             rec["dw_dtype"] = C.DTYPE_NAMES.get(w.grad.dtype, str(w.grad.dtype))
             rec["loss_rel_err"] = abs(rec["loss"] - ref_loss) / max(abs(ref_loss), 1e-30)
-            rec["dx_rel_err"] = C.rel_l2(x.grad, ref_dx)
-            rec["dw_rel_err"] = C.rel_l2(w.grad, ref_dw)
+            rec["dx_rel_err"] = C.rel_l2(x.grad, ref_dx, ref_scale=loss_scale)
+            rec["dw_rel_err"] = C.rel_l2(w.grad, ref_dw, ref_scale=loss_scale)
             errs = [rec["loss_rel_err"], rec["dx_rel_err"], rec["dw_rel_err"]]
             if not all(math.isfinite(e) for e in errs):
                 rec["gate"] = "error"
@@ -240,7 +247,7 @@ def run_config(
         rec = records[p.name]
         try:
             _clear_grads(x, w)
-            rec["peak_mib"] = C.measure_peak_mib(lambda p=p: _fwd_bwd(p.fn, x, w, t), device)
+            rec["peak_mib"] = C.measure_peak_mib(lambda p=p: _fwd_bwd(p.fn, x, w, t, loss_scale), device)
             if rec["peak_mib"] is not None:
                 rec["peak_over_mem_floor"] = rec["peak_mib"] / cfg["mem_floor_mib"]
         except Exception as exc:  # noqa: BLE001
@@ -262,7 +269,7 @@ def run_config(
                 _clear_grads(x, w)
                 tm = C.Timer(device)
                 tm.start()
-                _fwd_bwd(p.fn, x, w, t)
+                _fwd_bwd(p.fn, x, w, t, loss_scale)
                 tm.stop()
                 if timed:
                     timers[p.name].append(tm)
@@ -373,6 +380,8 @@ def markdown(
         f"- {meta['samples']} timed samples per provider (round-robin, rotating order) after "
         f"{meta['warmup']} warm-up rounds; ignored targets ~{meta['ignore_frac']:.0%}; "
         f"trained dist target loss ~{meta['target_loss']}",
+        f"- fp16 backward with grad_output = {meta.get('fp16_loss_scale', 1.0):g} (a GradScaler's loss scale); "
+        "errors are of the unscaled gradients",
         f"- wall time {meta['elapsed_s']:.0f}s",
         "",
         "Providers:",
@@ -485,6 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-frac", type=float, default=0.1)
     p.add_argument("--target-loss", type=float, default=2.0, help="mean loss the 'trained' data aims at")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fp16-loss-scale",
+        type=float,
+        default=2.0**16,
+        help="grad_output of the fp16 runs (torch.amp.GradScaler's init_scale 2^16 by default; 1 = none)",
+    )
     p.add_argument("--ref-chunk-mib", type=int, default=2048, help="float64 reference logits block size")
     p.add_argument(
         "--budget-s",
@@ -602,6 +617,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "samples": args.samples,
         "warmup": args.warmup,
         "ignore_frac": args.ignore_frac,
+        "fp16_loss_scale": args.fp16_loss_scale,
         "target_loss": args.target_loss,
         "tolerances": TOLERANCES,
         "args": {k: str(v) for k, v in vars(args).items()},

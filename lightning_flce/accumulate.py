@@ -104,8 +104,9 @@ def accumulate_grad_weight(
     *,
     first: bool = False,
     path: Optional[AccumulationPath] = None,
+    alpha: float = 1.0,
 ) -> None:
-    """``grad_weight += grad_logits.T @ input`` in place (``=`` when ``first``).
+    """``grad_weight += alpha * grad_logits.T @ input`` in place (``=`` when ``first``).
 
     Args:
         grad_weight: [V, H] accumulator, contiguous.
@@ -113,20 +114,34 @@ def accumulate_grad_weight(
         input: [C, H] the chunk's hidden states (same dtype as ``grad_logits``).
         first: overwrite instead of accumulate, so ``grad_weight`` may be uninitialized memory.
         path: a precomputed :func:`choose_path` result (the chunk loop computes it once).
+        alpha: applied in the GEMM's fp32 epilogue, before any rounding to the output dtype (the op
+            unscales fp16 logit gradients with it, see ``lightning_flce.op``).
     """
     if path is None:
         path = choose_path(grad_weight, grad_logits, input)
     beta = 0 if first else 1
     if path is AccumulationPath.ADDMM_OUT:
         torch.addmm(
-            grad_weight, grad_logits.t(), input, beta=beta, out_dtype=grad_weight.dtype, out=grad_weight
+            grad_weight,
+            grad_logits.t(),
+            input,
+            beta=beta,
+            alpha=alpha,
+            out_dtype=grad_weight.dtype,
+            out=grad_weight,
         )
     elif path is AccumulationPath.ADDMM_INPLACE:
-        grad_weight.addmm_(grad_logits.t(), input, beta=beta)
+        grad_weight.addmm_(grad_logits.t(), input, beta=beta, alpha=alpha)
     elif path is AccumulationPath.UPCAST_ADDMM:
-        grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), input.to(grad_weight.dtype), beta=beta)
-    elif first:
-        # Mixed dtypes without a widening GEMM: the product is a [V, H] temporary in the operand dtype.
-        grad_weight.copy_(torch.mm(grad_logits.t(), input))
+        grad_weight.addmm_(
+            grad_logits.t().to(grad_weight.dtype), input.to(grad_weight.dtype), beta=beta, alpha=alpha
+        )
     else:
-        grad_weight.add_(torch.mm(grad_logits.t(), input))
+        # Mixed dtypes without a widening GEMM: the product is a [V, H] temporary in the operand dtype
+        # (alpha inside the GEMM, so a scaled fp16 product cannot overflow before it).
+        product = torch.empty(grad_weight.shape, dtype=input.dtype, device=input.device)
+        torch.addmm(product, grad_logits.t(), input, beta=0, alpha=alpha, out=product)
+        if first:
+            grad_weight.copy_(product)
+        else:
+            grad_weight.add_(product)

@@ -24,7 +24,8 @@ and has FLOP formulas for ``torch.utils.flop_counter`` (Lightning's ``measure_fl
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import math
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -50,6 +51,17 @@ _FLOOR_LIMITED_ALIGN = 256
 # keep its GEMMs efficient (CPU, 4096x1024x32000 fp32: 64-row chunks run 1.4x slower than 320-row ones).
 _TORCH_PATH_BYTES_PER_LOGIT = 12
 _TORCH_PATH_MIN_CHUNK_BYTES = 128 * _MiB
+# fp16 logit gradients. d loss / d logit is ~ p / N for "mean": below fp16's smallest subnormal (6e-8)
+# once N V > 2^24, so it would flush to zero, and torch's GradScaler cannot help (its scale reaches only
+# backward, after the gradients computed in forward were rounded). The chunk loop scales the logit
+# gradient by a power of two so its largest possible element is _FP16_LOGIT_GRAD_MAX (64x headroom
+# below fp16's 65504), and takes the factor back out in the GEMM epilogues (alpha, in fp32).
+_FP16_LOGIT_GRAD_MAX = 2.0**10
+# fp16 gradients returned through backward are stored pre-multiplied by a power of two (backward divides
+# it out while it multiplies by grad_output), sized so their bound stays at or below this.
+_FP16_STORED_GRAD_MAX = 2.0**14
+# The z-loss gradient 2 lam lse p is bounded assuming |lse| <= this (the headroom covers far more).
+_Z_LOSS_LSE_BOUND = 64.0
 
 
 def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, use_triton: bool) -> int:
@@ -110,11 +122,13 @@ def _chunk_loop(
     accum: str,
     chunk_size: int,
     impl: str,
+    keep_scaled: bool = False,
 ) -> Tuple[Tensor, ...]:
     """The op's loop: validate targets, drop ignored rows, :func:`run_chunks` with the local kernel.
 
-    Returns per-token loss/LSE/stats [N] and the gradients; unused outputs are distinct empty tensors
-    (custom-op outputs may not alias each other).
+    Returns per-token loss/LSE/stats [N], the gradients, and :func:`_inverse_scales` (see
+    ``keep_scaled`` in :func:`run_chunks`); unused outputs are distinct empty tensors (custom-op outputs
+    may not alias each other).
     """
     target = target.reshape(-1)
     valid = target != options.ignore_index
@@ -133,12 +147,13 @@ def _chunk_loop(
             use_triton=use_triton,
         )
 
-    *per_token, grad_input, grad_weight, grad_bias = run_chunks(
+    *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
         x,
         weight,
         target,
         bias,
         chunk_cross_entropy,
+        options,
         rows=valid_rows(valid, n_valid),
         n_valid=n_valid,
         chunk_size=chunk_size,
@@ -151,11 +166,22 @@ def _chunk_loop(
         compute_stats=compute_stats,
         accum=accum,
         grad_input_dtype=x.dtype,
+        keep_scaled=keep_scaled,
     )
     if grad_input is not None:
         grad_input = grad_input.view(x.shape)
     grads = [g if g is not None else x.new_empty(0) for g in (grad_input, grad_weight, grad_bias)]
-    return (*per_token, *grads)
+    return (*per_token, *grads, _inverse_scales(scales, compute_dtype, x.device))
+
+
+def _inverse_scales(scales: GradScales, compute_dtype: torch.dtype, device: torch.device) -> Tensor:
+    """fp32 [3]: 1 / the factors the fp16 dX, dW, d bias carry (empty for other dtypes), for backward."""
+    if compute_dtype != torch.float16:
+        return torch.empty(0, dtype=torch.float32, device=device)
+    inverse = torch.empty(3, dtype=torch.float32, device=device)
+    for i, factor in enumerate(scales[1:]):
+        inverse[i].fill_(1.0 / factor)  # a fill kernel each: no host-to-device copy to wait for
+    return inverse
 
 
 def valid_rows(valid: Tensor, n_valid: int) -> Optional[Tensor]:
@@ -165,12 +191,68 @@ def valid_rows(valid: Tensor, n_valid: int) -> Optional[Tensor]:
     return torch.argsort(valid.to(torch.int8), descending=True, stable=True)[:n_valid]
 
 
+class GradScales(NamedTuple):
+    """Powers of two of the fp16 gradient scaling (all 1 elsewhere): ``logits`` multiplies the logit
+    gradient inside the chunk loop; the others are what the returned dX, dW and d bias are multiplied by
+    (the caller divides them out)."""
+
+    logits: float = 1.0
+    grad_input: float = 1.0
+    grad_weight: float = 1.0
+    grad_bias: float = 1.0
+
+
+def _pow2_at_most(value: float) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        return 1.0
+    return 2.0 ** max(-60, min(60, math.floor(math.log2(value))))
+
+
+def _fp16_grad_scales(
+    x2: Tensor,
+    options: LossOptions,
+    ce_scale: Tensor,
+    z_scale: Tensor,
+    n_valid: int,
+    *,
+    keep_scaled: bool,
+    grad_input_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    bias_dtype: Optional[torch.dtype],
+) -> GradScales:
+    """:class:`GradScales` for fp16 GEMMs, from bounds on the gradient (one host sync).
+
+    Per token, every logit-gradient element is at most ``b = |ce_scale| w_max + |z_scale| 2 lam L`` and
+    a row's elements sum to at most ``2 b`` (softmax minus one-hot). So the stored dX row is at most
+    ``2 b max|W|``, a dW row at most ``sum(b) max|x|``, and d bias at most ``sum(b)``.
+    """
+    w_max = options.class_weight.abs().max() if options.class_weight is not None else 1.0
+    token_bound = ce_scale.abs() * w_max + z_scale.abs() * (
+        2.0 * options.lse_square_scale * _Z_LOSS_LSE_BOUND
+    )
+    n_terms = 1 if token_bound.numel() > 1 else max(n_valid, 1)
+    stats = [token_bound.max(), token_bound.sum() * n_terms]
+    scale_weight = keep_scaled and weight_dtype == torch.float16
+    if scale_weight:
+        stats.append(x2.abs().amax().float() if x2.numel() else torch.zeros((), device=x2.device))
+    bound, total, *x_max = torch.stack([v.float().reshape(()) for v in stats]).tolist()
+    logits_scale = _pow2_at_most(_FP16_LOGIT_GRAD_MAX / bound) if bound > 0 else 1.0
+    # dX: 2 b max|W| * (logits_scale / 64) = 32 max|W| at most (fp16 weights never come near 2000).
+    stored_input = logits_scale / 64 if keep_scaled and grad_input_dtype == torch.float16 else 1.0
+    stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / (total * x_max[0])) if scale_weight else 1.0
+    stored_bias = (
+        _pow2_at_most(_FP16_STORED_GRAD_MAX / total) if keep_scaled and bias_dtype == torch.float16 else 1.0
+    )
+    return GradScales(logits_scale, stored_input, stored_weight, stored_bias)
+
+
 def run_chunks(
     x: Tensor,
     weight: Tensor,
     target: Tensor,
     bias: Optional[Tensor],
     chunk_cross_entropy,
+    options: LossOptions,
     *,
     rows: Optional[Tensor],
     n_valid: int,
@@ -184,6 +266,7 @@ def run_chunks(
     compute_stats: bool,
     accum: str,
     grad_input_dtype: torch.dtype,
+    keep_scaled: bool = False,
 ) -> Tuple[Optional[Tensor], ...]:
     """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
 
@@ -191,10 +274,13 @@ def run_chunks(
     buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad) -> ChunkOutputs``
     (which overwrites the logits with their gradient), then dX rows, the dW accumulation and d bias.
 
-    Returns per-token loss/LSE/stats [N] (0 for ignored rows) and the gradients: dX [N, H] in
-    ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for.
-    ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token). ``accum`` is "fp32", "fp64",
-    "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
+    Returns per-token loss/LSE/stats [N] (0 for ignored rows), the gradients: dX [N, H] in
+    ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for, and their
+    :class:`GradScales`. ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token). ``accum`` is
+    "fp32", "fp64", "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
+    With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
+    fp16 gradients pre-multiplied by the scales in :class:`GradScales` (for a backward that multiplies
+    them by grad_output anyway), otherwise every gradient is returned unscaled.
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -212,6 +298,22 @@ def run_chunks(
     correct = torch.zeros(n_rows if compute_stats else 0, dtype=torch.bool, device=device)
     entropy = torch.zeros(n_rows if compute_stats else 0, dtype=torch.float32, device=device)
     compute_grad = need_grad_input or need_grad_weight or need_grad_bias
+    scales = GradScales()
+    if compute_grad and compute_dtype == torch.float16:
+        scales = _fp16_grad_scales(
+            x2,
+            options,
+            ce_scale,
+            z_scale,
+            n_valid,
+            keep_scaled=keep_scaled,
+            grad_input_dtype=grad_input_dtype,
+            weight_dtype=weight.dtype,
+            bias_dtype=bias.dtype if bias is not None else None,
+        )
+    if scales.logits != 1.0:
+        ce_scale = ce_scale * scales.logits
+        z_scale = z_scale * scales.logits
 
     grad_input = grad_weight = grad_bias = accum_path = None
     if need_grad_input:
@@ -255,25 +357,25 @@ def run_chunks(
             z_scale[scale_rows] if per_row_scale else z_scale,
             compute_grad,
         )
-        _write_rows(loss, scale_rows, out.loss)
+        _write_rows(loss, scale_rows, out.loss if scales.logits == 1.0 else out.loss / scales.logits)
         _write_rows(lse, scale_rows, out.lse)
         if compute_stats:
             _write_rows(correct, scale_rows, out.correct)
             _write_rows(entropy, scale_rows, out.entropy)
 
         if need_grad_input:
-            if rows is None and grad_input.dtype == weight_for_grad_input.dtype:
-                torch.mm(logits, weight_for_grad_input, out=grad_input[start:end])
-            else:
-                _write_rows(
-                    grad_input,
-                    scale_rows,
-                    torch.mm(logits.to(weight_for_grad_input.dtype), weight_for_grad_input),
-                )
+            _write_grad_input(grad_input, scale_rows, logits, weight_for_grad_input, scales)
         if need_grad_weight:
-            accumulate_grad_weight(grad_weight, logits, x_c, first=chunk_index == 0, path=accum_path)
+            accumulate_grad_weight(
+                grad_weight,
+                logits,
+                x_c,
+                first=chunk_index == 0,
+                path=accum_path,
+                alpha=scales.grad_weight / scales.logits,
+            )
         if need_grad_bias:
-            grad_bias.add_(logits.sum(dim=0, dtype=torch.float32))
+            grad_bias.add_(logits.sum(dim=0, dtype=torch.float32), alpha=scales.grad_bias / scales.logits)
 
     if need_grad_weight:
         if n_valid == 0:
@@ -281,7 +383,34 @@ def run_chunks(
         grad_weight = grad_weight.to(weight.dtype)
     if need_grad_bias:
         grad_bias = grad_bias.to(bias.dtype)
-    return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias
+    return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, scales
+
+
+def _scaled_mm(a: Tensor, b: Tensor, alpha: float, out: Optional[Tensor] = None) -> Tensor:
+    """``alpha * a @ b`` with alpha in the GEMM's epilogue (before rounding to the output dtype)."""
+    if alpha == 1.0:
+        return torch.mm(a, b, out=out)
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    return torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
+
+
+def _write_grad_input(grad_input: Tensor, rows, logits: Tensor, weight: Tensor, scales: GradScales) -> None:
+    """dX rows = d loss / d logits @ W, times ``scales.grad_input``."""
+    if grad_input.dtype == weight.dtype:
+        alpha = scales.grad_input / scales.logits
+        if isinstance(rows, slice):
+            _scaled_mm(logits, weight, alpha, out=grad_input[rows])
+        else:
+            _write_rows(grad_input, rows, _scaled_mm(logits, weight, alpha))
+        return
+    # A wider grad_input (fp32 x, fp16 GEMMs): the product stays scaled in fp16 (by logits / 64, in range:
+    # see _fp16_grad_scales) and is unscaled after widening, so small rows do not underflow.
+    product_scale = scales.logits / 64 if scales.logits != 1.0 else 1.0
+    product = _scaled_mm(logits.to(weight.dtype), weight, product_scale / scales.logits).to(grad_input.dtype)
+    if scales.grad_input != product_scale:
+        product.mul_(scales.grad_input / product_scale)
+    _write_rows(grad_input, rows, product)
 
 
 def _accumulator_dtype(accum: str, weight: Tensor, compute_dtype: torch.dtype, n_chunks: int) -> torch.dtype:
@@ -398,8 +527,10 @@ def flce_forward(
     need_grad_weight: bool,
     need_grad_bias: bool,
     compute_stats: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Returns (loss, lse, correct, entropy, grad_input, grad_weight, grad_bias); unused ones are empty.
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns (loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, inverse_scales); unused
+    ones are empty. ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients only) undoes the powers of two
+    the fp16 gradients carry, see :func:`run_chunks`.
 
     For "none" no gradient is computed here (backward recomputes); the need_grad_* flags then only
     say what backward will produce.
@@ -408,7 +539,7 @@ def flce_forward(
     grads_now = reduction != "none"
     with torch.autocast(x.device.type, enabled=False):
         ce_scale, z_scale = _loss_scales(target, reduction, options, x.device)
-        loss, lse, correct, entropy, gx, gw, gb = _chunk_loop(
+        loss, lse, correct, entropy, gx, gw, gb, inverse_scales = _chunk_loop(
             x,
             weight,
             target,
@@ -424,12 +555,15 @@ def flce_forward(
             accum=accum,
             chunk_size=_resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl),
             impl=impl,
+            keep_scaled=True,
         )
     if reduction != "none":
         loss = loss.sum()
     if not compute_stats:
         lse = lse.new_empty(0)
-    return loss, lse, correct, entropy, gx, gw, gb
+    if not (grads_now and (need_grad_input or need_grad_weight or need_grad_bias)):
+        inverse_scales = inverse_scales.new_empty(0)
+    return loss, lse, correct, entropy, gx, gw, gb, inverse_scales
 
 
 @flce_forward.register_fake
@@ -456,6 +590,11 @@ def _(
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     grads_now = reduction != "none"
     fp32 = torch.float32
+    scaled = (
+        compute_dtype == torch.float16
+        and grads_now
+        and (need_grad_input or need_grad_weight or need_grad_bias)
+    )
     loss = x.new_empty((n_rows,) if reduction == "none" else (), dtype=fp32)
     n_stats = n_rows if compute_stats else 0
     return (
@@ -466,20 +605,27 @@ def _(
         torch.empty_like(x) if need_grad_input and grads_now else x.new_empty(0),
         torch.empty_like(weight) if need_grad_weight and grads_now else x.new_empty(0),
         torch.empty_like(bias) if need_grad_bias and grads_now else x.new_empty(0),
+        x.new_empty(3 if scaled else 0, dtype=fp32),
     )
 
 
 @torch.library.custom_op(
     "lightning_flce::flce_scale_grads_", mutates_args=("grad_input", "grad_weight", "grad_bias")
 )
-def flce_scale_grads_(grad_input: Tensor, grad_weight: Tensor, grad_bias: Tensor, scale: Tensor) -> None:
-    """Multiply the gradients computed in forward by grad_output (a no-op when it is 1)."""
-    for grad in (grad_input, grad_weight, grad_bias):
-        scale_(grad, scale)
+def flce_scale_grads_(
+    grad_input: Tensor, grad_weight: Tensor, grad_bias: Tensor, scale: Tensor, inverse_scales: Tensor
+) -> None:
+    """Multiply the gradients computed in forward by grad_output (a no-op when it is 1), and by their
+    ``inverse_scales`` where forward gave some (fp16)."""
+    for i, grad in enumerate((grad_input, grad_weight, grad_bias)):
+        if inverse_scales.numel():
+            scale_(grad, scale.reshape(1).float() * inverse_scales[i])
+        else:
+            scale_(grad, scale)
 
 
 @flce_scale_grads_.register_fake
-def _(grad_input, grad_weight, grad_bias, scale):
+def _(grad_input, grad_weight, grad_bias, scale, inverse_scales):
     return None
 
 
@@ -507,7 +653,7 @@ def flce_backward(
     options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight)
     scale = grad_loss.reshape(-1).float()
     with torch.autocast(x.device.type, enabled=False):
-        *_, gx, gw, gb = _chunk_loop(
+        *_, gx, gw, gb, _ = _chunk_loop(
             x,
             weight,
             target,
@@ -614,8 +760,8 @@ def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
         x, weight, target, bias, class_weight = ctx.saved_tensors
         gx, gw, gb = flce_backward(grad_loss, x, weight, target, bias, class_weight, *ctx.options, *ctx.needs)
     else:
-        gx, gw, gb = ctx.saved_tensors
-        flce_scale_grads_(gx, gw, gb, grad_loss)
+        gx, gw, gb, inverse_scales = ctx.saved_tensors
+        flce_scale_grads_(gx, gw, gb, grad_loss, inverse_scales)
     grads[_X] = gx if need_grad_input else None
     grads[_WEIGHT] = gw if need_grad_weight else None
     grads[_BIAS] = gb if need_grad_bias else None

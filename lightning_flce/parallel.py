@@ -681,12 +681,13 @@ def _chunk_loop(
     # Each rank's partial dX is summed over the group: in fp32 at least, so fp16/bf16 partials are not
     # rounded before the sum.
     reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    *per_token, grad_input, grad_weight, grad_bias = run_chunks(
+    *per_token, grad_input, grad_weight, grad_bias, _ = run_chunks(
         x,
         weight,
         target,
         bias,
         chunk_cross_entropy,
+        LossOptions(plan.ignore_index, plan.label_smoothing, plan.lse_square_scale, plan.softcap),
         rows=valid_rows(target != plan.ignore_index, plan.n_valid),
         n_valid=plan.n_valid,
         chunk_size=plan.chunk_size,

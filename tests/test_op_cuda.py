@@ -65,6 +65,44 @@ def test_errors_no_worse_than_naive(dtype, reduction, n_rows, hidden, vocab):
         assert err <= 1.1 * base_err + 1e-7, (name, err, base_err)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp16", "autocast16"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(("n_rows", "hidden", "vocab"), [(4096, 512, 32003), (16384, 256, 128256)])
+def test_fp16_under_grad_scaler_no_worse_than_naive(autocast, reduction, n_rows, hidden, vocab):
+    """fp16 with torch's GradScaler (loss x 2^16): the logit gradients ~p / N (below fp16's subnormals at
+    these N V) must not be rounded before the scale arrives (see tests/test_fp16_grads.py). autocast16:
+    fp32 x and W under ``torch.autocast(dtype=float16)`` (Lightning's precision="16-mixed")."""
+    dtype = torch.float32 if autocast else torch.float16
+    x, weight, target = make_problem(n_rows, hidden, vocab, dtype, seed=3)
+    scale = 2.0**16
+    if reduction == "none":
+        grad_output = torch.full((n_rows,), scale / n_rows, device="cuda")
+    else:
+        grad_output = torch.tensor(scale, device="cuda")
+    args = (x.requires_grad_(), weight.requires_grad_())
+    with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+        _, grads = grads_of(
+            lambda a, b: fused_linear_cross_entropy(a, b, target, reduction=reduction),
+            *args,
+            grad_output=grad_output,
+        )
+        _, base_grads = grads_of(lambda a, b: naive(a, b, target, reduction), *args, grad_output=grad_output)
+    _, ref_grads = grads_of(
+        lambda a, b: reference_loss(a, b, target, reduction=reduction),
+        x.double().requires_grad_(),
+        weight.double().requires_grad_(),
+        grad_output=grad_output.double(),
+    )
+    for name, got, base, want in zip(("dX", "dW"), grads, base_grads, ref_grads):
+        assert got.dtype == dtype
+        err, base_err = relative_error(got, want), relative_error(base, want)
+        print(
+            f"[fp16 grad scaler] {n_rows}x{hidden}x{vocab} {reduction} autocast={autocast} {name}: "
+            f"{err:.3e} (naive {base_err:.3e})"
+        )
+        assert err <= 1.1 * base_err + 1e-7, (name, err, base_err)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_all_features_match_float64(dtype):
     x, weight, target = make_problem(2048, 256, 10007, dtype, seed=1)

@@ -144,3 +144,24 @@ def test_scale_kernel(scale):
         else:
             # The interpreter truncates fp32 -> bf16 where torch rounds to nearest: within 1 ulp (2^-7).
             torch.testing.assert_close(tensor, expected, rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("feature_name", ["plain", "all"])
+def test_fp16_grads_under_a_loss_scale(feature_name, reduction):
+    """The Triton kernel's fp16 logit gradients get the op's power-of-two scale (test_fp16_grads.py):
+    under a GradScaler-style 2^16 loss scale, dX/dW/db are no worse than the unfused fp16 loss's."""
+    from test_fp16_grads import GRAD_SCALER_INIT_SCALE, assert_no_worse, compare
+
+    op_errors, unfused_errors, _ = compare(
+        feature_name,
+        reduction,
+        GRAD_SCALER_INIT_SCALE,
+        autocast=False,
+        n_rows=512,
+        hidden=32,
+        vocab=1000,
+        impl="triton",
+        chunk_size=128,
+    )
+    assert_no_worse(op_errors, unfused_errors)
