@@ -42,7 +42,14 @@ from torch import Tensor, nn
 from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options
 from lightning_flce.kernels import ChunkOutputs, LossOptions
 from lightning_flce.kernels.scale import scale_
-from lightning_flce.op import _loss_scales, default_chunk_size, run_chunks, valid_rows
+from lightning_flce.op import (
+    _CHUNK_ALIGN,
+    _loss_scales,
+    balanced_chunk_rows,
+    default_chunk_size,
+    run_chunks,
+    valid_rows,
+)
 
 __all__ = [
     "VocabParallelHead",
@@ -575,7 +582,8 @@ def _layout(
     n_valid = rows[0][_C_VALID]
     if chunk_size is None:
         # The same on every rank: chunk boundaries must line up for the per-chunk collectives.
-        chunk_size = default_chunk_size(n_tokens, max(sizes), weight.shape[1], itemsize, use_triton=False)
+        max_rows = default_chunk_size(n_tokens, max(sizes), weight.shape[1], itemsize, use_triton=False)
+        chunk_size = balanced_chunk_rows(n_valid, max_rows, _CHUNK_ALIGN)
     return start, vocab, n_valid, int(chunk_size)
 
 

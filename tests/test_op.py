@@ -482,3 +482,40 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(got_loss, want_loss)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want)
+
+
+def test_default_chunks_are_balanced_over_the_valid_rows():
+    from lightning_flce.op import balanced_chunk_rows
+
+    # 8192 rows at most 2304 apiece: 4 x 2048 (3 x 2304 + 1280 before)
+    assert balanced_chunk_rows(8192, 2304, 256) == 2048
+    # 10% ignored: 7373 valid rows in 4 chunks of 2048 (the last 1229), not 3 x 2304 + 461
+    assert balanced_chunk_rows(7373, 2304, 256) == 2048
+    # never above the maximum, whatever the alignment
+    assert balanced_chunk_rows(3300, 1600, 256) == 1280  # 3 chunks: 1100 -> 1280
+    assert balanced_chunk_rows(3300, 1200, 512) == 1200  # 1100 -> 1536 > 1200: the maximum
+    assert balanced_chunk_rows(100, 4096, 256) == 100  # one chunk
+    assert balanced_chunk_rows(0, 4096, 256) == 4096
+    for n_rows in range(1, 3000, 37):
+        rows = balanced_chunk_rows(n_rows, 512, 64)
+        assert rows <= 512 and -(-n_rows // rows) == -(-n_rows // 512)  # same number of chunks
+
+
+def test_default_chunk_size_is_balanced_in_the_op(monkeypatch):
+    """The op runs the balanced size: 3000 rows under a 1088-row maximum -> 1024, 1024, 952 (CPU: 64-row
+    steps), not 1088, 1088, 824."""
+    import lightning_flce.op as op
+
+    monkeypatch.setattr(op, "default_chunk_size", lambda *args, **kwargs: 1088)
+    seen = []
+    real_mm = torch.mm
+
+    def spy_mm(a, b, *args, **kwargs):
+        if a.dim() == 2 and b.dim() == 2 and b.shape[0] == 16 and b.shape[1] == 300:  # x_c @ W.T
+            seen.append(a.shape[0])
+        return real_mm(a, b, *args, **kwargs)
+
+    x, weight, target, *_ = make_problem(3000, 16, 300, ignore_frac=0.0, seed=3)
+    monkeypatch.setattr(torch, "mm", spy_mm)
+    fused_linear_cross_entropy(x.requires_grad_(), weight.requires_grad_(), target)
+    assert seen == [1024, 1024, 952], seen
