@@ -3,7 +3,8 @@
 One program per row. Pass 1 streams the row once with an online softmax (running max ``m`` and
 ``d = sum(exp(z - m))``), collecting what the loss needs: the smoothing term ``sum(w_j z_j)``, and for
 the optional statistics the argmax and ``sum(exp(z - m) z)`` (entropy = lse - E_p[z]). Pass 2 streams
-the row again and overwrites it with the gradient, so the chunk needs no second [C, V] buffer.
+the row again, last block first, and overwrites it with the gradient, so the chunk needs no second
+[C, V] buffer.
 
 With logits ``z`` (after the optional softcap ``z = c tanh(r / c)``), target ``t``, class weights
 ``w`` (1 without), smoothing ``eps`` and z-loss scale ``lam``, a row's terms are
@@ -91,6 +92,7 @@ def _cross_entropy_chunk_kernel(
     COMPUTE_STATS: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice exp/log (fp32 logits on a GPU)
     BLOCK_V: tl.constexpr,
+    LAST_BLOCK_START: tl.constexpr,  # (V - 1) // BLOCK_V * BLOCK_V
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
@@ -168,8 +170,10 @@ def _cross_entropy_chunk_kernel(
             if HAS_SMOOTHING:
                 p_coef += ce_scale * label_smoothing * w_total / V
             target_coef = ce_scale * (1.0 - label_smoothing) * w_target
-            for start in range(0, V, BLOCK_V):
-                cols = start + offsets
+            # Backwards over the row: its last blocks, read last in pass 1, are the likeliest still in L2
+            # (rows of 128K+ bf16 logits in flight on every SM exceed it).
+            for done in range(0, V, BLOCK_V):
+                cols = LAST_BLOCK_START - done + offsets
                 mask = cols < V
                 z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
                 grad = _exp(z - lse, PRECISE) * p_coef
@@ -238,6 +242,7 @@ def cross_entropy_chunk_triton(
         COMPUTE_STATS=compute_stats,
         PRECISE=logits.dtype == torch.float32 and not TRITON_INTERPRET,
         BLOCK_V=block_v,
+        LAST_BLOCK_START=(vocab - 1) // block_v * block_v,
         num_warps=max(4, block_v // 256),
     )
     if not compute_stats:
