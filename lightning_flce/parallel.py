@@ -18,7 +18,10 @@ CPU, NCCL on GPUs).
 
 Like the single-device op, "mean"/"sum" compute the gradients in forward (backward multiplies them by
 ``grad_output``), and "none" recomputes the chunks in backward with the per-token ``grad_output`` (its
-collectives then run in backward too, on every rank in the same order).
+collectives then run in backward too, on every rank in the same order). With fp16 GEMMs the logit
+gradients get the single-device op's power-of-two scale, but the gradients computed in forward are
+returned unscaled, so under a GradScaler an fp16 weight shard's dW can lose small entries the unfused loss
+keeps (fp32 master weights, as in ``precision="16-mixed"``, or bf16 avoid it).
 
 Shard layout and consistency are checked with one small integer all-reduce per call (one host sync):
 every rank learns every shard's ``(start, size)``, and a mismatch between ranks (different hidden states
