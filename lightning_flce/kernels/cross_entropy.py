@@ -20,6 +20,8 @@ factor ``1 - (z / c)^2``. Rows whose target is ``ignore_index`` skip both passes
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,19 @@ from lightning_flce.kernels import ChunkOutputs, LossOptions
 # Elements of a row handled per loop iteration. Large blocks amortize the per-iteration reductions;
 # one warp per 256 elements keeps 8 elements per thread.
 _MAX_BLOCK_V = 8192
+
+
+class LaunchConfig(NamedTuple):
+    """Launch parameters of :func:`_cross_entropy_chunk_kernel` (``benchmarks/tune_ce_kernel.py`` sweeps them)."""
+
+    block_v: int
+    num_warps: int
+    num_stages: Optional[int] = None  # None: Triton's default
+
+
+def default_launch_config(vocab: int) -> LaunchConfig:
+    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    return LaunchConfig(block_v, max(4, block_v // 256))
 
 
 @triton.jit
@@ -199,8 +214,10 @@ def cross_entropy_chunk_triton(
     z_scale: torch.Tensor,
     compute_grad: bool,
     compute_stats: bool,
+    config: Optional[LaunchConfig] = None,
 ) -> ChunkOutputs:
-    """Launch :func:`_cross_entropy_chunk_kernel` on a [C, V] chunk (contract in ``lightning_flce.kernels``)."""
+    """Launch :func:`_cross_entropy_chunk_kernel` on a [C, V] chunk (contract in ``lightning_flce.kernels``);
+    ``config`` overrides :func:`default_launch_config`."""
     n_rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
     device = logits.device
@@ -216,7 +233,9 @@ def cross_entropy_chunk_triton(
     class_weight = options.class_weight if has_class_weight else loss  # dummy pointer, never read
     class_weight_sum = options.class_weight_sum if has_class_weight else loss
     scale_stride = 1 if ce_scale.numel() > 1 else 0
-    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    config = config or default_launch_config(vocab)
+    block_v = config.block_v
+    extra = {} if config.num_stages is None else {"num_stages": config.num_stages}
     _cross_entropy_chunk_kernel[(n_rows,)](
         logits,
         logits.stride(0),
@@ -243,7 +262,8 @@ def cross_entropy_chunk_triton(
         PRECISE=logits.dtype == torch.float32 and not TRITON_INTERPRET,
         BLOCK_V=block_v,
         LAST_BLOCK_START=(vocab - 1) // block_v * block_v,
-        num_warps=max(4, block_v // 256),
+        num_warps=config.num_warps,
+        **extra,
     )
     if not compute_stats:
         return ChunkOutputs(loss, lse)
