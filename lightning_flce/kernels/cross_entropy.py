@@ -30,9 +30,12 @@ from triton.language.extra import libdevice
 from lightning_flce._compat import TRITON_INTERPRET
 from lightning_flce.kernels import ChunkOutputs, LossOptions
 
-# Elements of a row handled per loop iteration. Large blocks amortize the per-iteration reductions;
-# one warp per 256 elements keeps 8 elements per thread.
-_MAX_BLOCK_V = 8192
+# Elements of a row handled per loop iteration, and 32 of them per thread (one warp per 1024): more loads
+# in flight per thread. Measured on an H200 (benchmarks/tune_ce_kernel.py, results/*_run14_*): 16384 / 16
+# warps took 13-23% less time than 8192 / 32 warps at the four benchmark chunk shapes (67-74% of the
+# read+write floor vs 56-58%).
+_MAX_BLOCK_V = 16384
+_ELEMENTS_PER_WARP = 1024
 
 
 class LaunchConfig(NamedTuple):
@@ -45,7 +48,7 @@ class LaunchConfig(NamedTuple):
 
 def default_launch_config(vocab: int) -> LaunchConfig:
     block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
-    return LaunchConfig(block_v, max(4, block_v // 256))
+    return LaunchConfig(block_v, max(4, block_v // _ELEMENTS_PER_WARP))
 
 
 @triton.jit
