@@ -378,6 +378,9 @@ def run_chunks(
         if need_grad_bias:
             grad_bias.add_(logits.sum(dim=0, dtype=torch.float32), alpha=scales.grad_bias / scales.logits)
 
+    # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
+    # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
+    logits_buffer = logits = x_c = weight_c = weight_for_grad_input = bias_c = None
     if need_grad_weight:
         if n_valid == 0:
             grad_weight.zero_()

@@ -519,3 +519,36 @@ def test_default_chunk_size_is_balanced_in_the_op(monkeypatch):
     monkeypatch.setattr(torch, "mm", spy_mm)
     fused_linear_cross_entropy(x.requires_grad_(), weight.requires_grad_(), target)
     assert seen == [1024, 1024, 952], seen
+
+
+def test_chunk_buffer_released_before_the_dw_cast(monkeypatch):
+    """With an fp32 accumulator, dW's cast to the weight's dtype allocates the op's last large tensor; the
+    chunk's logits buffer must be gone by then, or the peak holds accumulator + output + buffer."""
+    import gc
+    import weakref
+
+    x, weight, target, *_ = make_problem(600, 16, 300, ignore_frac=0.0, seed=4)
+    x, weight = x.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    buffers, alive_at_cast = [], []
+    real_empty, real_to = torch.empty, torch.Tensor.to
+
+    def spy_empty(*size, **kwargs):
+        tensor = real_empty(*size, **kwargs)
+        if tensor.dim() == 2 and tensor.shape[1] == 300 and tensor.dtype == torch.bfloat16:
+            buffers.append(weakref.ref(tensor))
+        return tensor
+
+    def spy_to(self, *args, **kwargs):
+        if (
+            self.dtype == torch.float32
+            and self.shape == (300, 16)
+            and torch.bfloat16 in (*args, kwargs.get("dtype"))
+        ):
+            gc.collect()
+            alive_at_cast.append([ref() is not None for ref in buffers])
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", spy_empty)
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    fused_linear_cross_entropy(x, weight, target, chunk_size=128)
+    assert len(buffers) == 1 and alive_at_cast == [[False]], (len(buffers), alive_at_cast)
