@@ -272,6 +272,25 @@ def matmul_tflops(dtype: torch.dtype, device: torch.device, n: int, reps: int = 
     return 2.0 * n**3 / (ms * 1e-3) / 1e12
 
 
+def copy_bandwidth_gbps(device: torch.device, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Read + write GB/s of one large device-to-device ``copy_`` (median of ``reps``): the bandwidth floor."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    timers = []
+    for _ in range(reps):
+        tm = Timer(device)
+        tm.start()
+        dst.copy_(src)
+        tm.stop()
+        timers.append(tm)
+    synchronize(device)
+    ms = percentile([tm.ms() for tm in timers], 50)
+    del src, dst
+    return 2.0 * nbytes / (ms * 1e-3) / 1e9
+
+
 def rel_l2(
     a: torch.Tensor, ref: torch.Tensor, rows_per_chunk: Optional[int] = None, ref_scale: float = 1.0
 ) -> float:

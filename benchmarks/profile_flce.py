@@ -114,25 +114,6 @@ def parse_variants(items: Optional[List[str]]) -> Dict[str, Dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------ probes
-def copy_bandwidth_gbps(device: torch.device, nbytes: int = COPY_BYTES, reps: int = 10) -> float:
-    """Read + write GB/s of one large device-to-device ``copy_`` (median of ``reps``)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    timers = []
-    for _ in range(reps):
-        tm = C.Timer(device)
-        tm.start()
-        dst.copy_(src)
-        tm.stop()
-        timers.append(tm)
-    C.synchronize(device)
-    ms = C.percentile([tm.ms() for tm in timers], 50)
-    del src, dst
-    return 2.0 * nbytes / (ms * 1e-3) / 1e9
-
-
 class Rates:
     """Measured matmul TFLOP/s per dtype (lazily, cached) and copy GB/s; all None off CUDA."""
 
@@ -141,7 +122,7 @@ class Rates:
         self.tflops: Dict[str, float] = {}
         self.copy_gbps: Optional[float] = None
         if device.type == "cuda":
-            self.copy_gbps = copy_bandwidth_gbps(device)
+            self.copy_gbps = C.copy_bandwidth_gbps(device, COPY_BYTES)
             C.free_memory(device)
 
     def matmul(self, dtype: torch.dtype) -> Optional[float]:

@@ -37,7 +37,6 @@ from lightning_flce.kernels.cross_entropy_torch import cross_entropy_chunk_torch
 
 GPU_SHAPES = [(3840, 32000), (3840, 128256), (2048, 256000), (2560, 151936)]
 CPU_SHAPES = [(16, 1000)]
-COPY_BYTES = 1 << 30
 
 
 def candidate_configs(quick: bool) -> List[LaunchConfig]:
@@ -47,23 +46,6 @@ def candidate_configs(quick: bool) -> List[LaunchConfig]:
     configs = [LaunchConfig(b, w) for b in (4096, 8192, 16384) for w in (8, 16, 32)]
     configs += [LaunchConfig(8192, 32, 1), LaunchConfig(8192, 32, 4), LaunchConfig(8192, 16, 4)]
     return configs
-
-
-def copy_bandwidth_gbps(device: torch.device, reps: int = 10) -> float:
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    timers = []
-    for _ in range(reps):
-        tm = C.Timer(device)
-        tm.start()
-        dst.copy_(src)
-        tm.stop()
-        timers.append(tm)
-    C.synchronize(device)
-    ms = C.percentile([t.ms() for t in timers], 50)
-    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
 
 
 def make_chunk(rows: int, vocab: int, dtype: torch.dtype, device: torch.device, seed: int):
@@ -180,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
     configs = candidate_configs(quick=device.type != "cuda")
     start = time.time()
-    gbps = copy_bandwidth_gbps(device) if device.type == "cuda" else None
+    gbps = C.copy_bandwidth_gbps(device) if device.type == "cuda" else None
     records = []
     for shape in shapes:
         records += run_shape(shape, dtype, configs, device, args.reps, gbps)

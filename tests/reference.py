@@ -13,6 +13,31 @@ def reference_loss(
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
+    **options,
+) -> torch.Tensor:
+    """The op's definition in float64 (differentiable w.r.t. x, weight, bias). ``options``: ignore_index,
+    reduction, label_smoothing, class_weight, lse_square_scale, softcap, as the op takes them."""
+    logits = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+    if options.get("class_weight") is not None:
+        options["class_weight"] = options["class_weight"].double()
+    return loss_of_logits(logits, target, **options)
+
+
+def unfused_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    **options,
+) -> torch.Tensor:
+    """What users run without the op, in the inputs' dtype: logits from ``F.linear``, then an fp32
+    cross-entropy (plus the z-loss term). The bar the op's low-precision errors are held to."""
+    return loss_of_logits(F.linear(x, weight, bias).float(), target, **options)
+
+
+def loss_of_logits(
+    logits: torch.Tensor,
+    target: torch.Tensor,
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
@@ -21,16 +46,15 @@ def reference_loss(
     lse_square_scale: float = 0.0,
     softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """The op's definition in float64 (differentiable w.r.t. x, weight, bias)."""
-    logits = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
+    """Cross-entropy (``F.cross_entropy``'s options) plus the z-loss term, in the logits' dtype."""
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1)
-    if softcap is not None:
+    if softcap:
         logits = softcap * torch.tanh(logits / softcap)
     loss = F.cross_entropy(
         logits,
         target,
-        weight=class_weight.double() if class_weight is not None else None,
+        weight=class_weight,
         ignore_index=ignore_index,
         reduction=reduction,
         label_smoothing=label_smoothing,

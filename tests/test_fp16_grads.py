@@ -16,35 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from reference import grads_of, reference_loss, relative_error
+from reference import grads_of, reference_loss, relative_error, unfused_loss
 from test_op import FEATURES, make_problem
 
 from lightning_flce import fused_linear_cross_entropy
 
 GRAD_SCALER_INIT_SCALE = 2.0**16  # torch.amp.GradScaler's default init_scale
 NO_WORSE = 1.1
-
-
-def unfused_loss(x, weight, target, bias, *, reduction, class_weight, feature):
-    """What users run without the op: fp16 logits, then an fp32 cross-entropy (plus the z-loss term)."""
-    logits = F.linear(x, weight, bias).float()
-    if feature.get("softcap"):
-        logits = feature["softcap"] * torch.tanh(logits / feature["softcap"])
-    loss = F.cross_entropy(
-        logits,
-        target,
-        weight=class_weight,
-        reduction=reduction,
-        label_smoothing=feature.get("label_smoothing", 0.0),
-    )
-    lam = feature.get("lse_square_scale", 0.0)
-    if lam:
-        valid = target != -100
-        z_loss = lam * torch.logsumexp(logits, dim=-1).square() * valid
-        z_loss = {"mean": z_loss.sum() / valid.sum(), "sum": z_loss.sum(), "none": z_loss}[reduction]
-        loss = loss + z_loss
-    return loss
 
 
 def errors_of(fn, x, weight, bias, grad_output, autocast):
@@ -80,7 +58,7 @@ def compare(
         )
 
     def unfused(x_, w_, b_):
-        return unfused_loss(x_, w_, target, b_, reduction=reduction, class_weight=cw, feature=feature)
+        return unfused_loss(x_, w_, target, b_, reduction=reduction, class_weight=cw, **options)
 
     def ref(x_, w_, b_):
         return reference_loss(x_, w_, target, b_, reduction=reduction, class_weight=cw, **options)
@@ -148,7 +126,7 @@ def test_large_hidden_states_do_not_overflow_the_stored_gradients(reduction):
         return fused_linear_cross_entropy(x_, w_, target, reduction=reduction)
 
     def unfused(x_, w_):
-        return unfused_loss(x_, w_, target, None, reduction=reduction, class_weight=None, feature={})
+        return unfused_loss(x_, w_, target, reduction=reduction)
 
     def ref(x_, w_):
         return reference_loss(x_, w_, target, reduction=reduction)

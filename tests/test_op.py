@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import grads_of, reference_loss, relative_error
+from reference import grads_of, reference_loss, relative_error, unfused_loss
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.op import default_chunk_size
@@ -147,25 +147,7 @@ def _check_bf16_against_naive(reduction, feature_name, grad_scale, ratio):
     use_bias = feature.get("bias", False)
 
     def naive(x_, w_, b_):
-        logits = F.linear(x_, w_, b_).float()
-        softcap = kwargs.get("softcap")
-        if softcap:
-            logits = softcap * torch.tanh(logits / softcap)
-        loss = F.cross_entropy(
-            logits,
-            target,
-            weight=cw,
-            reduction=reduction,
-            label_smoothing=kwargs.get("label_smoothing", 0.0),
-        )
-        lam = kwargs.get("lse_square_scale", 0.0)
-        if lam:
-            valid = target != -100
-            z = lam * torch.logsumexp(logits, -1).square() * valid
-            loss = loss + (
-                z if reduction == "none" else z.sum() / (valid.sum() if reduction == "mean" else 1)
-            )
-        return loss
+        return unfused_loss(x_, w_, target, b_, reduction=reduction, class_weight=cw, **kwargs)
 
     naive_loss, naive_grads = grads_of(naive, x, weight, bias if use_bias else None, grad_output=grad_output)
     assert relative_error(loss, ref_loss) <= 1.1 * relative_error(naive_loss, ref_loss) + 1e-4
