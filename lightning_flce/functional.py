@@ -84,7 +84,8 @@ def fused_linear_cross_entropy(
             ``torch.float64`` is accepted too. (d bias is always accumulated in fp32.)
         chunk_size: tokens per chunk; None picks it from a memory budget: a quarter of dX + dW, and on
             the GPU at least 4096 tokens while their logits fit in dX + dW (fewer chunks: each one reads
-            and writes the whole dW accumulator). Smaller chunks save memory at some speed.
+            and writes the whole dW accumulator), then evens the chunks out over the non-ignored tokens.
+            Smaller chunks save memory at some speed.
         impl: ``"triton"`` (CUDA; the CPU only under ``TRITON_INTERPRET=1``), ``"torch"``, or
             ``"auto"`` (Triton on CUDA, PyTorch elsewhere).
 
