@@ -18,10 +18,8 @@ CPU, NCCL on GPUs).
 
 Like the single-device op, "mean"/"sum" compute the gradients in forward (backward multiplies them by
 ``grad_output``), and "none" recomputes the chunks in backward with the per-token ``grad_output`` (its
-collectives then run in backward too, on every rank in the same order). With fp16 GEMMs the logit
-gradients get the single-device op's power-of-two scale, but the gradients computed in forward are
-returned unscaled, so under a GradScaler an fp16 weight shard's dW can lose small entries the unfused loss
-keeps (fp32 master weights, as in ``precision="16-mixed"``, or bf16 avoid it).
+collectives then run in backward too, on every rank in the same order). fp16 gradients get the
+single-device op's powers of two (see ``lightning_flce.op``), so a GradScaler works as with the unfused loss.
 
 Shard layout and consistency are checked with one small integer all-reduce per call (one host sync):
 every rank learns every shard's ``(start, size)``, and a mismatch between ranks (different hidden states
@@ -599,7 +597,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
             ce_scale, z_scale = _loss_scales(
                 target, reduction, LossOptions(ignore_index=plan.ignore_index), x.device
             )
-            loss, lse, correct, entropy, gx, gw, gb = _chunk_loop(
+            loss, lse, correct, entropy, gx, gw, gb, scales = _chunk_loop(
                 x,
                 weight,
                 target,
@@ -611,10 +609,12 @@ class _VocabParallelFLCE(torch.autograd.Function):
                 need_grad_weight=need_gw and grads_now,
                 need_grad_bias=need_gb and grads_now,
                 compute_stats=compute_stats,
+                keep_scaled=True,
             )
         if reduction != "none":
             loss = loss.sum()
         ctx.plan, ctx.reduction, ctx.needs = plan, reduction, needs
+        ctx.stored_scales = scales[1:]  # the powers of two fp16 dX, dW, d bias carry (1 otherwise)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse, correct, entropy)
         if reduction == "none":
@@ -633,7 +633,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
             x, weight, target, bias = ctx.saved_tensors
             scale = grad_loss.reshape(-1).float()
             with torch.autocast(x.device.type, enabled=False):
-                *_, gx, gw, gb = _chunk_loop(
+                *_, gx, gw, gb, _ = _chunk_loop(
                     x,
                     weight,
                     target,
@@ -648,9 +648,9 @@ class _VocabParallelFLCE(torch.autograd.Function):
                 )
         else:
             gx, gw, gb = ctx.saved_tensors
-            for grad in (gx, gw, gb):
+            for grad, stored_scale in zip((gx, gw, gb), ctx.stored_scales):
                 if grad is not None:
-                    scale_(grad, grad_loss)
+                    scale_(grad, grad_loss if stored_scale == 1.0 else grad_loss / stored_scale)
         grads[0] = gx if need_gx else None
         grads[1] = gw if need_gw else None
         grads[3] = gb if need_gb else None
@@ -670,10 +670,11 @@ def _chunk_loop(
     need_grad_weight: bool,
     need_grad_bias: bool,
     compute_stats: bool,
+    keep_scaled: bool = False,
 ) -> Tuple[Optional[Tensor], ...]:
     """The op's chunk loop (:func:`lightning_flce.op.run_chunks`) on a shard: per-token loss/LSE/stats [N]
-    (replicated) and the gradients (dX all-reduced over the group; dW, db local rows); None for gradients
-    not asked for."""
+    (replicated), the gradients (dX all-reduced over the group; dW, db local rows; None for gradients not
+    asked for) and their :class:`~lightning_flce.op.GradScales` (``keep_scaled`` as in ``run_chunks``)."""
     target = target.reshape(-1)
 
     def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
@@ -692,7 +693,7 @@ def _chunk_loop(
     # Each rank's partial dX is summed over the group: in fp32 at least, so fp16/bf16 partials are not
     # rounded before the sum.
     reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    *per_token, grad_input, grad_weight, grad_bias, _ = run_chunks(
+    *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
         x,
         weight,
         target,
@@ -711,11 +712,16 @@ def _chunk_loop(
         compute_stats=compute_stats,
         accum=plan.accum,
         grad_input_dtype=reduce_dtype,
+        keep_scaled=keep_scaled,
     )
     if grad_input is not None:
         dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
+        if keep_scaled and x.dtype == torch.float16 and scales.logits != 1.0:
+            # fp16 dX carries a power of two into backward, as the single-device op's does (same bound).
+            scales = scales._replace(grad_input=scales.logits / 64)
+            grad_input.mul_(scales.grad_input)
         grad_input = grad_input.to(x.dtype).view(x.shape)
-    return (*per_token, grad_input, grad_weight, grad_bias)
+    return (*per_token, grad_input, grad_weight, grad_bias, scales)
 
 
 def _shard_chunk(

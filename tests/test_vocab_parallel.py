@@ -92,6 +92,17 @@ def cases(world: int) -> dict[str, dict]:
                 "reduction": reduction,
                 "layout": "explicit",
             }
+    # fp16 under a GradScaler-style loss scale, at a size where p / N underflows fp16 (see test_fp16_grads.py)
+    out["fp16_grad_scaler-bias-mean"] = {
+        "kind": "fp16",
+        "feature": "bias",
+        "reduction": "mean",
+        "dtype": torch.float16,
+        "lead_shape": (16384,),
+        "vocab": 4096,
+        "grad_output": 2.0**16,
+        "chunk_size": None,
+    }
     out["stats-smoothing"] = {"kind": "stats", "feature": "smoothing", "reduction": "mean"}
     out["stats-ties"] = {"kind": "ties"}
     out["module"] = {"kind": "module", "feature": "bias", "reduction": "mean"}
@@ -111,7 +122,7 @@ def make_problem(spec: dict, world: int):
     gen = torch.Generator().manual_seed(zlib.crc32(spec.get("feature", "plain").encode()))
     dtype = spec.get("dtype", torch.float32)
     shape = spec.get("lead_shape", (37,))
-    vocab = VOCAB[world]
+    vocab = spec.get("vocab", VOCAB[world])
     x = torch.randn(*shape, HIDDEN, generator=gen).to(dtype)
     weight = (torch.randn(vocab, HIDDEN, generator=gen) / HIDDEN**0.5 * 2).to(dtype)
     target = torch.randint(0, vocab, shape, generator=gen)
@@ -124,7 +135,9 @@ def make_problem(spec: dict, world: int):
     n_tokens = target.numel()
     reduction = spec.get("reduction", "mean")
     grad_output = {"mean": torch.tensor(1.0), "sum": torch.tensor(0.75)}.get(reduction)
-    if grad_output is None:
+    if "grad_output" in spec:
+        grad_output = torch.tensor(spec["grad_output"])
+    elif grad_output is None:
         grad_output = torch.randn(n_tokens, generator=gen)
     return x, weight, target, bias, grad_output
 
@@ -139,7 +152,7 @@ def op_kwargs(spec: dict) -> dict:
 def shard_rows(spec: dict, world: int, rank: int) -> tuple[int, int]:
     if spec.get("layout") == "explicit":
         return EXPLICIT[rank]
-    return vocab_shard_range(VOCAB[world], world, rank)
+    return vocab_shard_range(spec.get("vocab", VOCAB[world]), world, rank)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +177,7 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
     chunk_size = spec.get("chunk_size", 8)
     result = {"rows": (start, end)}
 
-    if kind == "loss":
+    if kind in ("loss", "fp16"):
         vocab_start = start if spec.get("layout") == "explicit" else None
         loss = vocab_parallel_fused_linear_cross_entropy(
             x, w_shard, target, b_shard, vocab_start=vocab_start, chunk_size=chunk_size, **op_kwargs(spec)
@@ -449,6 +462,8 @@ def test_vocab_parallel(results, world, name):
         _check_loss_and_grads({"feature": "plain", "reduction": "sum"}, world, ranks)
     elif kind == "autocast":
         _check_autocast(spec, world, ranks)
+    elif kind == "fp16":
+        _check_fp16(spec, world, ranks)
     elif kind == "error":
         expected = {
             "target": ("ValueError", "outside [0, "),
@@ -461,6 +476,39 @@ def test_vocab_parallel(results, world, name):
             assert r["error"] is not None, f"rank {rank} did not raise"
             kind_name, message = expected
             assert r["error"].startswith(kind_name) and message in r["error"], r["error"]
+
+
+def _check_fp16(spec, world, ranks):
+    """fp16 with a 2^16 loss scale: dW and d bias no worse than the single-device op's, which matches the
+    unfused fp16 loss (test_fp16_grads.py); dX within 1.3x (each rank's partial product is rounded to fp16
+    before the fp32 sum). Returning fp16 dX / dW unscaled from forward measured 1.50x (dX) and 1.027x (dW
+    rows no token targets) here; with the op's powers of two 1.15x and 1.000x."""
+    x, weight, target, bias, grad_output = make_problem(spec, world)
+    kwargs = op_kwargs(spec)
+    args = (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_())
+    _, ref_grads = grads_of(
+        lambda x_, w_, b_: reference_loss(x_, w_, target, b_, **kwargs),
+        *(t.double() for t in args),
+        grad_output=grad_output.double(),
+    )
+    _, single_grads = grads_of(
+        lambda x_, w_, b_: fused_linear_cross_entropy(x_, w_, target, b_, **kwargs),
+        *args,
+        grad_output=grad_output,
+    )
+    vocab = spec["vocab"]
+    dw = _full_from_shards([(r["rows"], r["dw"]) for r in ranks], vocab)
+    db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], vocab)
+    for name, got, single, ref in zip(("dX", "dW", "db"), (ranks[0]["dx"], dw, db), single_grads, ref_grads):
+        assert got.dtype == torch.float16
+        err, single_err = relative_error(got, ref), relative_error(single, ref)
+        assert err <= (1.3 if name == "dX" else 1.1) * single_err + 1e-7, (name, err, single_err)
+    # The rows no token targets hold only the small softmax terms (~p / N): where fp16 loses them first.
+    untargeted = torch.ones(vocab, dtype=torch.bool)
+    untargeted[target[target >= 0]] = False
+    err = relative_error(dw[untargeted], ref_grads[1][untargeted])
+    single_err = relative_error(single_grads[1][untargeted], ref_grads[1][untargeted])
+    assert err <= 1.01 * single_err + 1e-7, ("dW rows without targets", err, single_err)
 
 
 def _check_autocast(spec, world, ranks):
