@@ -9,10 +9,13 @@
 #
 # Knobs (env): OUT (default ./bench_out), GPU_CHECK_TOTAL_S (540), TEST_TIMEOUT_S (180),
 # ACCUM_TIMEOUT_S (90), SKIP_TESTS, SKIP_ACCUM, SKIP_FLCE (set to 1 to skip a step), PYTEST_ARGS and
-# ACCUM_ARGS (extra arguments). Local plumbing check without a GPU:
-#   SKIP_TESTS=1 ACCUM_ARGS="--device cpu --quick" bash benchmarks/gpu_check.sh --device cpu --quick
-# Files written under $OUT (7, within the device tool's limit of 8): env.txt, cuda_tests.log, bench.log,
-# accumulation.{json,md}, flce.{json,md} (flce<TAG>.* with --tag).
+# ACCUM_ARGS (extra arguments); RUN_TUNE=1 / RUN_PROFILE=1 add tune_ce_kernel.py / profile_flce.py after the
+# tests (TUNE_ARGS, PROFILE_ARGS; 60 s and 90 s at most). Local plumbing check without a GPU:
+#   TRITON_INTERPRET=1 SKIP_TESTS=1 ACCUM_ARGS="--device cpu --quick" RUN_TUNE=1 TUNE_ARGS="--device cpu" \
+#     RUN_PROFILE=1 PROFILE_ARGS="--device cpu" bash benchmarks/gpu_check.sh --device cpu --quick
+# Files written under $OUT: env.txt, cuda_tests.log, bench.log, accumulation.{json,md}, flce.{json,md}
+# (flce<TAG>.* with --tag), ce_kernel.{json,md}, profile.{json,md}. The device tool returns at most 8 files:
+# with more, everything is packed into gpu_check.tar.gz and only the .md tables stay beside it.
 NAME=gpu_check
 TOTAL=${GPU_CHECK_TOTAL_S:-540}
 # shellcheck source=benchmarks/_gpu_env.sh
@@ -59,6 +62,22 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
     esac
 fi
 
+# --- 3b. optional: CE kernel launch sweep and per-stage profile ---------------------------------------------
+if [ "${RUN_TUNE:-0}" = "1" ]; then
+    t=$(( $(left) - 60 < 60 ? $(left) - 60 : 60 ))
+    [ "$t" -lt 10 ] && t=10
+    step "tune_ce_kernel (timeout ${t}s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$t" "$PY" benchmarks/tune_ce_kernel.py ${TUNE_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | tail -n 16
+fi
+if [ "${RUN_PROFILE:-0}" = "1" ]; then
+    t=$(( $(left) - 60 < 90 ? $(left) - 60 : 90 ))
+    [ "$t" -lt 10 ] && t=10
+    step "profile_flce (timeout ${t}s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$t" "$PY" benchmarks/profile_flce.py ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" | tail -n 12
+fi
+
 # --- 4. accumulation benchmark ------------------------------------------------------------------------------
 ACCUM_STATUS="skipped"
 if [ "${SKIP_ACCUM:-0}" != "1" ]; then
@@ -99,4 +118,9 @@ for f in "$OUT"/flce*.md; do
 done
 echo "cuda tests: $TEST_STATUS; $(tail -n 1 "$OUT/cuda_tests.log" 2>/dev/null)"
 echo "bench_accumulation: $ACCUM_STATUS; bench_flce: $FLCE_STATUS; total $((SECONDS - START))s; files in $OUT:"
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+    # The device tool returns at most 8 files: pack them all, keep the markdown tables readable beside.
+    (cd "$OUT" && tar czf gpu_check.tar.gz --exclude=gpu_check.tar.gz ./* && find . -maxdepth 1 -type f \
+        ! -name gpu_check.tar.gz ! -name '*.md' -delete)
+fi
 ls "$OUT"
