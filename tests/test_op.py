@@ -448,10 +448,12 @@ def test_lightning_measure_flops_counts_the_head(device):
         assert measure_flops(head, forward) == 2 * n_rows * hidden * vocab
 
 
-def test_torch_compile_fullgraph_matches_eager():
-    """The op is one opaque node: a compiled model around it has no graph break."""
-    x, weight, target, bias, _ = make_problem(32, 16, 64, seed=9)
-    proj = torch.nn.Linear(16, 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_torch_compile_fullgraph_matches_eager(dtype):
+    """The op is one opaque node: a compiled model around it has no graph break (fp16: the forward's
+    extra output, the inverse gradient scales, has the shape the fake implementation promises)."""
+    x, weight, target, bias, _ = make_problem(32, 16, 64, seed=9, dtype=dtype)
+    proj = torch.nn.Linear(16, 16, dtype=dtype)
 
     def model(inp, w, b):
         return fused_linear_cross_entropy(torch.relu(proj(inp)), w, target, b, label_smoothing=0.1)
@@ -534,3 +536,20 @@ def test_chunk_buffer_released_before_the_dw_cast(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", spy_to)
     fused_linear_cross_entropy(x, weight, target, chunk_size=128)
     assert len(buffers) == 1 and alive_at_cast == [[False]], (len(buffers), alive_at_cast)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (False, False, False)])
+def test_custom_ops_fake_implementations_match(dtype, reduction, needs):
+    """torch.library.opcheck: schema, and every output's metadata from the fake implementation (what
+    torch.compile traces with) equals the real one's, e.g. fp16's extra inverse-scales output."""
+    x, weight, target, bias, _ = make_problem(32, 16, 64, seed=10, dtype=dtype)
+    ops = torch.ops.lightning_flce
+    forward_args = (x, weight, target, bias, None, -100, reduction, 0.1, 1e-3, 0.0, dtype, "auto", 0, "torch")
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(ops.flce_forward.default, (*forward_args, *needs, True), test_utils=checks)
+    if reduction == "none":
+        grad_loss = torch.randn(32)
+        backward_args = (grad_loss, *forward_args[:6], *forward_args[7:], *needs)
+        torch.library.opcheck(ops.flce_backward.default, backward_args, test_utils=checks)
