@@ -25,7 +25,7 @@ and has FLOP formulas for ``torch.utils.flop_counter`` (Lightning's ``measure_fl
 from __future__ import annotations
 
 import math
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -90,19 +90,23 @@ def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, use_
     return int(min(rows, max(n_rows, 1)))
 
 
-def _check_targets(target: Tensor, valid: Tensor, vocab: int, ignore_index: int) -> int:
-    """Raise on targets outside [0, V) other than ignore_index; return the number of valid rows.
+def _check_targets(
+    target: Tensor, valid: Tensor, vocab: int, ignore_index: int, extra: Sequence[Tensor] = ()
+) -> Tuple[int, List[float]]:
+    """Raise on targets outside [0, V) other than ignore_index; return the number of valid rows and the
+    values of the 0-d tensors ``extra``.
 
-    One host sync for both answers.
+    One host sync for all of them.
     """
     out_of_range = valid & ((target < 0) | (target >= vocab))
-    n_bad, n_valid = torch.stack([out_of_range.sum(), valid.sum()]).tolist()
+    values = torch.stack([out_of_range.sum().double(), valid.sum().double(), *(v.double() for v in extra)])
+    n_bad, n_valid, *extra_values = values.tolist()
     if n_bad:
         bad = target[out_of_range][:5].tolist()
         raise ValueError(
-            f"{n_bad} target(s) outside [0, {vocab}) and not ignore_index={ignore_index}, e.g. {bad}"
+            f"{int(n_bad)} target(s) outside [0, {vocab}) and not ignore_index={ignore_index}, e.g. {bad}"
         )
-    return int(n_valid)
+    return int(n_valid), extra_values
 
 
 def _chunk_loop(
@@ -132,7 +136,11 @@ def _chunk_loop(
     """
     target = target.reshape(-1)
     valid = target != options.ignore_index
-    n_valid = _check_targets(target, valid, weight.shape[0], options.ignore_index)
+    fp16_stats = []
+    if compute_dtype == torch.float16 and (need_grad_input or need_grad_weight or need_grad_bias):
+        scale_weight = keep_scaled and weight.dtype == torch.float16
+        fp16_stats = _fp16_bound_stats(x.reshape(-1, x.shape[-1]), options, ce_scale, z_scale, scale_weight)
+    n_valid, fp16_bounds = _check_targets(target, valid, weight.shape[0], options.ignore_index, fp16_stats)
     use_triton = impl == "triton"
     chunk_size = _resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, n_valid)
 
@@ -168,6 +176,7 @@ def _chunk_loop(
         accum=accum,
         grad_input_dtype=x.dtype,
         keep_scaled=keep_scaled,
+        fp16_bounds=fp16_bounds if fp16_stats else None,
     )
     if grad_input is not None:
         grad_input = grad_input.view(x.shape)
@@ -209,37 +218,42 @@ def _pow2_at_most(value: float) -> float:
     return 2.0 ** max(-60, min(60, math.floor(math.log2(value))))
 
 
+def _fp16_bound_stats(
+    x2: Tensor, options: LossOptions, ce_scale: Tensor, z_scale: Tensor, scale_weight: bool
+) -> List[Tensor]:
+    """The device-side inputs of :func:`_fp16_grad_scales` (0-d fp32): the largest per-token bound ``b``,
+    the sum of the per-token bounds (for a shared scale: ``b`` once), and max|x| when dW is stored scaled.
+
+    Per token, every logit-gradient element is at most ``b = |ce_scale| w_max + |z_scale| 2 lam L`` and a
+    row's elements sum to at most ``2 b`` (softmax minus one-hot).
+    """
+    w_max = options.class_weight.abs().max() if options.class_weight is not None else 1.0
+    z_bound = 2.0 * options.lse_square_scale * _Z_LOSS_LSE_BOUND
+    token_bound = (ce_scale.abs() * w_max + z_scale.abs() * z_bound).float()
+    stats = [token_bound.max(), token_bound.sum()]
+    if scale_weight:
+        stats.append(x2.abs().amax().float() if x2.numel() else torch.zeros((), device=x2.device))
+    return stats
+
+
 def _fp16_grad_scales(
-    x2: Tensor,
-    options: LossOptions,
-    ce_scale: Tensor,
-    z_scale: Tensor,
+    bounds: Sequence[float],
     n_valid: int,
+    per_row_scale: bool,
     *,
     keep_scaled: bool,
     grad_input_dtype: torch.dtype,
     weight_dtype: torch.dtype,
     bias_dtype: Optional[torch.dtype],
 ) -> GradScales:
-    """:class:`GradScales` for fp16 GEMMs, from bounds on the gradient (one host sync).
-
-    Per token, every logit-gradient element is at most ``b = |ce_scale| w_max + |z_scale| 2 lam L`` and
-    a row's elements sum to at most ``2 b`` (softmax minus one-hot). So the stored dX row is at most
-    ``2 b max|W|``, a dW row at most ``sum(b) max|x|``, and d bias at most ``sum(b)``.
-    """
-    w_max = options.class_weight.abs().max() if options.class_weight is not None else 1.0
-    token_bound = ce_scale.abs() * w_max + z_scale.abs() * (
-        2.0 * options.lse_square_scale * _Z_LOSS_LSE_BOUND
-    )
-    n_terms = 1 if token_bound.numel() > 1 else max(n_valid, 1)
-    stats = [token_bound.max(), token_bound.sum() * n_terms]
-    scale_weight = keep_scaled and weight_dtype == torch.float16
-    if scale_weight:
-        stats.append(x2.abs().amax().float() if x2.numel() else torch.zeros((), device=x2.device))
-    bound, total, *x_max = torch.stack([v.float().reshape(()) for v in stats]).tolist()
+    """:class:`GradScales` for fp16 GEMMs from :func:`_fp16_bound_stats`' values: the stored dX row is at
+    most ``2 b max|W|``, a dW row at most ``sum(b) max|x|``, and d bias at most ``sum(b)``."""
+    bound, bound_sum, *x_max = bounds
+    total = bound_sum if per_row_scale else bound_sum * max(n_valid, 1)
     logits_scale = _pow2_at_most(_FP16_LOGIT_GRAD_MAX / bound) if bound > 0 else 1.0
     # dX: 2 b max|W| * (logits_scale / 64) = 32 max|W| at most (fp16 weights never come near 2000).
     stored_input = logits_scale / 64 if keep_scaled and grad_input_dtype == torch.float16 else 1.0
+    scale_weight = keep_scaled and weight_dtype == torch.float16
     stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / (total * x_max[0])) if scale_weight else 1.0
     stored_bias = (
         _pow2_at_most(_FP16_STORED_GRAD_MAX / total) if keep_scaled and bias_dtype == torch.float16 else 1.0
@@ -268,6 +282,7 @@ def run_chunks(
     accum: str,
     grad_input_dtype: torch.dtype,
     keep_scaled: bool = False,
+    fp16_bounds: Optional[Sequence[float]] = None,
 ) -> Tuple[Optional[Tensor], ...]:
     """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
 
@@ -281,7 +296,8 @@ def run_chunks(
     "fp32", "fp64", "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
     With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
     fp16 gradients pre-multiplied by the scales in :class:`GradScales` (for a backward that multiplies
-    them by grad_output anyway), otherwise every gradient is returned unscaled.
+    them by grad_output anyway), otherwise every gradient is returned unscaled. ``fp16_bounds``: the
+    values of :func:`_fp16_bound_stats`, when the caller has read them already.
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -301,12 +317,15 @@ def run_chunks(
     compute_grad = need_grad_input or need_grad_weight or need_grad_bias
     scales = GradScales()
     if compute_grad and compute_dtype == torch.float16:
+        if fp16_bounds is None:  # one host sync (the op passes them in, read with its target check)
+            scale_weight = keep_scaled and weight.dtype == torch.float16
+            fp16_bounds = torch.stack(
+                _fp16_bound_stats(x2, options, ce_scale, z_scale, scale_weight)
+            ).tolist()
         scales = _fp16_grad_scales(
-            x2,
-            options,
-            ce_scale,
-            z_scale,
+            fp16_bounds,
             n_valid,
+            per_row_scale,
             keep_scaled=keep_scaled,
             grad_input_dtype=grad_input_dtype,
             weight_dtype=weight.dtype,

@@ -138,3 +138,22 @@ def test_large_hidden_states_do_not_overflow_the_stored_gradients(reduction):
     for g, b, w in zip(got, base, want):
         assert torch.isfinite(g).all()
         assert relative_error(g, w) <= NO_WORSE * relative_error(b, w) + 1e-7
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_one_host_read_in_forward(monkeypatch, dtype):
+    """fp16's gradient bounds are read with the target check, in the forward's one host sync (on CUDA a
+    sync stalls the CPU until the GPU catches up; tests/test_op_cuda.py counts real syncs)."""
+    x, weight, target, bias, _ = make_problem(256, 16, 300, seed=8)
+    x, weight, bias = (t.to(dtype).requires_grad_() for t in (x, weight, bias))
+    reads = []
+    for name in ("tolist", "item"):
+        real = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            reads.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    fused_linear_cross_entropy(x, weight, target, bias, lse_square_scale=1e-3, chunk_size=64)
+    assert reads == ["tolist"]

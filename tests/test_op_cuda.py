@@ -176,9 +176,11 @@ def test_op_never_materializes_vh_product(dtype):
     assert recorder.allocating_matmuls((vocab, hidden)) == []
 
 
-def test_one_host_sync_in_forward_none_in_backward():
-    """Forward syncs once (target validation + row count); the mean normalizer and the backward stay on device."""
-    x, weight, target = make_problem(4096, 256, 8000, torch.bfloat16, seed=6)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_one_host_sync_in_forward_none_in_backward(dtype):
+    """Forward syncs once (target validation + row count, and fp16's gradient bounds); the mean normalizer
+    and the backward stay on device."""
+    x, weight, target = make_problem(4096, 256, 8000, dtype, seed=6)
     x.requires_grad_()
     weight.requires_grad_()
     fused_linear_cross_entropy(x, weight, target).backward()  # warm-up: compile kernels
