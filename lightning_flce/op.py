@@ -138,8 +138,14 @@ def _chunk_loop(
     valid = target != options.ignore_index
     fp16_stats = []
     if compute_dtype == torch.float16 and (need_grad_input or need_grad_weight or need_grad_bias):
-        scale_weight = keep_scaled and weight.dtype == torch.float16
-        fp16_stats = _fp16_bound_stats(x.reshape(-1, x.shape[-1]), options, ce_scale, z_scale, scale_weight)
+        fp16_stats = _fp16_bound_stats(
+            x.reshape(-1, x.shape[-1]),
+            options,
+            ce_scale,
+            z_scale,
+            keep_scaled=keep_scaled,
+            weight_dtype=weight.dtype,
+        )
     n_valid, fp16_bounds = _check_targets(target, valid, weight.shape[0], options.ignore_index, fp16_stats)
     use_triton = impl == "triton"
     chunk_size = _resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, n_valid)
@@ -219,10 +225,17 @@ def _pow2_at_most(value: float) -> float:
 
 
 def _fp16_bound_stats(
-    x2: Tensor, options: LossOptions, ce_scale: Tensor, z_scale: Tensor, scale_weight: bool
+    x2: Tensor,
+    options: LossOptions,
+    ce_scale: Tensor,
+    z_scale: Tensor,
+    *,
+    keep_scaled: bool,
+    weight_dtype: torch.dtype,
 ) -> List[Tensor]:
     """The device-side inputs of :func:`_fp16_grad_scales` (0-d fp32): the largest per-token bound ``b``,
-    the sum of the per-token bounds (for a shared scale: ``b`` once), and max|x| when dW is stored scaled.
+    the sum of the per-token bounds (for a shared scale: ``b`` once), and max|x| when dW is stored scaled
+    (``keep_scaled`` with an fp16 weight).
 
     Per token, every logit-gradient element is at most ``b = |ce_scale| w_max + |z_scale| 2 lam L`` and a
     row's elements sum to at most ``2 b`` (softmax minus one-hot).
@@ -231,7 +244,7 @@ def _fp16_bound_stats(
     z_bound = 2.0 * options.lse_square_scale * _Z_LOSS_LSE_BOUND
     token_bound = (ce_scale.abs() * w_max + z_scale.abs() * z_bound).float()
     stats = [token_bound.max(), token_bound.sum()]
-    if scale_weight:
+    if keep_scaled and weight_dtype == torch.float16:
         stats.append(x2.abs().amax().float() if x2.numel() else torch.zeros((), device=x2.device))
     return stats
 
@@ -242,19 +255,18 @@ def _fp16_grad_scales(
     per_row_scale: bool,
     *,
     keep_scaled: bool,
-    grad_input_dtype: torch.dtype,
-    weight_dtype: torch.dtype,
+    input_dtype: torch.dtype,
     bias_dtype: Optional[torch.dtype],
 ) -> GradScales:
     """:class:`GradScales` for fp16 GEMMs from :func:`_fp16_bound_stats`' values: the stored dX row is at
-    most ``2 b max|W|``, a dW row at most ``sum(b) max|x|``, and d bias at most ``sum(b)``."""
+    most ``2 b max|W|``, a dW row at most ``sum(b) max|x|`` (max|x| is there when dW is stored scaled),
+    and d bias at most ``sum(b)``. ``input_dtype`` is the dtype dX is returned in."""
     bound, bound_sum, *x_max = bounds
     total = bound_sum if per_row_scale else bound_sum * max(n_valid, 1)
     logits_scale = _pow2_at_most(_FP16_LOGIT_GRAD_MAX / bound) if bound > 0 else 1.0
     # dX: 2 b max|W| * (logits_scale / 64) = 32 max|W| at most (fp16 weights never come near 2000).
-    stored_input = logits_scale / 64 if keep_scaled and grad_input_dtype == torch.float16 else 1.0
-    scale_weight = keep_scaled and weight_dtype == torch.float16
-    stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / (total * x_max[0])) if scale_weight else 1.0
+    stored_input = logits_scale / 64 if keep_scaled and input_dtype == torch.float16 else 1.0
+    stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / (total * x_max[0])) if x_max else 1.0
     stored_bias = (
         _pow2_at_most(_FP16_STORED_GRAD_MAX / total) if keep_scaled and bias_dtype == torch.float16 else 1.0
     )
@@ -295,7 +307,8 @@ def run_chunks(
     :class:`GradScales`. ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token). ``accum`` is
     "fp32", "fp64", "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
     With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
-    fp16 gradients pre-multiplied by the scales in :class:`GradScales` (for a backward that multiplies
+    the gradients whose final dtype is fp16 (dX's is x's, even when ``grad_input_dtype`` is wider for a
+    later reduction) pre-multiplied by the scales in :class:`GradScales` (for a backward that multiplies
     them by grad_output anyway), otherwise every gradient is returned unscaled. ``fp16_bounds``: the
     values of :func:`_fp16_bound_stats`, when the caller has read them already.
     """
@@ -318,17 +331,16 @@ def run_chunks(
     scales = GradScales()
     if compute_grad and compute_dtype == torch.float16:
         if fp16_bounds is None:  # one host sync (the op passes them in, read with its target check)
-            scale_weight = keep_scaled and weight.dtype == torch.float16
-            fp16_bounds = torch.stack(
-                _fp16_bound_stats(x2, options, ce_scale, z_scale, scale_weight)
-            ).tolist()
+            stats = _fp16_bound_stats(
+                x2, options, ce_scale, z_scale, keep_scaled=keep_scaled, weight_dtype=weight.dtype
+            )
+            fp16_bounds = torch.stack(stats).tolist()
         scales = _fp16_grad_scales(
             fp16_bounds,
             n_valid,
             per_row_scale,
             keep_scaled=keep_scaled,
-            grad_input_dtype=grad_input_dtype,
-            weight_dtype=weight.dtype,
+            input_dtype=x.dtype,
             bias_dtype=bias.dtype if bias is not None else None,
         )
     if scales.logits != 1.0:

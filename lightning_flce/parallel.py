@@ -716,10 +716,6 @@ def _chunk_loop(
     )
     if grad_input is not None:
         dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
-        if keep_scaled and x.dtype == torch.float16 and scales.logits != 1.0:
-            # fp16 dX carries a power of two into backward, as the single-device op's does (same bound).
-            scales = scales._replace(grad_input=scales.logits / 64)
-            grad_input.mul_(scales.grad_input)
         grad_input = grad_input.to(x.dtype).view(x.shape)
     return (*per_token, grad_input, grad_weight, grad_bias, scales)
 
