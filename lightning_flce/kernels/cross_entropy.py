@@ -30,11 +30,11 @@ from triton.language.extra import libdevice
 from lightning_flce._compat import TRITON_INTERPRET
 from lightning_flce.kernels import ChunkOutputs, LossOptions
 
-# Elements of a row handled per loop iteration; one warp per 256 of them (8 per thread). An H200 sweep
-# (benchmarks/tune_ce_kernel.py, results/*_run14_*) found 16384 per iteration at 32 per thread (16 warps)
-# 13-23% faster at the benchmark chunk shapes; not the default until the CUDA tests ran with it.
-_MAX_BLOCK_V = 8192
-_ELEMENTS_PER_WARP = 256
+# Elements of a row handled per loop iteration, 32 per thread (one warp per 1024): more loads in flight per
+# thread. H200 sweep (benchmarks/tune_ce_kernel.py, results/*_run14_*): 13-23% less kernel time than 8192
+# on 32 warps at the benchmark chunk shapes (67-74% of the read+write floor vs 56-58%).
+_MAX_BLOCK_V = 16384
+_ELEMENTS_PER_WARP = 1024
 
 
 class LaunchConfig(NamedTuple):
