@@ -33,7 +33,7 @@ PyTorch; the GEMMs dominate). Not tested: ``torch.compile`` of a graph containin
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from lightning_flce.kernels import ChunkOutputs, LossOptions
 from lightning_flce.kernels.scale import scale_
 from lightning_flce.op import (
     _CHUNK_ALIGN,
+    _FLOOR_LIMITED_ALIGN,
     _loss_scales,
     balanced_chunk_rows,
     default_chunk_size,
@@ -583,8 +584,12 @@ def _layout(
     n_valid = rows[0][_C_VALID]
     if chunk_size is None:
         # The same on every rank: chunk boundaries must line up for the per-chunk collectives.
-        max_rows = default_chunk_size(n_tokens, max(sizes), weight.shape[1], itemsize, use_triton=False)
-        chunk_size = balanced_chunk_rows(n_valid, max_rows, _CHUNK_ALIGN)
+        # On a GPU the GEMM-side rule (>= 4096 rows while the logits fit in dX + dW): each chunk reads and
+        # writes the whole dW accumulator, and the CPU rule's 128 MiB of fp32 temporaries meant ~128-row
+        # chunks at 64K local columns. The softmax's fp32 temporaries are bounded by row slices instead.
+        on_gpu = input.device.type == "cuda"
+        max_rows = default_chunk_size(n_tokens, max(sizes), weight.shape[1], itemsize, use_triton=on_gpu)
+        chunk_size = balanced_chunk_rows(n_valid, max_rows, _FLOOR_LIMITED_ALIGN if on_gpu else _CHUNK_ALIGN)
     return start, vocab, n_valid, int(chunk_size)
 
 
@@ -720,6 +725,16 @@ def _chunk_loop(
     return (*per_token, grad_input, grad_weight, grad_bias, scales)
 
 
+# fp32 temporaries of the PyTorch softmax over a chunk (about four [rows, V_local] fp32 tensors at once)
+# stay within this, in row slices, whatever the chunk's row count.
+_SOFTMAX_TEMPORARY_BYTES = 256 * 2**20
+
+
+def _row_slices(n_rows: int, local_vocab: int) -> List[slice]:
+    rows = max(1, _SOFTMAX_TEMPORARY_BYTES // (16 * max(local_vocab, 1)))
+    return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
+
+
 def _shard_chunk(
     logits: Tensor,
     target: Tensor,
@@ -742,28 +757,40 @@ def _shard_chunk(
     eps = plan.label_smoothing
     cap = plan.softcap
     lam = plan.lse_square_scale
+    slices = _row_slices(n_rows, local_vocab)
 
-    z = logits.float()
-    if cap > 0.0:
-        z = torch.tanh(z / cap).mul_(cap)
-    row_max = z.amax(dim=1)
+    def capped(rows: slice) -> Tensor:
+        z = logits[rows].float()
+        return torch.tanh(z / cap).mul_(cap) if cap > 0.0 else z
+
+    row_max = (
+        torch.cat([capped(rows).amax(dim=1) for rows in slices]) if n_rows else logits.new_empty(0).float()
+    )
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
 
     local_target = target - plan.vocab_start
     owned = (local_target >= 0) & (local_target < local_vocab)
     safe_target = torch.where(owned, local_target, 0).unsqueeze(1)
-    exp_shifted = (z - row_max.unsqueeze(1)).exp_()
-    sums = [exp_shifted.sum(dim=1), torch.where(owned, z.gather(1, safe_target).squeeze(1), 0.0)]
-    if eps > 0.0:
-        sums.append(z.sum(dim=1))
+    n_sums = 2 + int(eps > 0.0) + int(compute_stats)
+    summed = torch.zeros(n_sums, n_rows, dtype=torch.float32, device=logits.device)
+    first = torch.full((n_rows,), vocab, dtype=torch.int64, device=logits.device)
+    for rows in slices:
+        z = capped(rows)
+        exp_shifted = (z - row_max[rows].unsqueeze(1)).exp_()
+        summed[0, rows] = exp_shifted.sum(dim=1)
+        summed[1, rows] = torch.where(owned[rows], z.gather(1, safe_target[rows]).squeeze(1), 0.0)
+        if eps > 0.0:
+            summed[2, rows] = z.sum(dim=1)
+        if compute_stats:
+            summed[-1, rows] = (exp_shifted * z).sum(dim=1)
+            # first global index of the row maximum on this shard (V where the maximum is elsewhere)
+            at_max = z == row_max[rows].unsqueeze(1)
+            first[rows] = torch.where(
+                at_max.any(dim=1), at_max.to(torch.int8).argmax(dim=1) + plan.vocab_start, vocab
+            )
     if compute_stats:
-        sums.append((exp_shifted * z).sum(dim=1))
-        # first global index of the row maximum on this shard (V where the maximum is elsewhere)
-        at_max = z == row_max.unsqueeze(1)
-        first = torch.where(at_max.any(dim=1), at_max.to(torch.int8).argmax(dim=1) + plan.vocab_start, vocab)
-        neg_first = (-first).to(torch.int64)
+        neg_first = -first
         dist.all_reduce(neg_first, op=dist.ReduceOp.MAX, group=group)
-    summed = torch.stack(sums)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
     sum_exp, z_target = summed[0], summed[1]
     lse = row_max + sum_exp.log()
@@ -781,16 +808,17 @@ def _shard_chunk(
         entropy = lse - summed[-1] / sum_exp
 
     if compute_grad:
-        softcap_factor = (z / cap).square_().neg_().add_(1.0) if cap > 0.0 else None
-        del z
         # softmax * (ce_scale + 2 z_scale lam lse) - ce_scale eps / V - ce_scale (1 - eps) one-hot
-        p_coef = (ce_scale + z_scale * 2.0 * lam * lse) / sum_exp
-        grad = exp_shifted.mul_(p_coef.unsqueeze(1))
-        if eps > 0.0:
-            grad.sub_((ce_scale * eps / vocab).unsqueeze(-1).expand(n_rows, 1))
+        p_coef = ((ce_scale + z_scale * 2.0 * lam * lse) / sum_exp).expand(n_rows)
+        smoothing = (ce_scale * eps / vocab).expand(n_rows)
         target_coef = torch.where(owned, (ce_scale * (1.0 - eps)).expand(n_rows), 0.0)
-        grad.scatter_add_(1, safe_target, -target_coef.unsqueeze(1))
-        if softcap_factor is not None:
-            grad.mul_(softcap_factor)
-        logits.copy_(grad)
+        for rows in slices:
+            z = capped(rows)
+            grad = (z - row_max[rows].unsqueeze(1)).exp_().mul_(p_coef[rows].unsqueeze(1))
+            if eps > 0.0:
+                grad.sub_(smoothing[rows].unsqueeze(1))
+            grad.scatter_add_(1, safe_target[rows], -target_coef[rows].unsqueeze(1))
+            if cap > 0.0:
+                grad.mul_((z / cap).square_().neg_().add_(1.0))
+            logits[rows].copy_(grad)
     return loss, lse, correct, entropy

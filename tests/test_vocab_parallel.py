@@ -567,5 +567,46 @@ def test_needs_an_initialized_process_group():
         )
 
 
+@pytest.mark.parametrize("feature_name", ["plain", "all"])
+def test_softmax_in_row_slices(tmp_path, monkeypatch, feature_name):
+    """One process (a group of 1): the softmax over a chunk runs in row slices when its fp32 temporaries
+    would pass the budget (forced small here: 7-row slices of 37-row chunks); same loss, grads and stats as
+    the single-device op."""
+    import torch.distributed as dist
+
+    import lightning_flce.parallel as parallel
+
+    monkeypatch.setattr(parallel, "_SOFTMAX_TEMPORARY_BYTES", 7 * 16 * VOCAB[2])
+    assert len(parallel._row_slices(37, VOCAB[2])) == 6
+    spec = {"feature": feature_name, "reduction": "mean"}
+    x, weight, target, bias, _ = make_problem(spec, 2)
+    kwargs = op_kwargs(spec)
+    b = bias if FEATURES[feature_name].get("bias") else None
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = grads_of(
+            lambda x_, w_, b_: vocab_parallel_fused_linear_cross_entropy(
+                x_, w_, target, b_, chunk_size=37, **kwargs
+            ),
+            x.requires_grad_(),
+            weight.requires_grad_(),
+            None if b is None else b.requires_grad_(),
+        )
+        stats = vocab_parallel_fused_linear_cross_entropy_with_stats(
+            x, weight, target, b, chunk_size=37, **kwargs
+        )
+    finally:
+        dist.destroy_process_group()
+    want = grads_of(lambda x_, w_, b_: fused_linear_cross_entropy(x_, w_, target, b_, **kwargs), x, weight, b)
+    want_stats = fused_linear_cross_entropy_with_stats(x, weight, target, b, **kwargs)
+    assert relative_error(got[0], want[0]) < FP32_TOL
+    for g, w in zip(got[1], want[1]):
+        if w is not None:
+            assert relative_error(g, w) < FP32_TOL
+    assert relative_error(stats.lse, want_stats.lse) < FP32_TOL
+    assert relative_error(stats.entropy, want_stats.entropy) < FP32_TOL
+    assert torch.equal(stats.correct, want_stats.correct)
+
+
 if __name__ == "__main__":
     worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
