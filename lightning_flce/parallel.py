@@ -14,7 +14,9 @@ Megatron-style tensor parallelism). Per chunk of C tokens each rank computes onl
 where ``z`` are the (softcapped) fp32 logits, ``z_target`` comes from the rank that owns the target (the
 others add 0), and the label-smoothing and entropy sums ride in the same sum. No rank holds ``[N, V]``
 or the full ``[V, H]``. Every collective goes through :mod:`torch.distributed` on ``group`` (gloo on the
-CPU, NCCL on GPUs).
+CPU, NCCL on GPUs). Default chunks follow the single-device op's rule for the device (on GPUs: large chunks,
+since each one reads and writes the whole dW accumulator), and the per-chunk softmax runs in row slices that
+bound its fp32 temporaries (``_SOFTMAX_TEMPORARY_BYTES``).
 
 Like the single-device op, "mean"/"sum" compute the gradients in forward (backward multiplies them by
 ``grad_output``), and "none" recomputes the chunks in backward with the per-token ``grad_output`` (its
