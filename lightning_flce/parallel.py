@@ -15,8 +15,9 @@ where ``z`` are the (softcapped) fp32 logits, ``z_target`` comes from the rank t
 others add 0), and the label-smoothing and entropy sums ride in the same sum. No rank holds ``[N, V]``
 or the full ``[V, H]``. Every collective goes through :mod:`torch.distributed` on ``group`` (gloo on the
 CPU, NCCL on GPUs). Default chunks follow the single-device op's rule for the device (on GPUs: large chunks,
-since each one reads and writes the whole dW accumulator), and the per-chunk softmax runs in row slices that
-bound its fp32 temporaries (``_SOFTMAX_TEMPORARY_BYTES``).
+since each one reads and writes the whole dW accumulator). The per-chunk softmax is a pair of Triton kernels
+around the all-reduces (``lightning_flce.kernels.cross_entropy_shard``: one read for the row statistics,
+one read + write for the gradient), or their PyTorch twin in row slices that bound its fp32 temporaries.
 
 Like the single-device op, "mean"/"sum" compute the gradients in forward (backward multiplies them by
 ``grad_output``), and "none" recomputes the chunks in backward with the per-token ``grad_output`` (its
@@ -28,22 +29,22 @@ every rank learns every shard's ``(start, size)``, and a mismatch between ranks 
 count, targets, hidden size, chunk size, dtype or ``requires_grad``) raises the same error on every rank
 instead of hanging in a later collective.
 
-Not supported (raise): ``class_weight`` (``NotImplementedError``), ``impl="triton"`` (the per-chunk math is
-PyTorch; the GEMMs dominate). Not tested: ``torch.compile`` of a graph containing this op (it is a plain
-``autograd.Function`` with host syncs and collectives, so dynamo graph-breaks around it).
+Not supported (raise): ``class_weight`` (``NotImplementedError``). Not tested: ``torch.compile`` of a graph
+containing this op (it is a plain ``autograd.Function`` with host syncs and collectives, so dynamo
+graph-breaks around it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options
-from lightning_flce.kernels import ChunkOutputs, LossOptions
+from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options, _resolve_impl
+from lightning_flce.kernels import ChunkOutputs, LossOptions, shard_row_stats, shard_softmax_grad
 from lightning_flce.kernels.scale import scale_
 from lightning_flce.op import (
     _CHUNK_ALIGN,
@@ -112,6 +113,7 @@ def vocab_parallel_fused_linear_cross_entropy(
     chunk_size: Optional[int] = None,
     accum_dtype: Optional[torch.dtype] = None,
     class_weight: Optional[Tensor] = None,
+    impl: str = "auto",
 ) -> Tensor:
     """:func:`~lightning_flce.fused_linear_cross_entropy` with the head weight sharded over V across ``group``.
 
@@ -134,6 +136,8 @@ def vocab_parallel_fused_linear_cross_entropy(
             :func:`~lightning_flce.fused_linear_cross_entropy` (``chunk_size=None`` picks the same size on
             every rank, from the largest shard).
         class_weight: not supported (``NotImplementedError``).
+        impl: the per-chunk softmax: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` (CUDA, or
+            CPU tensors under ``TRITON_INTERPRET=1``) or ``"torch"``; the GEMMs are cuBLAS either way.
 
     Returns:
         The fp32 loss (a scalar, or [N] for ``reduction="none"``), replicated on every rank. Backpropagate
@@ -154,6 +158,7 @@ def vocab_parallel_fused_linear_cross_entropy(
         chunk_size=chunk_size,
         accum_dtype=accum_dtype,
         class_weight=class_weight,
+        impl=impl,
         compute_stats=False,
     ).loss
 
@@ -382,6 +387,7 @@ class _Plan(NamedTuple):
     label_smoothing: float
     lse_square_scale: float
     softcap: float
+    use_triton: bool  # the Triton shard kernels (CUDA, or the interpreter) rather than their PyTorch twin
 
 
 def _call(
@@ -400,6 +406,7 @@ def _call(
     chunk_size: Optional[int] = None,
     accum_dtype: Optional[torch.dtype] = None,
     class_weight: Optional[Tensor] = None,
+    impl: str = "auto",
     compute_stats: bool,
 ) -> FLCEOutput:
     if class_weight is not None:
@@ -411,7 +418,8 @@ def _call(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("vocab_parallel_fused_linear_cross_entropy needs an initialized torch.distributed")
     compute_dtype = _check_inputs(input, weight, target, bias, None)
-    _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, "torch")
+    _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
+    use_triton = _resolve_impl(impl, input.device) == "triton"
     accum = _accum_mode(accum_dtype, weight)
 
     grad_enabled = torch.is_grad_enabled()
@@ -445,6 +453,7 @@ def _call(
         label_smoothing=float(label_smoothing),
         lse_square_scale=float(lse_square_scale),
         softcap=float(softcap) if softcap is not None else 0.0,
+        use_triton=use_triton,
     )
     loss, lse, correct, entropy = _VocabParallelFLCE.apply(
         input, weight, target, bias, plan, reduction, compute_stats, needs
@@ -727,16 +736,6 @@ def _chunk_loop(
     return (*per_token, grad_input, grad_weight, grad_bias, scales)
 
 
-# fp32 temporaries of the PyTorch softmax over a chunk (about four [rows, V_local] fp32 tensors at once)
-# stay within this, in row slices, whatever the chunk's row count.
-_SOFTMAX_TEMPORARY_BYTES = 256 * 2**20
-
-
-def _row_slices(n_rows: int, local_vocab: int) -> List[slice]:
-    rows = max(1, _SOFTMAX_TEMPORARY_BYTES // (16 * max(local_vocab, 1)))
-    return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
-
-
 def _shard_chunk(
     logits: Tensor,
     target: Tensor,
@@ -750,49 +749,37 @@ def _shard_chunk(
     """One chunk of non-ignored rows on this rank's columns: the loss rows and global LSE (and stats), and
     with ``compute_grad`` ``logits`` overwritten with d loss / d logits of the local columns.
 
-    Same formulas as :mod:`lightning_flce.kernels.cross_entropy_torch` (without class weights), with the
-    row reductions over V replaced by local reductions plus an all-reduce.
+    Same formulas as :mod:`lightning_flce.kernels.cross_entropy` (without class weights): one read of the
+    local logits for per-row statistics relative to the local maximum (:func:`shard_row_stats`), two
+    all-reduces on [k, C] vectors that make them global, and one read + write for the gradient.
     """
     group = plan.group
-    n_rows, local_vocab = logits.shape
+    n_rows = logits.shape[0]
     vocab = plan.vocab
     eps = plan.label_smoothing
-    cap = plan.softcap
     lam = plan.lse_square_scale
-    slices = _row_slices(n_rows, local_vocab)
-
-    def capped(rows: slice) -> Tensor:
-        z = logits[rows].float()
-        return torch.tanh(z / cap).mul_(cap) if cap > 0.0 else z
-
-    row_max = (
-        torch.cat([capped(rows).amax(dim=1) for rows in slices]) if n_rows else logits.new_empty(0).float()
-    )
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-
     local_target = target - plan.vocab_start
-    owned = (local_target >= 0) & (local_target < local_vocab)
-    safe_target = torch.where(owned, local_target, 0).unsqueeze(1)
-    n_sums = 2 + int(eps > 0.0) + int(compute_stats)
-    summed = torch.zeros(n_sums, n_rows, dtype=torch.float32, device=logits.device)
-    first = torch.full((n_rows,), vocab, dtype=torch.int64, device=logits.device)
-    for rows in slices:
-        z = capped(rows)
-        exp_shifted = (z - row_max[rows].unsqueeze(1)).exp_()
-        summed[0, rows] = exp_shifted.sum(dim=1)
-        summed[1, rows] = torch.where(owned[rows], z.gather(1, safe_target[rows]).squeeze(1), 0.0)
-        if eps > 0.0:
-            summed[2, rows] = z.sum(dim=1)
-        if compute_stats:
-            summed[-1, rows] = (exp_shifted * z).sum(dim=1)
-            # first global index of the row maximum on this shard (V where the maximum is elsewhere)
-            at_max = z == row_max[rows].unsqueeze(1)
-            first[rows] = torch.where(
-                at_max.any(dim=1), at_max.to(torch.int8).argmax(dim=1) + plan.vocab_start, vocab
-            )
+    local = shard_row_stats(
+        logits,
+        local_target,
+        softcap=plan.softcap,
+        with_z_sum=eps > 0.0,
+        with_stats=compute_stats,
+        use_triton=plan.use_triton,
+    )
+    row_max = local.max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    rescale = (local.max - row_max).exp()  # this shard's sums, relative to the global maximum
+    sums = [local.sum_exp * rescale, local.z_target]
+    if eps > 0.0:
+        sums.append(local.z_sum)
     if compute_stats:
+        sums.append(local.exp_z_sum * rescale)
+        # first global index of the row maximum: from the first shard (in V order) that holds it
+        first = torch.where(local.max == row_max, local.argmax + plan.vocab_start, vocab)
         neg_first = -first
         dist.all_reduce(neg_first, op=dist.ReduceOp.MAX, group=group)
+    summed = torch.stack(sums)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
     sum_exp, z_target = summed[0], summed[1]
     lse = row_max + sum_exp.log()
@@ -811,16 +798,14 @@ def _shard_chunk(
 
     if compute_grad:
         # softmax * (ce_scale + 2 z_scale lam lse) - ce_scale eps / V - ce_scale (1 - eps) one-hot
-        p_coef = ((ce_scale + z_scale * 2.0 * lam * lse) / sum_exp).expand(n_rows)
-        smoothing = (ce_scale * eps / vocab).expand(n_rows)
-        target_coef = torch.where(owned, (ce_scale * (1.0 - eps)).expand(n_rows), 0.0)
-        for rows in slices:
-            z = capped(rows)
-            grad = (z - row_max[rows].unsqueeze(1)).exp_().mul_(p_coef[rows].unsqueeze(1))
-            if eps > 0.0:
-                grad.sub_(smoothing[rows].unsqueeze(1))
-            grad.scatter_add_(1, safe_target[rows], -target_coef[rows].unsqueeze(1))
-            if cap > 0.0:
-                grad.mul_((z / cap).square_().neg_().add_(1.0))
-            logits[rows].copy_(grad)
+        shard_softmax_grad(
+            logits,
+            local_target,
+            lse,
+            (ce_scale + z_scale * 2.0 * lam * lse).expand(n_rows).contiguous(),
+            (ce_scale * eps / vocab).expand(n_rows).contiguous() if eps > 0.0 else None,
+            (ce_scale * (1.0 - eps)).expand(n_rows).contiguous(),
+            softcap=plan.softcap,
+            use_triton=plan.use_triton,
+        )
     return loss, lse, correct, entropy

@@ -165,3 +165,99 @@ def test_fp16_grads_under_a_loss_scale(feature_name, reduction):
         chunk_size=128,
     )
     assert_no_worse(op_errors, unfused_errors)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shard_kernels_match_torch_twin(softcap, dtype):
+    """The vocab-parallel shard kernels (row statistics, then the gradient from a global LSE) and their
+    PyTorch twin agree, with targets on this shard, before it and after it (the shard is columns
+    [300, 300 + 700) of a 1200-column vocabulary), and with ties for the row maximum (first index wins)."""
+    from lightning_flce.kernels.cross_entropy_shard import shard_row_stats_triton, shard_softmax_grad_triton
+    from lightning_flce.kernels.cross_entropy_shard_torch import (
+        shard_row_stats_torch,
+        shard_softmax_grad_torch,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    n_rows, local_vocab, vocab_start = 40, 700, 300
+    logits = (torch.randn(n_rows, local_vocab, generator=gen) * 3).to(dtype)
+    logits[0, 5] = logits[0, 600] = logits[0].max() + 1  # a tie: index 5 is the first maximum
+    target = torch.randint(0, 1200, (n_rows,), generator=gen)
+    target[:3] = torch.tensor([vocab_start, vocab_start + local_vocab - 1, vocab_start + local_vocab])
+    local_target = target - vocab_start
+    kwargs = {"softcap": softcap, "with_z_sum": True, "with_stats": True}
+    got = shard_row_stats_triton(logits, local_target, **kwargs)
+    want = shard_row_stats_torch(logits, local_target, **kwargs)
+    for name in ("max", "sum_exp", "z_target", "z_sum", "exp_z_sum"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-4, msg=name)
+    assert torch.equal(got.argmax, want.argmax) and got.argmax[0] == 5
+    held = (local_target >= 0) & (local_target < local_vocab)
+    assert torch.all(got.z_target[~held] == 0) and held[:3].tolist() == [True, True, False]
+
+    lse = want.max + want.sum_exp.log() + torch.rand(n_rows, generator=gen)  # as if other shards added mass
+    p_coef, smoothing, target_coef = (torch.rand(n_rows, generator=gen) + 0.5 for _ in range(3))
+    grad_triton, grad_torch = logits.clone(), logits.clone()
+    shard_softmax_grad_triton(grad_triton, local_target, lse, p_coef, smoothing, target_coef, softcap=softcap)
+    shard_softmax_grad_torch(grad_torch, local_target, lse, p_coef, smoothing, target_coef, softcap=softcap)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # both round the same fp32 gradient to bf16
+    assert relative_error(grad_triton.float(), grad_torch.float()) < tol
+    # -target_coef lands at the target column of the rows whose target this shard holds, nowhere else
+    no_target = logits.clone()
+    shard_softmax_grad_triton(
+        no_target, local_target, lse, p_coef, smoothing, 0 * target_coef, softcap=softcap
+    )
+    changed = (grad_triton != no_target).nonzero().tolist()
+    assert changed == [[row, int(local_target[row])] for row in range(n_rows) if held[row]]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("feature_name", ["plain", "all"])
+def test_vocab_parallel_triton_path(tmp_path, feature_name, reduction):
+    """The vocab-parallel op with impl="triton" on a group of one process (gloo) equals the single-device op:
+    loss, dX, dW, d bias and the statistics, over several chunks."""
+    import torch.distributed as dist
+
+    from lightning_flce.parallel import (
+        vocab_parallel_fused_linear_cross_entropy,
+        vocab_parallel_fused_linear_cross_entropy_with_stats,
+    )
+
+    x, weight, target, bias, _ = make_problem(96, 32, 500, seed=7)
+    x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()
+    feature = dict(FEATURES[feature_name])
+    b = bias if feature.pop("bias", False) else None
+    feature.pop("class_weight", None)
+    kwargs = {"reduction": reduction, **feature}
+    grad_output = torch.rand(96) if reduction == "none" else None
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = grads_of(
+            lambda x_, w_, b_: vocab_parallel_fused_linear_cross_entropy(
+                x_, w_, target, b_, chunk_size=40, impl="triton", **kwargs
+            ),
+            x,
+            weight,
+            b,
+            grad_output=grad_output,
+        )
+        stats = vocab_parallel_fused_linear_cross_entropy_with_stats(
+            x, weight, target, b, chunk_size=40, impl="triton", **kwargs
+        )
+    finally:
+        dist.destroy_process_group()
+    want = grads_of(
+        lambda x_, w_, b_: fused_linear_cross_entropy(x_, w_, target, b_, impl="torch", **kwargs),
+        x,
+        weight,
+        b,
+        grad_output=grad_output,
+    )
+    want_stats = fused_linear_cross_entropy_with_stats(x, weight, target, b, impl="torch", **kwargs)
+    assert relative_error(got[0], want[0]) < FP32_TOL
+    for g, w in zip(got[1], want[1]):
+        if w is not None:
+            assert relative_error(g, w) < FP32_TOL
+    assert relative_error(stats.lse, want_stats.lse) < FP32_TOL
+    assert relative_error(stats.entropy, want_stats.entropy) < FP32_TOL
+    assert torch.equal(stats.correct, want_stats.correct)

@@ -574,10 +574,10 @@ def test_softmax_in_row_slices(tmp_path, monkeypatch, feature_name):
     the single-device op."""
     import torch.distributed as dist
 
-    import lightning_flce.parallel as parallel
+    import lightning_flce.kernels.cross_entropy_shard_torch as twin
 
-    monkeypatch.setattr(parallel, "_SOFTMAX_TEMPORARY_BYTES", 7 * 16 * VOCAB[2])
-    assert len(parallel._row_slices(37, VOCAB[2])) == 6
+    monkeypatch.setattr(twin, "_SOFTMAX_TEMPORARY_BYTES", 7 * 16 * VOCAB[2])
+    assert len(twin._row_slices(37, VOCAB[2])) == 6
     spec = {"feature": feature_name, "reduction": "mean"}
     x, weight, target, bias, _ = make_problem(spec, 2)
     kwargs = op_kwargs(spec)

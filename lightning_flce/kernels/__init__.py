@@ -5,6 +5,11 @@ Two implementations share one contract (:func:`cross_entropy_chunk`):
 
 - :mod:`lightning_flce.kernels.cross_entropy` — a Triton kernel (CUDA, or the CPU interpreter in tests);
 - :mod:`lightning_flce.kernels.cross_entropy_torch` — plain PyTorch, for the CPU and devices without Triton.
+
+The vocab-parallel op (:mod:`lightning_flce.parallel`) splits the same math around its all-reduces
+(:func:`shard_row_stats`, then :func:`shard_softmax_grad`), again as a Triton kernel pair
+(:mod:`~lightning_flce.kernels.cross_entropy_shard`) and its PyTorch twin
+(:mod:`~lightning_flce.kernels.cross_entropy_shard_torch`).
 """
 
 from __future__ import annotations
@@ -68,3 +73,54 @@ def cross_entropy_chunk(
         compute_grad=compute_grad,
         compute_stats=compute_stats,
     )
+
+
+class ShardRowStats(NamedTuple):
+    """Per-row statistics of one shard's columns of a chunk, relative to the shard's own row maximum
+    (fp32 [C] each; ``argmax`` int64). The optional ones are None unless asked for."""
+
+    max: torch.Tensor  # max_j z_j over the local columns (after the softcap)
+    sum_exp: torch.Tensor  # sum_j exp(z_j - max)
+    z_target: torch.Tensor  # z at the target column if this shard holds it, else 0
+    z_sum: Optional[torch.Tensor] = None  # sum_j z_j (label smoothing)
+    exp_z_sum: Optional[torch.Tensor] = None  # sum_j exp(z_j - max) z_j (entropy)
+    argmax: Optional[torch.Tensor] = None  # local index of the first maximum (accuracy)
+
+
+def shard_row_stats(
+    logits: torch.Tensor,
+    local_target: torch.Tensor,
+    *,
+    softcap: float,
+    with_z_sum: bool,
+    with_stats: bool,
+    use_triton: bool,
+) -> ShardRowStats:
+    """One read of a shard's [C, V_r] chunk logits: :class:`ShardRowStats` (``local_target`` = target -
+    the shard's first global column; the shard holds the target iff it is in ``[0, V_r)``)."""
+    if use_triton:
+        from lightning_flce.kernels.cross_entropy_shard import shard_row_stats_triton as impl
+    else:
+        from lightning_flce.kernels.cross_entropy_shard_torch import shard_row_stats_torch as impl
+    return impl(logits, local_target, softcap=softcap, with_z_sum=with_z_sum, with_stats=with_stats)
+
+
+def shard_softmax_grad(
+    logits: torch.Tensor,
+    local_target: torch.Tensor,
+    lse: torch.Tensor,
+    p_coef: torch.Tensor,
+    smoothing: Optional[torch.Tensor],
+    target_coef: torch.Tensor,
+    *,
+    softcap: float,
+    use_triton: bool,
+) -> None:
+    """Overwrite a shard's chunk logits with ``p_coef_i exp(z_ij - lse_i) - smoothing_i - target_coef_i
+    [j == local_target_i]`` (the last term only where the shard holds the target), times ``1 - (z_ij / c)^2``
+    with a softcap ``c``; ``lse`` is the global log-sum-exp and every coefficient an fp32 [C] tensor."""
+    if use_triton:
+        from lightning_flce.kernels.cross_entropy_shard import shard_softmax_grad_triton as impl
+    else:
+        from lightning_flce.kernels.cross_entropy_shard_torch import shard_softmax_grad_torch as impl
+    impl(logits, local_target, lse, p_coef, smoothing, target_coef, softcap=softcap)

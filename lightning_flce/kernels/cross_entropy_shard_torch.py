@@ -1,0 +1,84 @@
+"""Plain-PyTorch twin of :mod:`lightning_flce.kernels.cross_entropy_shard` (same contract, same formulas).
+
+It works on fp32 copies of row slices of the chunk: at most ``_SOFTMAX_TEMPORARY_BYTES`` of temporaries
+(about four ``[rows, V_local]`` fp32 tensors at once), whatever the chunk's row count, so the chunk loop can
+size GEMM chunks for the GEMMs alone.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from lightning_flce.kernels import ShardRowStats
+
+_SOFTMAX_TEMPORARY_BYTES = 256 * 2**20
+
+
+def _row_slices(n_rows: int, local_vocab: int) -> List[slice]:
+    rows = max(1, _SOFTMAX_TEMPORARY_BYTES // (16 * max(local_vocab, 1)))
+    return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
+
+
+def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    z = logits.float()
+    return torch.tanh(z / softcap).mul_(softcap) if softcap > 0.0 else z
+
+
+def shard_row_stats_torch(
+    logits: torch.Tensor, local_target: torch.Tensor, *, softcap: float, with_z_sum: bool, with_stats: bool
+) -> ShardRowStats:
+    n_rows, local_vocab = logits.shape
+    held = (local_target >= 0) & (local_target < local_vocab)
+    safe_target = torch.where(held, local_target, 0).unsqueeze(1)
+
+    def rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(n_rows, dtype=dtype, device=logits.device)
+
+    out = ShardRowStats(
+        rows(),
+        rows(),
+        rows(),
+        rows() if with_z_sum else None,
+        rows() if with_stats else None,
+        rows(torch.int64) if with_stats else None,
+    )
+    for part in _row_slices(n_rows, local_vocab):
+        z = _capped(logits[part], softcap)
+        row_max = z.amax(dim=1)
+        exp_shifted = (z - row_max.unsqueeze(1)).exp_()
+        out.max[part] = row_max
+        out.sum_exp[part] = exp_shifted.sum(dim=1)
+        out.z_target[part] = torch.where(held[part], z.gather(1, safe_target[part]).squeeze(1), 0.0)
+        if with_z_sum:
+            out.z_sum[part] = z.sum(dim=1)
+        if with_stats:
+            out.exp_z_sum[part] = (exp_shifted * z).sum(dim=1)
+            out.argmax[part] = z.argmax(dim=1)  # the first maximum
+    return out
+
+
+def shard_softmax_grad_torch(
+    logits: torch.Tensor,
+    local_target: torch.Tensor,
+    lse: torch.Tensor,
+    p_coef: torch.Tensor,
+    smoothing: Optional[torch.Tensor],
+    target_coef: torch.Tensor,
+    *,
+    softcap: float,
+) -> None:
+    n_rows, local_vocab = logits.shape
+    held = (local_target >= 0) & (local_target < local_vocab)
+    safe_target = torch.where(held, local_target, 0).unsqueeze(1)
+    target_coef = torch.where(held, target_coef, 0.0)
+    for part in _row_slices(n_rows, local_vocab):
+        z = _capped(logits[part], softcap)
+        grad = (z - lse[part].unsqueeze(1)).exp_().mul_(p_coef[part].unsqueeze(1))
+        if smoothing is not None:
+            grad.sub_(smoothing[part].unsqueeze(1))
+        grad.scatter_add_(1, safe_target[part], -target_coef[part].unsqueeze(1))
+        if softcap > 0.0:
+            grad.mul_((z / softcap).square_().neg_().add_(1.0))
+        logits[part].copy_(grad)
