@@ -40,8 +40,8 @@ class FLCEHeadLoss(nn.Module):
     (the head sharded over V across a process group) is accepted too: the loss is then its vocab-parallel
     op (:meth:`~lightning_flce.parallel.VocabParallelHead.loss` / ``loss_with_stats``), still inside the
     head's own call, on hidden states and labels that must be the same on every rank of the head's group;
-    ``last_logits_shape`` reports the full vocabulary. That op has no Triton kernel, no class weights and no
-    naive path: ``impl="triton"`` and ``naive=True`` raise ``NotImplementedError`` for such a head.
+    ``last_logits_shape`` reports the full vocabulary. That op has no class weights and no naive path:
+    ``naive=True`` raises ``NotImplementedError`` for such a head; ``impl`` picks its per-chunk softmax.
 
     Args:
         ignore_index: target value that does not contribute to the loss.
@@ -251,6 +251,7 @@ class FLCEHeadLoss(nn.Module):
             "softcap": softcap,
             "accum_dtype": torch.float32 if self.accum_fp32 else None,
             "chunk_size": self.chunk_size,
+            "impl": self.impl,
         }
         if logit_scale is not None:
             hidden = hidden * logit_scale
@@ -276,11 +277,6 @@ def _check_vocab_parallel_options(head_loss: FLCEHeadLoss) -> None:
         raise NotImplementedError(
             "naive=True (flce_naive) is not supported with a VocabParallelHead: the plain logits path needs the"
             " full [V, H] weight on one rank; use naive=False"
-        )
-    if head_loss.impl == "triton":
-        raise NotImplementedError(
-            "impl='triton' is not supported with a VocabParallelHead: the vocab-parallel op computes its chunks"
-            " with PyTorch; use impl='auto' or 'torch'"
         )
 
 

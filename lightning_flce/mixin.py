@@ -92,7 +92,7 @@ class FLCEMixin:
     whose ``[V, H]`` weight is sharded over V across its process group (the *TP group*). The loss is then its
     vocab-parallel op, inside the head's own call; every rank of the TP group must feed the same hidden states
     and labels (the op checks the labels and raises on every rank otherwise), and :meth:`flce_logits` gathers
-    the full logits (``head.gather_logits``, no gradient). ``flce_naive=True`` and ``flce_impl="triton"`` raise.
+    the full logits (``head.gather_logits``, no gradient). ``flce_naive=True`` raises.
     Supported layouts:
 
     - *pure head-TP, data replicated* (tested): one process per TP rank, each with a single-device strategy
