@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import typing
 
 import torch
 from packaging.version import Version
@@ -23,3 +24,28 @@ def triton_usable(device: torch.device) -> bool:
     if TRITON_INTERPRET:
         return device.type == "cpu"
     return device.type == "cuda"
+
+
+def resolved_annotations(fn):
+    """``fn`` with its annotations evaluated. ``torch.library.custom_op`` before torch 2.5 reads them as
+    written, and under ``from __future__ import annotations`` they are strings it rejects (``'Tensor'``)."""
+    hints = typing.get_type_hints(fn)
+    if hints.get("return") is type(None):  # get_type_hints turns "-> None" into NoneType
+        hints["return"] = None
+    fn.__annotations__ = hints
+    return fn
+
+
+def dtensor_api():
+    """The DTensor module: public as ``torch.distributed.tensor`` from torch 2.5, ``torch.distributed._tensor``
+    in 2.4. None where torch.distributed is not built."""
+    try:
+        import torch.distributed.tensor as api
+
+        _ = api.DTensor, api.Shard  # 2.4 has the module but not these names
+    except (ImportError, AttributeError):
+        try:
+            import torch.distributed._tensor as api
+        except ImportError:
+            return None
+    return api

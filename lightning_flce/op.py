@@ -30,7 +30,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lightning_flce._compat import triton_usable
+from lightning_flce._compat import resolved_annotations, triton_usable
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
 from lightning_flce.kernels import LossOptions, cross_entropy_chunk
 from lightning_flce.kernels.scale import scale_
@@ -557,6 +557,7 @@ def balanced_chunk_rows(n_rows: int, max_rows: int, align: int) -> int:
 
 
 @torch.library.custom_op("lightning_flce::flce_forward", mutates_args=())
+@resolved_annotations
 def flce_forward(
     x: Tensor,
     weight: Tensor,
@@ -661,6 +662,7 @@ def _(
 @torch.library.custom_op(
     "lightning_flce::flce_scale_grads_", mutates_args=("grad_input", "grad_weight", "grad_bias")
 )
+@resolved_annotations
 def flce_scale_grads_(
     grad_input: Tensor, grad_weight: Tensor, grad_bias: Tensor, scale: Tensor, inverse_scales: Tensor
 ) -> None:
@@ -679,6 +681,7 @@ def _(grad_input, grad_weight, grad_bias, scale, inverse_scales):
 
 
 @torch.library.custom_op("lightning_flce::flce_backward", mutates_args=())
+@resolved_annotations
 def flce_backward(
     grad_loss: Tensor,
     x: Tensor,
@@ -852,6 +855,14 @@ def _register_flop_formulas() -> None:
     def _backward_flops(grad_shape, x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
         need_grad_input, need_grad_weight = args[11], args[12]
         return _gemm_flops(x_shape, weight_shape) * (int(need_grad_input) + int(need_grad_weight))
+
+    # torch 2.4 files custom ops' formulas under their .default overload but looks ops up by packet.
+    from torch.utils import flop_counter
+
+    registry = getattr(flop_counter, "flop_registry", {})
+    for packet in (torch.ops.lightning_flce.flce_forward, torch.ops.lightning_flce.flce_backward):
+        if packet not in registry and packet.default in registry:
+            registry[packet] = registry[packet.default]
 
 
 _register_flop_formulas()

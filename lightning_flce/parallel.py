@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_flce._compat import dtensor_api
 from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options, _resolve_impl
 from lightning_flce.kernels import ChunkOutputs, LossOptions, shard_row_stats, shard_softmax_grad
 from lightning_flce.kernels.scale import scale_
@@ -466,10 +467,10 @@ def _from_dtensors(
 ) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[dist.ProcessGroup]]:
     """Local tensors and group of a ``Shard(0)`` DTensor weight (and bias) on a 1-D mesh; a ``Replicate``
     DTensor input becomes its local tensor. Plain tensors pass through."""
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-    except ImportError:  # pragma: no cover - torch < 2.4
+    api = dtensor_api()
+    if api is None:  # pragma: no cover - torch without distributed
         return input, weight, bias, group
+    DTensor, Replicate, Shard = api.DTensor, api.Replicate, api.Shard
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from ranks import free_port, run_ranks, torchrun_env
-from test_fsdp2_cpu import FP32, VOCAB, _reference, samples, tiny_gpt
+from test_fsdp2_cpu import FP32, VOCAB, _reference, needs_cpu_fsdp2, samples, tiny_gpt
 from torch.utils.data import DataLoader
 
 from lightning_flce.models.gpt import TinyGPT
@@ -120,6 +120,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.slow
+@needs_cpu_fsdp2
 def test_dp_x_vocab_parallel_step_equals_one_process_on_the_global_batch(ranks):
     ref_loss, ref_grads = _reference(tie_embeddings=False)
     head_rows = {0: (0, 42), 1: (42, VOCAB)}  # torch.chunk-like split of 83 rows over 2 ranks

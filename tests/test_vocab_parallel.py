@@ -224,7 +224,10 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         )
     elif kind == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
+
+        from lightning_flce._compat import dtensor_api
+
+        Shard, distribute_tensor = dtensor_api().Shard, dtensor_api().distribute_tensor
 
         mesh = init_device_mesh("cpu", (world,))
         w_dt = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
