@@ -24,10 +24,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Set in this (pytest) process by Lightning's subprocess launcher during earlier DDP tests; a worker that
+# inherits them sees another job's world (torch 2.4's device mesh then hangs the 3-rank vocab-parallel run).
+_LAUNCHER_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+def clean_env(**extra: str) -> dict:
+    """This process's environment without the launcher variables of earlier tests, plus ``extra``."""
+    env = {key: value for key, value in os.environ.items() if key not in _LAUNCHER_VARIABLES}
+    env.update(extra)
+    return env
+
+
 def torchrun_env(rank: int, world: int, port: int, **extra: str) -> dict:
     """The environment torchrun would give ``rank`` (one node), plus ``extra``."""
-    return dict(
-        os.environ,
+    return clean_env(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(world),
@@ -53,7 +72,7 @@ def run_ranks(
     each exited 0 and returns the loaded ``rank{r}.pt`` files (``echo``: print the end of rank 0's output)."""
 
     def default_env(rank: int) -> dict:
-        return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        return clean_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
     env = env or default_env
     procs = [
