@@ -100,10 +100,11 @@ class FLCEMixin:
       is the whole world and ``trainer.world_size == 1``, so the step's token count is the local one (every
       rank holds the same tokens; nothing is multiplied by the TP size). The body's gradient is already the
       full one on every rank (the op all-reduces dX), the head's is this rank's rows; no strategy reduction.
-    - *DP x TP* (tested on 4 CPU processes, ``tests/test_dp_tp_cpu.py``): a strategy whose world is ``dp * tp`` ranks and that reduces gradients over
-      the data-parallel ranks only (``ModelParallelStrategy`` with the head built on
-      ``device_mesh["tensor_parallel"]`` and ``fully_shard`` on ``device_mesh["data_parallel"]``). The step
-      totals are then summed over the whole world, which counts each token ``tp`` times, and the scale is
+    - *DP x TP* (tested on 4 CPU processes, ``tests/test_dp_tp_cpu.py``): a strategy whose world is
+      ``dp * tp`` ranks and that reduces gradients over the data-parallel ranks only
+      (``ModelParallelStrategy`` with the head built on ``device_mesh["tensor_parallel"]`` and ``fully_shard``
+      on ``device_mesh["data_parallel"]``). The step totals are then summed over the whole world, which
+      counts each token ``tp`` times, and the scale is
       ``accumulate_grad_batches * world_size / that sum`` = ``accumulate_grad_batches * dp / tokens``: the
       TP factor cancels, which is what an average over the ``dp`` data-parallel ranks needs.
     - Refused (``ValueError`` at the start of fit): ``DDPStrategy``, ``DeepSpeedStrategy`` and

@@ -86,6 +86,22 @@ class ShardRowStats(NamedTuple):
     exp_z_sum: Optional[torch.Tensor] = None  # sum_j exp(z_j - max) z_j (entropy)
     argmax: Optional[torch.Tensor] = None  # local index of the first maximum (accuracy)
 
+    @classmethod
+    def empty(cls, n_rows: int, device: torch.device, *, with_z_sum: bool, with_stats: bool) -> ShardRowStats:
+        """Uninitialized outputs for ``n_rows`` rows (the optional ones only when asked for)."""
+
+        def rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(n_rows, dtype=dtype, device=device)
+
+        return cls(
+            rows(),
+            rows(),
+            rows(),
+            rows() if with_z_sum else None,
+            rows() if with_stats else None,
+            rows(torch.int64) if with_stats else None,
+        )
+
 
 def shard_row_stats(
     logits: torch.Tensor,

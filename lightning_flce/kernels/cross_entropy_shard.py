@@ -141,17 +141,7 @@ def shard_row_stats_triton(
     n_rows, local_vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
 
-    def rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.empty(n_rows, dtype=dtype, device=logits.device)
-
-    out = ShardRowStats(
-        rows(),
-        rows(),
-        rows(),
-        rows() if with_z_sum else None,
-        rows() if with_stats else None,
-        rows(torch.int64) if with_stats else None,
-    )
+    out = ShardRowStats.empty(n_rows, logits.device, with_z_sum=with_z_sum, with_stats=with_stats)
     if n_rows == 0:
         return out
     config, extra, precise = _launch_args(logits)

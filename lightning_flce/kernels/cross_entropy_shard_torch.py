@@ -33,17 +33,7 @@ def shard_row_stats_torch(
     held = (local_target >= 0) & (local_target < local_vocab)
     safe_target = torch.where(held, local_target, 0).unsqueeze(1)
 
-    def rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.empty(n_rows, dtype=dtype, device=logits.device)
-
-    out = ShardRowStats(
-        rows(),
-        rows(),
-        rows(),
-        rows() if with_z_sum else None,
-        rows() if with_stats else None,
-        rows(torch.int64) if with_stats else None,
-    )
+    out = ShardRowStats.empty(n_rows, logits.device, with_z_sum=with_z_sum, with_stats=with_stats)
     for part in _row_slices(n_rows, local_vocab):
         z = _capped(logits[part], softcap)
         row_max = z.amax(dim=1)
