@@ -7,6 +7,7 @@ import os
 import typing
 
 import torch
+import torch.distributed as dist
 from packaging.version import Version
 
 TORCH_VERSION = Version(torch.__version__).release[:2]
@@ -49,3 +50,8 @@ def dtensor_api():
         except ImportError:
             return None
     return api
+# torch 2.13 renamed the tensor-in, tensor-out collectives (the old names warn); same signatures.
+all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(
+    dist, "reduce_scatter_tensor", None
+)

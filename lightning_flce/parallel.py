@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_flce._compat import dtensor_api
+from lightning_flce._compat import all_gather_single, dtensor_api, reduce_scatter_single
 from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options, _resolve_impl
 from lightning_flce.kernels import ChunkOutputs, LossOptions, shard_row_stats, shard_softmax_grad
 from lightning_flce.kernels.scale import scale_
@@ -115,6 +115,7 @@ def vocab_parallel_fused_linear_cross_entropy(
     accum_dtype: Optional[torch.dtype] = None,
     class_weight: Optional[Tensor] = None,
     impl: str = "auto",
+    sequence_parallel: bool = False,
 ) -> Tensor:
     """:func:`~lightning_flce.fused_linear_cross_entropy` with the head weight sharded over V across ``group``.
 
@@ -139,6 +140,11 @@ def vocab_parallel_fused_linear_cross_entropy(
         class_weight: not supported (``NotImplementedError``).
         impl: the per-chunk softmax: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` (CUDA, or
             CPU tensors under ``TRITON_INTERPRET=1``) or ``"torch"``; the GEMMs are cuBLAS either way.
+        sequence_parallel: ``input`` and ``target`` hold this rank's tokens only (sequence parallelism: the
+            same number on every rank, rank ``r``'s after rank ``r - 1``'s). They are all-gathered for the
+            loss; dX is reduce-scattered back to this rank's tokens instead of all-reduced; "none" returns the
+            losses of this rank's tokens (their ``grad_output`` is all-gathered in backward), and so do the
+            statistics of ``..._with_stats``. "mean"/"sum" are over all ranks' tokens.
 
     Returns:
         The fp32 loss (a scalar, or [N] for ``reduction="none"``), replicated on every rank. Backpropagate
@@ -160,6 +166,7 @@ def vocab_parallel_fused_linear_cross_entropy(
         accum_dtype=accum_dtype,
         class_weight=class_weight,
         impl=impl,
+        sequence_parallel=sequence_parallel,
         compute_stats=False,
     ).loss
 
@@ -389,6 +396,7 @@ class _Plan(NamedTuple):
     lse_square_scale: float
     softcap: float
     use_triton: bool  # the Triton shard kernels (CUDA, or the interpreter) rather than their PyTorch twin
+    sequence_parallel: bool  # inputs are this rank's tokens: gathered in, dX reduce-scattered out
 
 
 def _call(
@@ -408,6 +416,7 @@ def _call(
     accum_dtype: Optional[torch.dtype] = None,
     class_weight: Optional[Tensor] = None,
     impl: str = "auto",
+    sequence_parallel: bool = False,
     compute_stats: bool,
 ) -> FLCEOutput:
     if class_weight is not None:
@@ -419,13 +428,16 @@ def _call(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("vocab_parallel_fused_linear_cross_entropy needs an initialized torch.distributed")
     compute_dtype = _check_inputs(input, weight, target, bias, None)
+    local_input = input
+    if sequence_parallel:
+        input, target = _gather_tokens(input, target, group)
     _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
     use_triton = _resolve_impl(impl, input.device) == "triton"
     accum = _accum_mode(accum_dtype, weight)
 
     grad_enabled = torch.is_grad_enabled()
     needs = (
-        grad_enabled and input.requires_grad,
+        grad_enabled and local_input.requires_grad,
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
@@ -455,9 +467,10 @@ def _call(
         lse_square_scale=float(lse_square_scale),
         softcap=float(softcap) if softcap is not None else 0.0,
         use_triton=use_triton,
+        sequence_parallel=sequence_parallel,
     )
     loss, lse, correct, entropy = _VocabParallelFLCE.apply(
-        input, weight, target, bias, plan, reduction, compute_stats, needs
+        local_input, weight, target, bias, plan, reduction, compute_stats, needs, input
     )
     return FLCEOutput(loss, lse, correct, entropy)
 
@@ -607,7 +620,8 @@ def _layout(
 
 class _VocabParallelFLCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, bias, plan: _Plan, reduction: str, compute_stats: bool, needs):
+    def forward(ctx, x, weight, target, bias, plan: _Plan, reduction: str, compute_stats: bool, needs, x_all):
+        # x: this rank's input (what autograd sees); x_all: every token's (x itself without sequence parallelism)
         need_gx, need_gw, need_gb = needs
         grads_now = reduction != "none"
         with torch.autocast(x.device.type, enabled=False):
@@ -615,7 +629,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
                 target, reduction, LossOptions(ignore_index=plan.ignore_index), x.device
             )
             loss, lse, correct, entropy, gx, gw, gb, scales = _chunk_loop(
-                x,
+                x_all,
                 weight,
                 target,
                 bias,
@@ -628,30 +642,39 @@ class _VocabParallelFLCE(torch.autograd.Function):
                 compute_stats=compute_stats,
                 keep_scaled=True,
             )
+        # the per-token results are the same on every rank: reduce them whole, or keep this rank's tokens'
         if reduction != "none":
             loss = loss.sum()
-        ctx.plan, ctx.reduction, ctx.needs = plan, reduction, needs
+        elif plan.sequence_parallel:
+            loss = _local_rows(loss, plan.group)
+        if plan.sequence_parallel:
+            lse, correct, entropy = (_local_rows(t, plan.group) for t in (lse, correct, entropy))
+        if gx is not None:
+            gx = gx.view(x.shape)
+        ctx.plan, ctx.reduction, ctx.needs, ctx.input_shape = plan, reduction, needs, x.shape
         ctx.stored_scales = scales[1:]  # the powers of two fp16 dX, dW, d bias carry (1 otherwise)
         ctx.set_materialize_grads(False)
-        ctx.mark_non_differentiable(lse, correct, entropy)
+        ctx.mark_non_differentiable(*(t for t in (lse, correct, entropy) if t is not None))
         if reduction == "none":
-            ctx.save_for_backward(x, weight, target, bias)
+            ctx.save_for_backward(x_all, weight, target, bias)
         else:
             ctx.save_for_backward(gx, gw, gb)
         return loss, lse, correct, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, *unused):
-        grads = [None] * 8
+        grads = [None] * 9
         if grad_loss is None:
             return tuple(grads)
         need_gx, need_gw, need_gb = ctx.needs
         if ctx.reduction == "none":
-            x, weight, target, bias = ctx.saved_tensors
+            x_all, weight, target, bias = ctx.saved_tensors
             scale = grad_loss.reshape(-1).float()
-            with torch.autocast(x.device.type, enabled=False):
+            if ctx.plan.sequence_parallel:  # every rank's chunks need every token's grad_output
+                scale = _gather_rows(scale.contiguous(), ctx.plan.group)
+            with torch.autocast(x_all.device.type, enabled=False):
                 *_, gx, gw, gb, _ = _chunk_loop(
-                    x,
+                    x_all,
                     weight,
                     target,
                     bias,
@@ -663,6 +686,8 @@ class _VocabParallelFLCE(torch.autograd.Function):
                     need_grad_bias=need_gb,
                     compute_stats=False,
                 )
+            if gx is not None:
+                gx = gx.view(ctx.input_shape)
         else:
             gx, gw, gb = ctx.saved_tensors
             for grad, stored_scale in zip((gx, gw, gb), ctx.stored_scales):
@@ -672,6 +697,40 @@ class _VocabParallelFLCE(torch.autograd.Function):
         grads[1] = gw if need_gw else None
         grads[3] = gb if need_gb else None
         return tuple(grads)
+
+
+def _gather_rows(local: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Every rank's ``local`` rows, concatenated in rank order (same row count on every rank)."""
+    world = dist.get_world_size(group)
+    out = local.new_empty(world * local.shape[0], *local.shape[1:])
+    all_gather_single(out, local.contiguous(), group=group)
+    return out
+
+
+def _local_rows(full: Optional[Tensor], group: Optional[dist.ProcessGroup]) -> Optional[Tensor]:
+    """This rank's block of the rows of ``full`` (rank-major, equal blocks)."""
+    if full is None:
+        return None
+    rows = full.shape[0] // dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    return full[rank * rows : (rank + 1) * rows].clone()  # not a view of a forward temporary
+
+
+def _gather_tokens(
+    input: Tensor, target: Tensor, group: Optional[dist.ProcessGroup]
+) -> Tuple[Tensor, Tensor]:
+    """Sequence parallelism: all ranks' tokens, ``[sum N_r, H]`` and ``[sum N_r]``, after checking (one small
+    all-reduce, the same error on every rank) that every rank holds as many tokens."""
+    n_local = target.numel()
+    counts = torch.tensor([n_local, -n_local], device=target.device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    most, fewest = int(counts[0]), -int(counts[1])
+    if most != fewest:
+        raise ValueError(
+            f"sequence_parallel needs the same number of tokens on every rank, got between {fewest} and {most}"
+        )
+    hidden = input.reshape(-1, input.shape[-1]).detach()
+    return _gather_rows(hidden, group), _gather_rows(target.reshape(-1), group)
 
 
 def _chunk_loop(
@@ -690,8 +749,9 @@ def _chunk_loop(
     keep_scaled: bool = False,
 ) -> Tuple[Optional[Tensor], ...]:
     """The op's chunk loop (:func:`lightning_flce.op.run_chunks`) on a shard: per-token loss/LSE/stats [N]
-    (replicated), the gradients (dX all-reduced over the group; dW, db local rows; None for gradients not
-    asked for) and their :class:`~lightning_flce.op.GradScales` (``keep_scaled`` as in ``run_chunks``)."""
+    (replicated), the gradients (dX [N, H] all-reduced over the group, or with sequence parallelism this
+    rank's reduce-scattered rows; dW, db local rows; None for gradients not asked for) and their
+    :class:`~lightning_flce.op.GradScales` (``keep_scaled`` as in ``run_chunks``)."""
     target = target.reshape(-1)
 
     def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
@@ -732,8 +792,14 @@ def _chunk_loop(
         keep_scaled=keep_scaled,
     )
     if grad_input is not None:
-        dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
-        grad_input = grad_input.to(x.dtype).view(x.shape)
+        grad_input = grad_input.view(-1, x.shape[-1])
+        if plan.sequence_parallel:  # this rank's tokens only: reduce-scatter instead of all-reduce
+            local = grad_input.new_empty(grad_input.shape[0] // dist.get_world_size(plan.group), x.shape[-1])
+            reduce_scatter_single(local, grad_input, op=dist.ReduceOp.SUM, group=plan.group)
+            grad_input = local
+        else:
+            dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
+        grad_input = grad_input.to(x.dtype)
     return (*per_token, grad_input, grad_weight, grad_bias, scales)
 
 

@@ -111,6 +111,14 @@ OP_CASES = {
     "autocast-bf16-mean": {"dtype": "fp32", "reduction": "mean", "autocast": True},
     "module": {"dtype": "fp32", "reduction": "mean", "kind": "module", "bias": True},
     "dtensor": {"dtype": "fp32", "reduction": "sum", "kind": "dtensor"},
+    # each rank passes its half of the tokens; its dX half is gathered for the comparison
+    "sequence-parallel-all-bias-none": {
+        "dtype": "fp32",
+        "reduction": "none",
+        "kind": "sequence_parallel",
+        "features": True,
+        "bias": True,
+    },
 }
 OP_FP32_REL = 1e-5
 
@@ -538,6 +546,23 @@ def run_op_case(spec: dict, rank: int, device: torch.device) -> dict:
         extra["grad_type"] = type(w_dt.grad).__name__
         extra["placements"] = str(w_dt.grad.placements)
         dw, db = w_dt.grad.to_local(), None
+    elif kind == "sequence_parallel":
+        rows = slice(rank * OP_TOKENS // WORLD, (rank + 1) * OP_TOKENS // WORLD)
+        xl = _leaf(x[rows])
+        wv, bv = _leaf(weight[start:end]), _leaf(None if bias is None else bias[start:end])
+        local_loss = vocab_parallel_fused_linear_cross_entropy(
+            xl, wv, target[rows], bv, chunk_size=chunk, sequence_parallel=True, **kwargs
+        )
+        _backward(local_loss, grad_output[rows])
+        # every rank's token rows, in rank order: the full per-token loss and dX
+        parts = (
+            [torch.empty_like(local_loss) for _ in range(WORLD)],
+            [torch.empty_like(xl.grad) for _ in range(WORLD)],
+        )
+        dist.all_gather(parts[0], local_loss.detach())
+        dist.all_gather(parts[1], xl.grad)
+        loss, xv.grad = torch.cat(parts[0]), torch.cat(parts[1])
+        dw, db = wv.grad, bv.grad
     else:
         wv, bv = _leaf(weight[start:end]), _leaf(None if bias is None else bias[start:end])
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):

@@ -103,6 +103,21 @@ def cases(world: int) -> dict[str, dict]:
         "grad_output": 2.0**16,
         "chunk_size": None,
     }
+    # sequence parallelism: each rank passes its 36 / world tokens
+    for reduction in REDUCTIONS:
+        out[f"sequence_parallel-all-{reduction}"] = {
+            "kind": "sp",
+            "feature": "all",
+            "reduction": reduction,
+            "lead_shape": (36,),
+        }
+    out["sequence_parallel-stats"] = {
+        "kind": "sp",
+        "feature": "smoothing",
+        "reduction": "mean",
+        "lead_shape": (36,),
+        "stats": True,
+    }
     out["stats-smoothing"] = {"kind": "stats", "feature": "smoothing", "reduction": "mean"}
     out["stats-ties"] = {"kind": "ties"}
     out["module"] = {"kind": "module", "feature": "bias", "reduction": "mean"}
@@ -113,6 +128,7 @@ def cases(world: int) -> dict[str, dict]:
     out["error-class_weight"] = {"kind": "error", "error": "class_weight"}
     out["error-vocab_start_overlap"] = {"kind": "error", "error": "overlap"}
     out["error-chunk_size_differs"] = {"kind": "error", "error": "chunk"}
+    out["error-sequence_parallel_uneven"] = {"kind": "error", "error": "sp_uneven"}
     out["after_errors-plain-mean"] = {"kind": "loss", "feature": "plain", "reduction": "mean"}
     return out
 
@@ -199,6 +215,32 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             dx=x.grad,
             dw=w_shard.grad,
         )
+    elif kind == "sp":
+        n_local = target.numel() // world
+        rows = slice(rank * n_local, (rank + 1) * n_local)
+        x_local = x.detach()[rows].clone().requires_grad_()
+        op = vocab_parallel_fused_linear_cross_entropy_with_stats if spec.get("stats") else None
+        call = op or vocab_parallel_fused_linear_cross_entropy
+        out = call(
+            x_local,
+            w_shard,
+            target[rows],
+            b_shard,
+            chunk_size=chunk_size,
+            sequence_parallel=True,
+            **op_kwargs(spec),
+        )
+        loss = out.loss if op else out
+        _backward(loss, grad_output[rows] if grad_output.dim() else grad_output)
+        result.update(
+            loss=loss.detach(),
+            dx=x_local.grad,
+            dw=w_shard.grad,
+            db=None if b_shard is None else b_shard.grad,
+            token_rows=(rows.start, rows.stop),
+        )
+        if op:
+            result.update(lse=out.lse, correct=out.correct, entropy=out.entropy)
     elif kind == "ties":
         x, weight, target = tie_problem(world)
         out = vocab_parallel_fused_linear_cross_entropy_with_stats(
@@ -267,6 +309,9 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             kwargs["vocab_start"] = 0  # every rank claims row 0
         elif error == "chunk":
             kwargs["chunk_size"] = chunk_size + rank  # chunk boundaries would not line up
+        elif error == "sp_uneven":
+            kwargs["sequence_parallel"] = True
+            x, target = x[: 5 + rank], target[: 5 + rank]  # rank 1 holds one token more
         try:
             vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
         except Exception as exc:  # recorded for the parent to check
@@ -459,6 +504,8 @@ def test_vocab_parallel(results, world, name):
         db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], VOCAB[world])
         assert relative_error(dw, ref_grads[1]) < FP32_TOL
         assert relative_error(db, ref_grads[2]) < FP32_TOL
+    elif kind == "sp":
+        _check_sequence_parallel(spec, world, ranks)
     elif kind == "dtensor":
         for r in ranks:
             assert r["grad_type"] == "DTensor" and r["placements"] == "(Shard(dim=0),)"
@@ -474,11 +521,37 @@ def test_vocab_parallel(results, world, name):
             "class_weight": ("NotImplementedError", "class_weight is not supported"),
             "overlap": ("ValueError", "do not tile"),
             "chunk": ("ValueError", "disagree on their chunk_size"),
+            "sp_uneven": ("ValueError", "same number of tokens on every rank"),
         }[spec["error"]]
         for rank, r in enumerate(ranks):
             assert r["error"] is not None, f"rank {rank} did not raise"
             kind_name, message = expected
             assert r["error"].startswith(kind_name) and message in r["error"], r["error"]
+
+
+def _check_sequence_parallel(spec, world, ranks):
+    """Each rank's dX (and "none" losses, stats) are its tokens' rows; concatenated in rank order they, the
+    replicated "mean"/"sum" loss and the dW shards must equal the reference on all tokens."""
+    n_local = 36 // world
+    assert [r["token_rows"] for r in ranks] == [(k * n_local, (k + 1) * n_local) for k in range(world)]
+    for r in ranks:
+        assert r["dx"].shape == (n_local, HIDDEN)
+        assert r["loss"].shape == ((n_local,) if spec["reduction"] == "none" else ())
+    full_dx = torch.cat([r["dx"] for r in ranks])
+    if spec["reduction"] == "none":
+        full_loss = torch.cat([r["loss"] for r in ranks])
+    else:
+        full_loss = ranks[0]["loss"]
+        assert all(torch.equal(r["loss"], full_loss) for r in ranks)
+    _check_loss_and_grads(spec, world, [{**r, "loss": full_loss, "dx": full_dx} for r in ranks])
+    if spec.get("stats"):
+        x, weight, target, _, _ = make_problem(spec, world)
+        single = fused_linear_cross_entropy_with_stats(x, weight, target, chunk_size=8, **op_kwargs(spec))
+        for r in ranks:
+            rows = slice(*r["token_rows"])
+            assert relative_error(r["lse"], single.lse[rows]) < FP32_TOL
+            assert relative_error(r["entropy"], single.entropy[rows]) < FP32_TOL
+            assert torch.equal(r["correct"], single.correct[rows])
 
 
 def _check_fp16(spec, world, ranks):
