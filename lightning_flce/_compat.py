@@ -50,6 +50,8 @@ def dtensor_api():
         except ImportError:
             return None
     return api
+
+
 # torch 2.13 renamed the tensor-in, tensor-out collectives (the old names warn); same signatures.
 all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(
