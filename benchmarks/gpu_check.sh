@@ -10,7 +10,7 @@
 # Knobs (env): OUT (default ./bench_out), GPU_CHECK_TOTAL_S (540), TEST_TIMEOUT_S (180),
 # ACCUM_TIMEOUT_S (90), SKIP_TESTS, SKIP_ACCUM, SKIP_FLCE (set to 1 to skip a step), PYTEST_ARGS and
 # ACCUM_ARGS (extra arguments); RUN_TUNE=1 / RUN_PROFILE=1 add tune_ce_kernel.py / profile_flce.py after the
-# tests (TUNE_ARGS, PROFILE_ARGS; 60 s and 90 s at most). Local plumbing check without a GPU:
+# tests (TUNE_ARGS, PROFILE_ARGS; TUNE_TIMEOUT_S, default 60 s, and 90 s at most). Local plumbing check without a GPU:
 #   TRITON_INTERPRET=1 SKIP_TESTS=1 ACCUM_ARGS="--device cpu --quick" RUN_TUNE=1 TUNE_ARGS="--device cpu" \
 #     RUN_PROFILE=1 PROFILE_ARGS="--device cpu" bash benchmarks/gpu_check.sh --device cpu --quick
 # Files written under $OUT: env.txt, cuda_tests.log, bench.log, accumulation.{json,md}, flce.{json,md}
@@ -64,7 +64,8 @@ fi
 
 # --- 3b. optional: CE kernel launch sweep and per-stage profile ---------------------------------------------
 if [ "${RUN_TUNE:-0}" = "1" ]; then
-    t=$(( $(left) - 60 < 60 ? $(left) - 60 : 60 ))
+    cap=${TUNE_TIMEOUT_S:-60}
+    t=$(( $(left) - 60 < cap ? $(left) - 60 : cap ))
     [ "$t" -lt 10 ] && t=10
     step "tune_ce_kernel (timeout ${t}s)"
     # shellcheck disable=SC2086

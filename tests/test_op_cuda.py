@@ -145,6 +145,27 @@ def test_triton_and_torch_paths_agree(dtype):
     assert (out["triton"].correct != out["torch"].correct).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("config", [None, (8192, 8), (4096, 8), (1024, 4)], ids=str)
+def test_ce_kernel_loss_with_targets_in_the_first_gradient_block(config):
+    """Pass 2 starts at the row's last block and overwrites it: the target logit read for the loss must be
+    read by every warp before any of them stores there (a missing barrier gave wrong losses on an H200)."""
+    from lightning_flce.kernels import LossOptions
+    from lightning_flce.kernels.cross_entropy import LaunchConfig, cross_entropy_chunk_triton
+    from lightning_flce.kernels.cross_entropy_torch import cross_entropy_chunk_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n_rows, vocab = 4096, 32000
+    logits = torch.randn(n_rows, vocab, device="cuda", generator=gen).to(torch.bfloat16)
+    target = torch.randint(vocab - 700, vocab, (n_rows,), device="cuda", generator=gen)
+    scale = torch.full((1,), 1.0 / n_rows, device="cuda")
+    kwargs = {"ce_scale": scale, "z_scale": scale, "compute_grad": True, "compute_stats": False}
+    want = cross_entropy_chunk_torch(logits.clone(), target, LossOptions(), **kwargs)
+    launch = LaunchConfig(*config) if config else None
+    for _ in range(5):
+        got = cross_entropy_chunk_triton(logits.clone(), target, LossOptions(), config=launch, **kwargs)
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-9)
+
+
 def test_bf16_mixed_autocast_gives_fp32_weight_grad():
     """Lightning's bf16-mixed: bf16 hidden states, fp32 head weight under autocast."""
     x, weight, target = make_problem(2048, 512, 32000, torch.float32, seed=4)

@@ -64,6 +64,37 @@ def test_kernel_matches_torch_twin(feature_name, per_row_scale):
     assert torch.all(grad_triton[target == -100] == 0)
 
 
+@pytest.mark.parametrize("feature_name", ["plain", "all", "smoothing+class_weight"])
+def test_kernel_multi_block_rows(feature_name):
+    """Rows spanning several loop iterations (4 blocks of 256, the last partial; the default launch puts
+    these small rows in one block): same results as the twin, targets in the first and the last block,
+    argmax ties resolved to the first maximum across blocks (a maximum repeated in a later block)."""
+    from lightning_flce.kernels.cross_entropy import LaunchConfig, cross_entropy_chunk_triton
+    from lightning_flce.kernels.cross_entropy_torch import cross_entropy_chunk_torch
+
+    gen = torch.Generator().manual_seed(1)
+    n_rows, vocab = 24, 1000
+    options = _options(FEATURES[feature_name], vocab, gen)
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    logits[:, 900] = logits[:, 100] = 20.0  # tie across the first and last block
+    target = torch.randint(0, vocab, (n_rows,), generator=gen)
+    target[::5] = -100
+    target[1], target[2] = 100, 900
+    kwargs = {"ce_scale": torch.tensor([0.3]), "z_scale": torch.tensor([0.6])}
+    kwargs.update(compute_grad=True, compute_stats=True)
+    grad_triton, grad_torch = logits.clone(), logits.clone()
+    config = LaunchConfig(256, 4)
+    out_triton = cross_entropy_chunk_triton(grad_triton, target, options, config=config, **kwargs)
+    out_torch = cross_entropy_chunk_torch(grad_torch, target, options, **kwargs)
+    torch.testing.assert_close(out_triton.loss, out_torch.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_triton.lse, out_torch.lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out_triton.entropy, out_torch.entropy, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out_triton.correct, out_torch.correct)
+    assert out_triton.correct[1] and not out_triton.correct[2]
+    assert relative_error(grad_triton, grad_torch) < 1e-5
+    assert torch.all(grad_triton[target == -100] == 0)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("feature_name", ["plain", "all", "smoothing+class_weight"])
 def test_op_triton_path_matches_float64(reduction, feature_name):

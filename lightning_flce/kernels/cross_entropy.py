@@ -182,6 +182,10 @@ def _cross_entropy_chunk_kernel(
             tl.store(entropy_ptr + row, lse - exp_z_sum / d)
 
         if COMPUTE_GRAD:
+            # Every thread loaded z_target above; without this barrier a warp that reaches pass 2 first
+            # can overwrite the target's logit with its gradient before a slower warp has read it (seen
+            # on an H200 as wrong losses for targets in the last block, with loads issued a block ahead).
+            tl.debug_barrier()
             # Pass 2: overwrite the row with d loss / d logits.
             p_coef = ce_scale * (1.0 - label_smoothing) * w_target + z_scale * 2.0 * lse_square_scale * lse
             if HAS_SMOOTHING:
