@@ -81,8 +81,9 @@ _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
     _C_CHUNK,
     _C_ITEMSIZE,
     _C_FLAGS,
-) = range(12)
-_N_COLUMNS = 12
+    _C_OPTIONS,
+) = range(13)
+_N_COLUMNS = 13
 _FINGERPRINT_MOD = 65521
 
 
@@ -453,6 +454,7 @@ def _call(
         compute_dtype=compute_dtype,
         need_grad_input=needs[0],
         compute_stats=compute_stats,
+        loss_options=(float(label_smoothing), float(lse_square_scale), float(softcap or 0.0)),
     )
     plan = _Plan(
         group=group,
@@ -523,6 +525,7 @@ def _layout(
     compute_dtype: torch.dtype,
     need_grad_input: bool,
     compute_stats: bool,
+    loss_options: Tuple[float, ...] = (),
 ) -> Tuple[int, int, int, int]:
     """``(vocab_start, V, number of non-ignored targets, chunk_size)``, agreed on by every rank through one
     int64 all-reduce (one host sync) of every rank's shard and a fingerprint of what must agree."""
@@ -541,6 +544,8 @@ def _layout(
         int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2
     )  # must agree as well
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    # Python's hash of ints and floats is the same in every process (no hash randomization for numbers).
+    options = hash((ignore_index, *loss_options)) & ((1 << 62) - 1)
     row = torch.stack(
         [
             flat_target.new_tensor(int(vocab_start is not None)),
@@ -555,6 +560,7 @@ def _layout(
             flat_target.new_tensor(int(chunk_size) if chunk_size is not None else 0),
             flat_target.new_tensor(itemsize),
             flat_target.new_tensor(flags),
+            flat_target.new_tensor(options),
         ]
     )
     table = torch.zeros(world_size, _N_COLUMNS, dtype=torch.int64, device=device)
@@ -573,6 +579,7 @@ def _layout(
         (_C_CHUNK, "chunk_size"),
         (_C_ITEMSIZE, "compute dtypes"),
         (_C_FLAGS, "reduction, stats or input.requires_grad"),
+        (_C_OPTIONS, "ignore_index, label_smoothing, lse_square_scale or softcap"),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
     ):
         if len(set(column(index))) > 1:

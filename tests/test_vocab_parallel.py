@@ -128,6 +128,7 @@ def cases(world: int) -> dict[str, dict]:
     out["error-class_weight"] = {"kind": "error", "error": "class_weight"}
     out["error-vocab_start_overlap"] = {"kind": "error", "error": "overlap"}
     out["error-chunk_size_differs"] = {"kind": "error", "error": "chunk"}
+    out["error-loss_options_differ"] = {"kind": "error", "error": "options"}
     out["error-sequence_parallel_uneven"] = {"kind": "error", "error": "sp_uneven"}
     out["after_errors-plain-mean"] = {"kind": "loss", "feature": "plain", "reduction": "mean"}
     return out
@@ -309,6 +310,8 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             kwargs["vocab_start"] = 0  # every rank claims row 0
         elif error == "chunk":
             kwargs["chunk_size"] = chunk_size + rank  # chunk boundaries would not line up
+        elif error == "options":
+            kwargs["label_smoothing"] = 0.1 * rank  # each rank would compute a different loss
         elif error == "sp_uneven":
             kwargs["sequence_parallel"] = True
             x, target = x[: 5 + rank], target[: 5 + rank]  # rank 1 holds one token more
@@ -521,6 +524,7 @@ def test_vocab_parallel(results, world, name):
             "class_weight": ("NotImplementedError", "class_weight is not supported"),
             "overlap": ("ValueError", "do not tile"),
             "chunk": ("ValueError", "disagree on their chunk_size"),
+            "options": ("ValueError", "disagree on their ignore_index, label_smoothing"),
             "sp_uneven": ("ValueError", "same number of tokens on every rank"),
         }[spec["error"]]
         for rank, r in enumerate(ranks):
