@@ -6,7 +6,9 @@ the implementation, and call the custom op of :mod:`lightning_flce.op`.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import math
+import operator
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -149,6 +151,7 @@ def _call(
 ) -> FLCEOutput:
     compute_dtype = _check_inputs(input, weight, target, bias, class_weight)
     _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
+    target, ignore_index = _class_indices(target, ignore_index)
     impl = _resolve_impl(impl, input.device)
     grad_enabled = torch.is_grad_enabled()
     loss, lse, correct, entropy, *_ = flce_forward(
@@ -157,7 +160,7 @@ def _call(
         target,
         bias,
         class_weight,
-        int(ignore_index),
+        ignore_index,
         reduction,
         float(label_smoothing),
         float(lse_square_scale),
@@ -232,6 +235,21 @@ def _check_inputs(
     return input.dtype
 
 
+def _class_indices(target: Tensor, ignore_index) -> Tuple[Tensor, int]:
+    """The target as int64 and ``ignore_index`` as an int64 value. Narrower integer targets are widened first:
+    compared in their own dtype, -100 would wrap around in uint8 (to 156, a class) and range checks would
+    wrap too."""
+    if isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    try:
+        ignore_index = operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}") from None
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64, got {ignore_index}")
+    return (target if target.dtype == torch.int64 else target.long()), ignore_index
+
+
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     try:
         enabled = torch.is_autocast_enabled(device_type)
@@ -247,14 +265,16 @@ def _check_options(
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if lse_square_scale < 0.0:
-        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
-    if softcap is not None and not softcap > 0.0:
-        raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
+    if not 0.0 <= lse_square_scale < math.inf:
+        raise ValueError(f"lse_square_scale must be finite and >= 0, got {lse_square_scale}")
+    if softcap is not None and not 0.0 < softcap < math.inf:
+        raise ValueError(f"softcap must be finite and > 0 (or None), got {softcap}")
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(f"accum_dtype must be a torch.dtype or None, got {accum_dtype!r}")
-    if chunk_size is not None and chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0
+    ):
+        raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size!r}")
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
 

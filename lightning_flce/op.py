@@ -243,6 +243,8 @@ def _fp16_bound_stats(
     w_max = options.class_weight.abs().max() if options.class_weight is not None else 1.0
     z_bound = 2.0 * options.lse_square_scale * _Z_LOSS_LSE_BOUND
     token_bound = (ce_scale.abs() * w_max + z_scale.abs() * z_bound).float()
+    if token_bound.numel() == 0:  # per-token scales of an empty batch ("none" backward)
+        token_bound = token_bound.new_zeros(1)
     stats = [token_bound.max(), token_bound.sum()]
     if keep_scaled and weight_dtype == torch.float16:
         stats.append(x2.abs().amax().float() if x2.numel() else torch.zeros((), device=x2.device))
@@ -266,9 +268,13 @@ def _fp16_grad_scales(
     logits_scale = _pow2_at_most(_FP16_LOGIT_GRAD_MAX / bound) if bound > 0 else 1.0
     # dX: 2 b max|W| * (logits_scale / 64) = 32 max|W| at most (fp16 weights never come near 2000).
     stored_input = logits_scale / 64 if keep_scaled and input_dtype == torch.float16 else 1.0
-    stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / (total * x_max[0])) if x_max else 1.0
+    # A zero bound (no valid rows, all-zero hidden states, zero weights) means zero gradients: any scale does.
+    weight_bound = total * x_max[0] if x_max else 0.0
+    stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / weight_bound) if weight_bound > 0 else 1.0
     stored_bias = (
-        _pow2_at_most(_FP16_STORED_GRAD_MAX / total) if keep_scaled and bias_dtype == torch.float16 else 1.0
+        _pow2_at_most(_FP16_STORED_GRAD_MAX / total)
+        if keep_scaled and bias_dtype == torch.float16 and total > 0
+        else 1.0
     )
     return GradScales(logits_scale, stored_input, stored_weight, stored_bias)
 
@@ -488,7 +494,8 @@ def _loss_scales(
     """fp32 [1] multipliers of the CE and z-loss terms, computed on the device (no host sync).
 
     "mean" divides CE by the summed class weight of the valid targets (the count without weights), as
-    ``F.cross_entropy`` does, and the z-loss by the count; an all-ignored batch gets 0, not NaN.
+    ``F.cross_entropy`` does, and the z-loss by the count; an all-ignored batch (or a zero total weight) gets
+    0, not NaN.
     """
     one = torch.ones(1, dtype=torch.float32, device=device)
     if reduction != "mean":
@@ -501,7 +508,8 @@ def _loss_scales(
         ce_norm = (options.class_weight[safe] * valid).sum().reshape(1)
     else:
         ce_norm = count
-    ce_scale = torch.where(ce_norm > 0, 1.0 / ce_norm, 0.0)
+    # A zero total weight gives 0 (F.cross_entropy gives NaN); a negative one is a valid, if odd, normalizer.
+    ce_scale = torch.where(ce_norm != 0, 1.0 / ce_norm, 0.0)
     z_scale = torch.where(count > 0, 1.0 / count, 0.0)
     return ce_scale, z_scale
 
@@ -803,6 +811,19 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.save_for_backward(*output[4:])
 
 
+def check_single_backward(ctx) -> None:
+    """ "mean"/"sum" hand out the gradients computed in forward, scaled in place by grad_output: a second
+    backward through the same graph (``retain_graph=True``, repeated ``autograd.grad``) cannot reuse them."""
+    if getattr(ctx, "grads_handed_out", False):
+        raise RuntimeError(
+            "backward ran twice through the same fused linear cross-entropy call: with reduction 'mean'/'sum' it"
+            " computes the gradients in forward and hands them out once (scaled in place). Use reduction='none'"
+            " (it recomputes in backward; take .sum()/.mean() of its output) for retain_graph or repeated"
+            " autograd.grad, or call the loss again"
+        )
+    ctx.grads_handed_out = True
+
+
 def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
     grads: List[Optional[Tensor]] = [None] * 18
     if grad_loss is None:
@@ -812,6 +833,7 @@ def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
         x, weight, target, bias, class_weight = ctx.saved_tensors
         gx, gw, gb = flce_backward(grad_loss, x, weight, target, bias, class_weight, *ctx.options, *ctx.needs)
     else:
+        check_single_backward(ctx)
         gx, gw, gb, inverse_scales = ctx.saved_tensors
         flce_scale_grads_(gx, gw, gb, grad_loss, inverse_scales)
     grads[_X] = gx if need_grad_input else None

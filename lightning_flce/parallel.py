@@ -44,7 +44,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_flce._compat import all_gather_single, dtensor_api, reduce_scatter_single
-from lightning_flce.functional import FLCEOutput, _accum_mode, _check_inputs, _check_options, _resolve_impl
+from lightning_flce.functional import (
+    FLCEOutput,
+    _accum_mode,
+    _check_inputs,
+    _check_options,
+    _class_indices,
+    _resolve_impl,
+)
 from lightning_flce.kernels import ChunkOutputs, LossOptions, shard_row_stats, shard_softmax_grad
 from lightning_flce.kernels.scale import scale_
 from lightning_flce.op import (
@@ -52,6 +59,7 @@ from lightning_flce.op import (
     _FLOOR_LIMITED_ALIGN,
     _loss_scales,
     balanced_chunk_rows,
+    check_single_backward,
     default_chunk_size,
     run_chunks,
     valid_rows,
@@ -429,6 +437,7 @@ def _call(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("vocab_parallel_fused_linear_cross_entropy needs an initialized torch.distributed")
     compute_dtype = _check_inputs(input, weight, target, bias, None)
+    target, ignore_index = _class_indices(target, ignore_index)
     local_input = input
     if sequence_parallel:
         input, target = _gather_tokens(input, target, group)
@@ -696,6 +705,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
             if gx is not None:
                 gx = gx.view(ctx.input_shape)
         else:
+            check_single_backward(ctx)
             gx, gw, gb = ctx.saved_tensors
             for grad, stored_scale in zip((gx, gw, gb), ctx.stored_scales):
                 if grad is not None:

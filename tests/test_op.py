@@ -206,17 +206,52 @@ def test_fp64_accumulation_for_fp32_weight():
     assert relative_error(dx, ref_dx) < 1e-6
 
 
-def test_all_ignored_gives_zero_with_connected_graph():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_all_ignored_gives_zero_with_connected_graph(dtype):
     x, weight, target, bias, _ = make_problem(12, 8, 50)
     target.fill_(-100)
     for reduction in ("mean", "sum", "none"):
-        xg, wg, bg = (t.clone().requires_grad_() for t in (x, weight, bias))
+        xg, wg, bg = (t.to(dtype).requires_grad_() for t in (x, weight, bias))
         loss = fused_linear_cross_entropy(xg, wg, target, bg, reduction=reduction, lse_square_scale=1e-3)
         assert loss.requires_grad
         assert torch.all(loss == 0) and not torch.isnan(loss).any()
         loss.sum().backward()
         for grad in (xg.grad, wg.grad, bg.grad):
             assert grad is not None and torch.all(grad == 0)
+
+
+def test_fp16_zero_gradient_bounds():
+    """fp16 sizes its gradient scales from bounds on the gradients; a zero bound (all-zero hidden states, or
+    every valid target weighted 0 under "mean") means zero gradients, not a division by zero."""
+    x, weight, target, _, class_weight = make_problem(12, 8, 50)
+    cases = [
+        ({"reduction": "sum"}, torch.zeros_like(x)),
+        ({"class_weight": torch.zeros_like(class_weight)}, x),
+    ]
+    for kwargs, hidden in cases:
+        xg, wg = hidden.half().requires_grad_(), weight.half().requires_grad_()
+        loss = fused_linear_cross_entropy(xg, wg, target, **kwargs)
+        want = reference_loss(hidden, weight, target, **kwargs)
+        assert torch.isfinite(loss)
+        if torch.isfinite(want):  # F.cross_entropy gives NaN for a zero total weight; the op gives 0
+            assert relative_error(loss, want) < 1e-3
+        loss.backward()
+        assert torch.isfinite(xg.grad).all() and torch.isfinite(wg.grad).all()
+
+
+def test_negative_class_weights_mean_matches_reference():
+    """A negative total target weight is a valid normalizer for "mean" (F.cross_entropy divides by it)."""
+    x, weight, target, _, class_weight = make_problem(12, 8, 50)
+    class_weight[target] = -1.0
+    x.requires_grad_()
+    weight.requires_grad_()
+    got = grads_of(
+        lambda x_, w_: fused_linear_cross_entropy(x_, w_, target, class_weight=class_weight), x, weight
+    )
+    want = grads_of(lambda x_, w_: reference_loss(x_, w_, target, class_weight=class_weight), x, weight)
+    assert relative_error(got[0], want[0]) < FP32_TOL
+    for a, b in zip(got[1], want[1]):
+        assert relative_error(a, b) < FP32_TOL
 
 
 def test_all_ignored_mean_with_class_weight_is_zero():
@@ -226,10 +261,11 @@ def test_all_ignored_mean_with_class_weight_is_zero():
     assert loss.item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_empty_input(reduction):
-    x = torch.randn(0, 8, requires_grad=True)
-    weight = torch.randn(20, 8, requires_grad=True)
+def test_empty_input(reduction, dtype):
+    x = torch.randn(0, 8, dtype=dtype, requires_grad=True)
+    weight = torch.randn(20, 8, dtype=dtype, requires_grad=True)
     target = torch.zeros(0, dtype=torch.long)
     loss = fused_linear_cross_entropy(x, weight, target, reduction=reduction)
     assert loss.shape == ((0,) if reduction == "none" else ())

@@ -95,11 +95,73 @@ def test_bad_tensors(overrides, error, match):
         ({"chunk_size": 0}, ValueError, "chunk_size"),
         ({"impl": "cuda"}, ValueError, "impl"),
         ({"accum_dtype": "float32"}, TypeError, "accum_dtype"),
+        ({"lse_square_scale": float("nan")}, ValueError, "lse_square_scale"),
+        ({"lse_square_scale": float("inf")}, ValueError, "lse_square_scale"),
+        ({"softcap": float("inf")}, ValueError, "softcap"),
+        ({"chunk_size": 2.5}, ValueError, "chunk_size"),
+        ({"ignore_index": -100.7}, TypeError, "ignore_index"),
+        ({"ignore_index": 2**64}, ValueError, "ignore_index must fit in int64"),
     ],
 )
 def test_bad_options(kwargs, error, match):
     with pytest.raises(error, match=match):
         _call(kwargs)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "vocab", "targets", "ignore_index"),
+    [
+        (torch.uint8, 200, [156, 156, 7, 100, 0, 199], -100),  # -100 is 156 in uint8
+        (torch.uint8, 256, [1, 2, 3, 255, 0, 128], -100),  # all of uint8 is in range
+        (torch.int8, 200, [-100, 5, 127, -100, 0, 64], -100),
+        (torch.int16, 40000, [32000, -100, 3, 32767, 0, 12], -100),
+        (torch.int32, 50, [0, 2, 3, 49, 0, 1], 2**32),  # 2**32 is 0 in int32
+    ],
+    ids=["uint8-wraps-ignore-index", "uint8-full-range", "int8", "int16", "int32-big-ignore-index"],
+)
+def test_narrow_integer_targets_are_class_indices(dtype, vocab, targets, ignore_index):
+    """Targets are compared as int64 values, never in their own (wrapping) dtype."""
+    from reference import grads_of, reference_loss, relative_error
+
+    x, weight = torch.randn(len(targets), H, dtype=torch.float64), torch.randn(vocab, H, dtype=torch.float64)
+    target = torch.tensor(targets, dtype=dtype)
+    class_weight = torch.rand(vocab, dtype=torch.float64) + 0.5
+    for kwargs in ({}, {"class_weight": class_weight, "label_smoothing": 0.1}):
+        got = grads_of(
+            lambda x_, w_, kw=kwargs: fused_linear_cross_entropy(
+                x_, w_, target, ignore_index=ignore_index, **kw
+            ),
+            x.clone().requires_grad_(),
+            weight.clone().requires_grad_(),
+        )
+        want = grads_of(
+            lambda x_, w_, kw=kwargs: reference_loss(x_, w_, target.long(), ignore_index=ignore_index, **kw),
+            x.clone().requires_grad_(),
+            weight.clone().requires_grad_(),
+        )
+        # fp32 losses and loss scales for every input dtype (test_op.py's fp32 bar); a misread target is O(1).
+        assert relative_error(got[0], want[0]) < 1e-6
+        for a, b in zip(got[1], want[1]):
+            assert relative_error(a, b) < 1e-6
+
+
+def test_second_backward_through_mean_or_sum_is_refused():
+    """ "mean"/"sum" hand out the gradients computed in forward once (they are scaled in place); a second
+    backward (retain_graph) raises a clear error instead of scaling them again. "none" recomputes."""
+    x = torch.randn(N, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    target = torch.randint(0, V, (N,))
+    for reduction in ("mean", "sum"):
+        loss = fused_linear_cross_entropy(x, weight, target, reduction=reduction)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            loss.backward()
+    x.grad = weight.grad = None
+    loss = fused_linear_cross_entropy(x, weight, target, reduction="none").sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * first)
 
 
 def test_empty_partitioned_weight_is_explained():

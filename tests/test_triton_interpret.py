@@ -95,6 +95,45 @@ def test_kernel_multi_block_rows(feature_name):
     assert torch.all(grad_triton[target == -100] == 0)
 
 
+def test_kernels_with_leading_blocks_masked_to_minus_inf():
+    """Rows whose first blocks are all -inf (a bias mask, a padded vocabulary): the online softmax must not
+    compute exp(-inf - -inf) = NaN. The chunk kernel over 4 blocks of 256 with columns [0, 600) masked, and
+    the shard statistics kernel on a shard whose columns are all masked for some rows."""
+    from lightning_flce.kernels.cross_entropy import LaunchConfig, cross_entropy_chunk_triton
+    from lightning_flce.kernels.cross_entropy_shard import shard_row_stats_triton
+    from lightning_flce.kernels.cross_entropy_shard_torch import shard_row_stats_torch
+    from lightning_flce.kernels.cross_entropy_torch import cross_entropy_chunk_torch
+
+    gen = torch.Generator().manual_seed(4)
+    n_rows, vocab = 12, 1000
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    logits[:, :600] = float("-inf")
+    target = torch.randint(600, vocab, (n_rows,), generator=gen)
+    kwargs = {"ce_scale": torch.tensor([0.3]), "z_scale": torch.tensor([0.6])}
+    kwargs.update(compute_grad=True, compute_stats=True)
+    grad_triton, grad_torch = logits.clone(), logits.clone()
+    got = cross_entropy_chunk_triton(
+        grad_triton, target, LossOptions(), config=LaunchConfig(256, 4), **kwargs
+    )
+    want = cross_entropy_chunk_torch(grad_torch, target, LossOptions(), **kwargs)
+    assert torch.isfinite(got.loss).all() and torch.isfinite(grad_triton).all()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-5, atol=1e-5)
+    assert relative_error(grad_triton, grad_torch) < 1e-5
+
+    shard = torch.randn(n_rows, 300, generator=gen)
+    shard[:4] = float("-inf")  # these rows' logits all live on other shards
+    local_target = torch.randint(0, 300, (n_rows,), generator=gen)
+    for impl in (shard_row_stats_triton, shard_row_stats_torch):
+        stats = impl(shard, local_target, softcap=0.0, with_z_sum=False, with_stats=True)
+        assert torch.all(stats.sum_exp[:4] == 0) and torch.all(stats.max[:4] == float("-inf")), impl
+        assert torch.all(stats.exp_z_sum[:4] == 0), impl
+        assert torch.isfinite(stats.sum_exp).all() and torch.isfinite(stats.exp_z_sum).all(), impl
+    twin = shard_row_stats_torch(shard, local_target, softcap=0.0, with_z_sum=False, with_stats=True)
+    torch.testing.assert_close(stats.sum_exp, twin.sum_exp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.exp_z_sum, twin.exp_z_sum, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("feature_name", ["plain", "all", "smoothing+class_weight"])
 def test_op_triton_path_matches_float64(reduction, feature_name):

@@ -141,8 +141,11 @@ def _cross_entropy_chunk_kernel(
             z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
             block_max = tl.max(z, 0)
             m_new = tl.maximum(m, block_max)
-            rescale = _exp(m - m_new, PRECISE)
-            e = _exp(z - m_new, PRECISE)
+            # Exponents relative to 0 until a finite logit shows up (exp(-inf - -inf) is NaN): a row may
+            # start with a block masked to -inf (a bias mask, a padded vocabulary).
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            rescale = _exp(m - m_ref, PRECISE)
+            e = _exp(z - m_ref, PRECISE)
             d = d * rescale + tl.sum(e, 0)
             # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
             z_finite = tl.where(mask, z, 0.0)
@@ -153,7 +156,7 @@ def _cross_entropy_chunk_kernel(
                 else:
                     weighted_z_sum += tl.sum(z_finite, 0)
             if COMPUTE_STATS:
-                exp_z_sum = exp_z_sum * rescale + tl.sum(e * z_finite, 0)
+                exp_z_sum = exp_z_sum * rescale + tl.sum(e * tl.where(e > 0.0, z, 0.0), 0)  # 0 * -inf is NaN
                 block_arg = tl.argmax(z, 0).to(tl.int32)
                 # Strict '>' keeps the first maximum, as torch.argmax does.
                 best_idx = tl.where(block_max > best, start + block_arg, best_idx)

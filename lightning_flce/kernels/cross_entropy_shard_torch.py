@@ -37,14 +37,16 @@ def shard_row_stats_torch(
     for part in _row_slices(n_rows, local_vocab):
         z = _capped(logits[part], softcap)
         row_max = z.amax(dim=1)
-        exp_shifted = (z - row_max.unsqueeze(1)).exp_()
+        # A row masked to -inf on this whole shard: sums of 0 relative to 0, not exp(-inf - -inf) = NaN.
+        shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+        exp_shifted = (z - shift.unsqueeze(1)).exp_()
         out.max[part] = row_max
         out.sum_exp[part] = exp_shifted.sum(dim=1)
         out.z_target[part] = torch.where(held[part], z.gather(1, safe_target[part]).squeeze(1), 0.0)
         if with_z_sum:
             out.z_sum[part] = z.sum(dim=1)
         if with_stats:
-            out.exp_z_sum[part] = (exp_shifted * z).sum(dim=1)
+            out.exp_z_sum[part] = (exp_shifted * torch.where(exp_shifted > 0, z, 0.0)).sum(dim=1)
             out.argmax[part] = z.argmax(dim=1)  # the first maximum
     return out
 

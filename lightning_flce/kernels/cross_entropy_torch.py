@@ -55,7 +55,8 @@ def cross_entropy_chunk_torch(
     if compute_stats:
         correct = (z.argmax(dim=1) == target) & valid
         probs = torch.softmax(z, dim=1)
-        entropy = torch.where(valid, lse - (probs * z).sum(dim=1), 0.0)
+        # p z with p = 0 counts 0, also where z = -inf (a masked logit), not NaN.
+        entropy = torch.where(valid, lse - (probs * torch.where(probs > 0, z, 0.0)).sum(dim=1), 0.0)
         del probs
 
     if compute_grad:
