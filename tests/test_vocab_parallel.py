@@ -647,6 +647,32 @@ def test_needs_an_initialized_process_group():
         )
 
 
+def test_second_backward_is_refused(tmp_path):
+    """As the single-device op: "mean"/"sum" hand out their forward-computed gradients once (a second backward
+    would scale them in place again); "none" recomputes and supports retain_graph."""
+    import torch.distributed as dist
+
+    spec = {"feature": "plain", "reduction": "mean"}
+    x, weight, target, _, _ = make_problem(spec, 2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x.requires_grad_()
+        weight.requires_grad_()
+        for reduction in ("mean", "sum"):
+            loss = vocab_parallel_fused_linear_cross_entropy(x, weight, target, reduction=reduction)
+            loss.backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match="backward ran twice"):
+                loss.backward()
+        x.grad = None
+        loss = vocab_parallel_fused_linear_cross_entropy(x, weight, target, reduction="none").sum()
+        loss.backward(retain_graph=True)
+        first = x.grad.clone()
+        loss.backward()
+        torch.testing.assert_close(x.grad, 2 * first)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("feature_name", ["plain", "all"])
 def test_softmax_in_row_slices(tmp_path, monkeypatch, feature_name):
     """One process (a group of 1): the softmax over a chunk runs in row slices when its fp32 temporaries
