@@ -95,6 +95,27 @@ def test_kernel_multi_block_rows(feature_name):
     assert torch.all(grad_triton[target == -100] == 0)
 
 
+@pytest.mark.parametrize("softcap", [3.0, 1e3, 1e5, 1e7])
+def test_kernel_softcap_accuracy_at_any_cap(softcap):
+    """c tanh(z / c) for caps far above the logits (z / c near 0, where an exp-based tanh cancels) and near
+    them: loss, LSE and gradient as the PyTorch twin's (torch.tanh)."""
+    from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton
+    from lightning_flce.kernels.cross_entropy_torch import cross_entropy_chunk_torch
+
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(16, 1000, generator=gen) * 4
+    target = torch.randint(0, 1000, (16,), generator=gen)
+    options = LossOptions(softcap=softcap)
+    kwargs = {"ce_scale": torch.tensor([0.3]), "z_scale": torch.tensor([0.6])}
+    kwargs.update(compute_grad=True, compute_stats=False)
+    grad_triton, grad_torch = logits.clone(), logits.clone()
+    got = cross_entropy_chunk_triton(grad_triton, target, options, **kwargs)
+    want = cross_entropy_chunk_torch(grad_torch, target, options, **kwargs)
+    assert relative_error(got.loss, want.loss) < 1e-6
+    assert relative_error(got.lse, want.lse) < 1e-6
+    assert relative_error(grad_triton, grad_torch) < 1e-5
+
+
 def test_kernels_with_leading_blocks_masked_to_minus_inf():
     """Rows whose first blocks are all -inf (a bias mask, a padded vocabulary): the online softmax must not
     compute exp(-inf - -inf) = NaN. The chunk kernel over 4 blocks of 256 with columns [0, 600) masked, and
