@@ -150,6 +150,10 @@ def _call(
     compute_stats: bool,
 ) -> FLCEOutput:
     compute_dtype = _check_inputs(input, weight, target, bias, class_weight)
+    if (
+        0 in weight.shape
+    ):  # not in _check_inputs: a vocab-parallel rank must not raise alone (its peers would hang)
+        raise ValueError(f"hidden size and vocabulary must be non-empty, got weight {tuple(weight.shape)}")
     _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
     target, ignore_index = _class_indices(target, ignore_index)
     impl = _resolve_impl(impl, input.device)
@@ -192,6 +196,9 @@ def _check_inputs(
             f"expected input [..., H] and weight [V, H], got {tuple(input.shape)} and {tuple(weight.shape)}"
         )
     hidden = input.shape[-1]
+    for name, tensor in (("input", input), ("weight", weight), ("target", target)):
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}")
     if weight.shape[1] != hidden:
         raise ValueError(
             f"hidden size mismatch: input has H={hidden}, weight is {tuple(weight.shape)} (expected [V, {hidden}])"
@@ -223,7 +230,8 @@ def _check_inputs(
             raise TypeError(f"{name} dtype {tensor.dtype} is not supported (fp16, bf16, fp32, fp64)")
 
     autocast_dtype = _autocast_dtype(input.device.type)
-    if autocast_dtype is not None:
+    # Autocast leaves fp64 tensors alone (as F.linear does under it): fp64 in, fp64 GEMMs.
+    if autocast_dtype is not None and torch.float64 not in (input.dtype, weight.dtype):
         # Like nn.Linear under autocast: GEMM operands in the autocast dtype, grads in the param dtypes.
         return autocast_dtype
     for name, tensor in (("weight", weight), ("bias", bias)):

@@ -220,6 +220,19 @@ def test_all_ignored_gives_zero_with_connected_graph(dtype):
             assert grad is not None and torch.all(grad == 0)
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp64_under_autocast_stays_fp64(autocast_dtype):
+    """Autocast leaves fp64 tensors alone (F.linear under it runs in fp64): so does the op."""
+    x, weight, target, bias, _ = make_problem(12, 8, 50)
+    x, weight, bias = (t.double().requires_grad_() for t in (x, weight, bias))
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        got = grads_of(lambda x_, w_, b_: fused_linear_cross_entropy(x_, w_, target, b_), x, weight, bias)
+    want = grads_of(lambda x_, w_, b_: reference_loss(x_, w_, target, b_), x, weight, bias)
+    assert relative_error(got[0], want[0]) < 1e-6
+    for a, b in zip(got[1], want[1]):
+        assert a.dtype == torch.float64 and relative_error(a, b) < 1e-6
+
+
 def test_fp16_zero_gradient_bounds():
     """fp16 sizes its gradient scales from bounds on the gradients; a zero bound (all-zero hidden states, or
     every valid target weighted 0 under "mean") means zero gradients, not a division by zero."""

@@ -61,6 +61,9 @@ def test_out_of_range_check_runs_before_any_gradient():
         ({"input": torch.randn(N, H, device="meta")}, ValueError, "is on cpu but input is on meta"),
         ({"bias": torch.randn(V + 1)}, ValueError, "bias"),
         ({"bias": torch.randn(V, dtype=torch.float64)}, TypeError, "bias dtype"),
+        ({"input": torch.randn(N, 0), "weight": torch.randn(V, 0)}, ValueError, "must be non-empty"),
+        ({"weight": torch.randn(0, H)}, ValueError, "must be non-empty"),
+        ({"weight": torch.randn(V, H).to_sparse()}, TypeError, "dense"),
     ],
     ids=[
         "H-mismatch",
@@ -74,6 +77,9 @@ def test_out_of_range_check_runs_before_any_gradient():
         "device-mismatch",
         "bias-shape",
         "bias-dtype",
+        "hidden-0",
+        "vocab-0",
+        "sparse-weight",
     ],
 )
 def test_bad_tensors(overrides, error, match):
