@@ -4,6 +4,7 @@ import functools
 from typing import Any, Callable, Optional
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
@@ -12,6 +13,23 @@ from lightning_flce.head import FLCEHeadLoss, unwrap_head
 from lightning_flce.parallel import VocabParallelHead, register_fsdp_step_methods
 
 _NORMALIZE_MODES = ("step", "micro_batch")
+_NARROW_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
+
+
+class _Float64Mean(MeanMetric):
+    """A ``MeanMetric`` whose states stay float64. Lightning's "16-true"/"bf16-true" plugins call
+    ``module.to(dtype)``, which torchmetrics (unlike ``.half()``) lets convert metric states: an fp16 sum of
+    token losses overflows after a few thousand tokens, a bf16 one rounds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_dtype(torch.float64)
+
+    def _apply(self, fn, *args, **kwargs):
+        this = super()._apply(fn, *args, **kwargs)
+        if not self._dtype_convert and this.dtype != torch.float64:
+            this.set_dtype(torch.float64)
+        return this
 
 
 class FLCEMixin:
@@ -81,6 +99,9 @@ class FLCEMixin:
     - Every gradient of the optimizer is rescaled, so return the ``flce_loss`` of the training step as the
       loss. Another loss term added to it is rescaled too: multiply it by ``self.flce_last_num_tokens`` to
       weight it per token like the LM loss, or use ``"micro_batch"``.
+    - Overridden hooks the mixin uses must call ``super()``: ``on_fit_start`` (step totals, FSDP2 step
+      methods), ``on_validation_epoch_end`` / ``on_test_epoch_end`` (they log and reset ``val/*`` /
+      ``test/*``; the mixin warns when an epoch's metrics were never logged).
     - If you override ``optimizer_step`` and ``on_before_optimizer_step``, call ``super()`` in one of them;
       the next training step raises otherwise. Callbacks' ``on_before_optimizer_step`` run after the
       rescaling unless ``optimizer_step`` is overridden.
@@ -164,8 +185,9 @@ class FLCEMixin:
             naive=flce_naive,
         )
         # token-weighted means; their states are not persistent, so checkpoints do not change
-        self.flce_eval_loss = MeanMetric()
-        self.flce_eval_accuracy = MeanMetric()
+        self.flce_eval_loss = _Float64Mean()
+        self.flce_eval_accuracy = _Float64Mean()
+        self._flce_eval_pending: Optional[tuple] = None  # (stage, epoch) of metric updates not yet logged
         self.flce_last_logits_shape: Optional[tuple[int, int]] = None
         self.flce_last_logits_bytes: Optional[int] = None
         self.flce_last_num_tokens: Optional[Tensor] = None
@@ -190,6 +212,8 @@ class FLCEMixin:
             gradients at the optimizer step (see the class docstring).
 
         """
+        if labels.dtype in _NARROW_INT_DTYPES:  # ignore_index (-100) does not fit uint8, say
+            labels = labels.long()
         if shift:
             # shift the labels rather than the hidden states: no copy of the [B, T, H] activations
             labels = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=self.flce_ignore_index)
@@ -216,6 +240,7 @@ class FLCEMixin:
         mean = loss_sum / num_tokens.clamp(min=1)
 
         if evaluating:
+            self._flce_check_eval_logged(stage)
             weight = num_tokens.to(torch.float32)
             self.flce_eval_loss.update(mean.detach().float(), weight)
             self.flce_eval_accuracy.update(output.correct.sum() / num_tokens.clamp(min=1), weight)
@@ -448,7 +473,25 @@ class FLCEMixin:
             batch_size=max(int(num_tokens), 1),
         )
 
+    def _flce_check_eval_logged(self, stage: str) -> None:
+        # which evaluation this update belongs to: stage, trainer (a token object kept alive here, so a new
+        # trainer at a reused address still differs), epoch, step
+        trainer = self._trainer
+        token = None
+        if trainer is not None:
+            token = trainer.__dict__.setdefault("_flce_eval_token", object())
+        key = (stage, token, getattr(trainer, "current_epoch", None), getattr(trainer, "global_step", None))
+        pending = self._flce_eval_pending
+        if pending is not None and pending != key:
+            rank_zero_warn(
+                f"FLCEMixin: the {pending[0]} metrics of an earlier evaluation were never logged; an overridden"
+                " on_validation_epoch_end / on_test_epoch_end must call super() (it logs and resets them). They"
+                " now mix evaluations."
+            )
+        self._flce_eval_pending = key
+
     def _flce_log_eval(self, prefix: str) -> None:
+        self._flce_eval_pending = None
         if self.flce_eval_loss.update_count == 0:
             return
         loss = self.flce_eval_loss.compute()

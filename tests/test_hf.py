@@ -160,6 +160,11 @@ def test_labels_default_to_input_ids_and_padding_is_ignored():
     changed = {k: v.clone() for k, v in without_labels.items()}
     changed["input_ids"][2, 5:] = 0
     assert model._loss(changed).item() == pytest.approx(model._loss(without_labels).item(), rel=FP32_TOL)
+    # narrow integer labels: the padding's -100 must not wrap (uint8 would make it class 156)
+    byte_labels = batch["input_ids"].clamp(max=255)
+    expected = hf_logits_loss(model, {**without_labels, "labels": byte_labels})
+    narrow = {**without_labels, "labels": byte_labels.to(torch.uint8)}
+    assert model._loss(narrow).item() == pytest.approx(expected.item(), rel=FP32_TOL)
 
 
 def test_softcap_option_must_agree_with_the_model_config():

@@ -339,6 +339,42 @@ def test_validation_metrics_are_token_weighted():
     assert 0.0 < expected_accuracy < 1.0
 
 
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
+def test_half_true_precision_keeps_float64_metric_states(precision):
+    """The "-true" plugins call module.to(half dtype), which also converts torchmetrics states: an fp16 sum of
+    token losses overflowed to inf after ~7k tokens (here 16k), a bf16 one rounded. The states stay fp64."""
+    model = tiny_gpt()
+    batches = make_batches(4, batch_size=256)
+    (want,) = trainer().validate(copy.deepcopy(model), loader(batches), verbose=False)
+    (got,) = trainer(precision=precision).validate(model, loader(batches), verbose=False)
+    assert model.flce_eval_loss.dtype == torch.float64
+    assert math.isfinite(got["val/loss"])
+    assert got["val/loss"] == pytest.approx(want["val/loss"], rel=1e-2)  # a half-precision model, fp64 sums
+
+
+def test_overridden_epoch_end_without_super_warns():
+    class NoSuper(TinyGPT):
+        def on_validation_epoch_end(self):
+            pass
+
+    torch.manual_seed(0)
+    model = NoSuper(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, max_seq_len=SEQ, lr=0.0)
+    batches = loader(make_batches(2))
+    trainer().validate(model, batches, verbose=False)
+    with pytest.warns(UserWarning, match="must call super"):
+        trainer().validate(model, batches, verbose=False)
+
+
+def test_shifted_narrow_integer_labels():
+    """uint8 token ids (a byte-level model): shift pads with ignore_index, which must not wrap."""
+    model = tiny_gpt()
+    hidden = torch.randn(2, SEQ, 16)
+    labels = torch.randint(0, VOCAB, (2, SEQ))
+    want = model.flce_loss(hidden, labels, shift=True)
+    got = model.flce_loss(hidden, labels.to(torch.uint8), shift=True)
+    torch.testing.assert_close(got, want)
+
+
 def test_test_stage_logs_test_metrics():
     model = tiny_gpt()
     (metrics,) = trainer().test(model, loader(make_batches(2)), verbose=False)

@@ -5,7 +5,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_flce.mixin import FLCEMixin
+from lightning_flce.mixin import _NARROW_INT_DTYPES, FLCEMixin
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 
 
@@ -127,6 +127,8 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
         labels = batch.get("labels", input_ids)
+        if labels.dtype in _NARROW_INT_DTYPES:
+            labels = labels.long()  # the -100 written below must fit (uint8 ids)
         if attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, self.flce_ignore_index)
         return self.flce_loss(self.hidden_states(input_ids, attention_mask), labels, shift=True)
