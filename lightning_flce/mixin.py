@@ -1,7 +1,7 @@
 """LightningModule mixin that computes the LM-head loss with fused linear cross-entropy."""
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -160,9 +160,9 @@ class FLCEMixin:
         flce_z_loss: float = 0.0,
         flce_softcap: Optional[float] = None,
         flce_accum_fp32: bool = False,
-        flce_impl: str = "auto",
+        flce_impl: Literal["auto", "triton", "torch"] = "auto",
         flce_naive: bool = False,
-        flce_normalize: str = "step",
+        flce_normalize: Literal["step", "micro_batch"] = "step",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -212,6 +212,11 @@ class FLCEMixin:
             gradients at the optimizer step (see the class docstring).
 
         """
+        if not isinstance(hidden, Tensor) or not isinstance(labels, Tensor):
+            raise TypeError(
+                f"flce_loss takes the final hidden states and the labels as tensors, got {type(hidden).__name__}"
+                f" and {type(labels).__name__} (a model output tuple? pass its hidden-state tensor)"
+            )
         if labels.dtype in _NARROW_INT_DTYPES:  # ignore_index (-100) does not fit uint8, say
             labels = labels.long()
         if shift:

@@ -365,6 +365,24 @@ def test_overridden_epoch_end_without_super_warns():
         trainer().validate(model, batches, verbose=False)
 
 
+def test_cli_rejects_an_unknown_normalize_mode_while_parsing():
+    """flce_normalize / flce_impl are Literals: LightningCLI refuses a bad value before building anything."""
+    with pytest.raises(SystemExit):
+        LightningCLI(
+            TinyGPT,
+            run=False,
+            args=["--model.vocab_size=64", "--model.flce_normalize=batch"],
+            trainer_defaults={"logger": False},
+        )
+
+
+def test_hidden_states_must_be_a_tensor():
+    model = tiny_gpt()
+    labels = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(TypeError, match="model output tuple"):
+        model.flce_loss((torch.randn(2, SEQ, 16),), labels)
+
+
 def test_shifted_narrow_integer_labels():
     """uint8 token ids (a byte-level model): shift pads with ignore_index, which must not wrap."""
     model = tiny_gpt()
