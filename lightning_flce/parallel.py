@@ -87,12 +87,13 @@ _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
     _C_TARGET_MAX,
     _C_FINGERPRINT,
     _C_CHUNK,
-    _C_ITEMSIZE,
+    _C_DTYPES,
     _C_FLAGS,
     _C_OPTIONS,
 ) = range(13)
 _N_COLUMNS = 13
 _FINGERPRINT_MOD = 65521
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 def vocab_shard_range(vocab_size: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -489,8 +490,8 @@ def _call(
 def _from_dtensors(
     input: Tensor, weight: Tensor, bias: Optional[Tensor], group: Optional[dist.ProcessGroup]
 ) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[dist.ProcessGroup]]:
-    """Local tensors and group of a ``Shard(0)`` DTensor weight (and bias) on a 1-D mesh; a ``Replicate``
-    DTensor input becomes its local tensor. Plain tensors pass through."""
+    """Local tensors and group of a ``Shard(0)`` DTensor weight (and bias) on a 1-D mesh whose ranks are in
+    ascending order; a ``Replicate`` DTensor input becomes its local tensor. Plain tensors pass through."""
     api = dtensor_api()
     if api is None:  # pragma: no cover - torch without distributed
         return input, weight, bias, group
@@ -505,6 +506,12 @@ def _from_dtensors(
         if group is not None and group != mesh_group:
             raise ValueError("group differs from the process group of the DTensor weight's mesh")
         group = mesh_group
+        mesh_ranks = mesh.mesh.flatten().tolist()  # the same list on every rank: all raise or none
+        if mesh_ranks != sorted(mesh_ranks):
+            raise ValueError(
+                f"a DTensor weight's mesh must list its ranks in ascending order, got {mesh_ranks}: shards are"
+                " placed in process-group rank order (and torch's own scatter/gather disagree on such meshes)"
+            )
         weight = weight.to_local()
         if isinstance(bias, DTensor):
             if tuple(bias.placements) != (Shard(0),) or bias.device_mesh != mesh:
@@ -553,6 +560,8 @@ def _layout(
         int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2
     )  # must agree as well
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    # fp16 and bf16 have one itemsize: compare the dtypes themselves (input's and the GEMMs')
+    dtypes = _DTYPE_CODES.get(input.dtype, 0) * 16 + _DTYPE_CODES.get(compute_dtype, 0)
     # Python's hash of ints and floats is the same in every process (no hash randomization for numbers).
     options = hash((ignore_index, *loss_options)) & ((1 << 62) - 1)
     row = torch.stack(
@@ -567,7 +576,7 @@ def _layout(
             target_max,
             fingerprint,
             flat_target.new_tensor(int(chunk_size) if chunk_size is not None else 0),
-            flat_target.new_tensor(itemsize),
+            flat_target.new_tensor(dtypes),
             flat_target.new_tensor(flags),
             flat_target.new_tensor(options),
         ]
@@ -586,7 +595,7 @@ def _layout(
         (_C_VALID, "numbers of non-ignored targets"),
         (_C_FINGERPRINT, "targets"),
         (_C_CHUNK, "chunk_size"),
-        (_C_ITEMSIZE, "compute dtypes"),
+        (_C_DTYPES, "input or compute dtypes"),
         (_C_FLAGS, "reduction, stats or input.requires_grad"),
         (_C_OPTIONS, "ignore_index, label_smoothing, lse_square_scale or softcap"),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
@@ -738,13 +747,18 @@ def _gather_tokens(
 ) -> Tuple[Tensor, Tensor]:
     """Sequence parallelism: all ranks' tokens, ``[sum N_r, H]`` and ``[sum N_r]``, after checking (one small
     all-reduce, the same error on every rank) that every rank holds as many tokens."""
-    n_local = target.numel()
-    counts = torch.tensor([n_local, -n_local], device=target.device)
+    n_local, hidden, dtype = target.numel(), input.shape[-1], _DTYPE_CODES.get(input.dtype, 0)
+    counts = torch.tensor([n_local, -n_local, hidden, -hidden, dtype, -dtype], device=target.device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
     most, fewest = int(counts[0]), -int(counts[1])
     if most != fewest:
         raise ValueError(
             f"sequence_parallel needs the same number of tokens on every rank, got between {fewest} and {most}"
+        )
+    if int(counts[2]) != -int(counts[3]) or int(counts[4]) != -int(counts[5]):
+        raise ValueError(
+            "sequence_parallel needs the same hidden size and input dtype on every rank (the tokens are"
+            " all-gathered as one tensor)"
         )
     hidden = input.reshape(-1, input.shape[-1]).detach()
     return _gather_rows(hidden, group), _gather_rows(target.reshape(-1), group)

@@ -129,6 +129,9 @@ def cases(world: int) -> dict[str, dict]:
     out["error-vocab_start_overlap"] = {"kind": "error", "error": "overlap"}
     out["error-chunk_size_differs"] = {"kind": "error", "error": "chunk"}
     out["error-loss_options_differ"] = {"kind": "error", "error": "options"}
+    out["error-fp16_and_bf16_ranks"] = {"kind": "error", "error": "half_kinds"}
+    out["error-dtensor_mesh_not_in_rank_order"] = {"kind": "error", "error": "permuted_mesh"}
+    out["error-fp16_and_bf16_ranks_sequence_parallel"] = {"kind": "error", "error": "half_kinds_sp"}
     out["error-sequence_parallel_uneven"] = {"kind": "error", "error": "sp_uneven"}
     out["after_errors-plain-mean"] = {"kind": "loss", "feature": "plain", "reduction": "mean"}
     return out
@@ -312,6 +315,24 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             kwargs["chunk_size"] = chunk_size + rank  # chunk boundaries would not line up
         elif error == "options":
             kwargs["label_smoothing"] = 0.1 * rank  # each rank would compute a different loss
+        elif error == "permuted_mesh":  # mesh coordinates in reverse rank order
+            from torch.distributed.device_mesh import DeviceMesh
+
+            from lightning_flce._compat import dtensor_api
+
+            api = dtensor_api()
+            mesh = DeviceMesh("cpu", torch.arange(world - 1, -1, -1))
+            w_shard = api.DTensor.from_local(w_shard, mesh, [api.Shard(0)])
+        elif error in ("half_kinds", "half_kinds_sp"):  # same itemsize, different bits
+            half = torch.bfloat16 if rank == 1 else torch.float16
+            x, w_shard = x.to(half), w_shard.to(half)
+            kwargs["sequence_parallel"] = error == "half_kinds_sp"
+            if kwargs["sequence_parallel"]:
+                n_local = x.shape[0] // world
+                x, target = (
+                    x[rank * n_local : (rank + 1) * n_local],
+                    target[rank * n_local : (rank + 1) * n_local],
+                )
         elif error == "sp_uneven":
             kwargs["sequence_parallel"] = True
             x, target = x[: 5 + rank], target[: 5 + rank]  # rank 1 holds one token more
@@ -525,6 +546,9 @@ def test_vocab_parallel(results, world, name):
             "overlap": ("ValueError", "do not tile"),
             "chunk": ("ValueError", "disagree on their chunk_size"),
             "options": ("ValueError", "disagree on their ignore_index, label_smoothing"),
+            "half_kinds": ("ValueError", "disagree on their input or compute dtypes"),
+            "permuted_mesh": ("ValueError", "mesh must list its ranks in ascending order"),
+            "half_kinds_sp": ("ValueError", "same hidden size and input dtype"),
             "sp_uneven": ("ValueError", "same number of tokens on every rank"),
         }[spec["error"]]
         for rank, r in enumerate(ranks):
