@@ -187,9 +187,8 @@ class FLCEMixin:
         # token-weighted means; their states are not persistent, so checkpoints do not change
         self.flce_eval_loss = _Float64Mean()
         self.flce_eval_accuracy = _Float64Mean()
-        self._flce_eval_pending: Optional[tuple] = (
-            None  # which evaluation the unlogged metric updates are from
-        )
+        # which evaluation the unlogged metric updates are from (see _flce_check_eval_logged)
+        self._flce_eval_pending: Optional[tuple] = None
         self.flce_last_logits_shape: Optional[tuple[int, int]] = None
         self.flce_last_logits_bytes: Optional[int] = None
         self.flce_last_num_tokens: Optional[Tensor] = None
