@@ -8,9 +8,10 @@ Forward (``lightning_flce::flce_forward``), per chunk of C tokens::
     dW (+)= logits.T @ x_c                         # lightning_flce.accumulate, no [V, H] temporary
     db += logits.sum(0)
 
-so for "mean"/"sum" the gradients exist when forward returns, and backward
-(``lightning_flce::flce_scale_grads_``) only multiplies them by grad_output — skipped on the device
-when it is 1. For "none" each token has its own grad_output, which dW cannot absorb after the fact:
+so for "mean"/"sum" the gradients exist when forward returns, and backward only multiplies them by
+grad_output (``lightning_flce::flce_scale_grads_``, skipped on the device when it is 1), except dW when
+its accumulator is wider than the weight: forward keeps the accumulator and backward's cast to the
+weight's dtype takes grad_output in the same pass (``lightning_flce::flce_cast_grad_weight``). For "none" each token has its own grad_output, which dW cannot absorb after the fact:
 forward computes only the loss, and backward (``lightning_flce::flce_backward``) recomputes the
 chunks with the per-token scales.
 
@@ -33,7 +34,7 @@ from torch import Tensor
 from lightning_flce._compat import resolved_annotations, triton_usable
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
 from lightning_flce.kernels import LossOptions, cross_entropy_chunk
-from lightning_flce.kernels.scale import scale_
+from lightning_flce.kernels.scale import scale_, scale_into
 
 _MiB = 1 << 20
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -127,12 +128,13 @@ def _chunk_loop(
     chunk_size: int,
     impl: str,
     keep_scaled: bool = False,
+    grad_weight_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, ...]:
     """The op's loop: validate targets, drop ignored rows, :func:`run_chunks` with the local kernel.
 
     Returns per-token loss/LSE/stats [N], the gradients, and :func:`_inverse_scales` (see
-    ``keep_scaled`` in :func:`run_chunks`); unused outputs are distinct empty tensors (custom-op outputs
-    may not alias each other).
+    ``keep_scaled`` and ``grad_weight_dtype`` in :func:`run_chunks`); unused outputs are distinct empty
+    tensors (custom-op outputs may not alias each other).
     """
     target = target.reshape(-1)
     valid = target != options.ignore_index
@@ -183,6 +185,7 @@ def _chunk_loop(
         grad_input_dtype=x.dtype,
         keep_scaled=keep_scaled,
         fp16_bounds=fp16_bounds if fp16_stats else None,
+        grad_weight_dtype=grad_weight_dtype,
     )
     if grad_input is not None:
         grad_input = grad_input.view(x.shape)
@@ -301,6 +304,7 @@ def run_chunks(
     grad_input_dtype: torch.dtype,
     keep_scaled: bool = False,
     fp16_bounds: Optional[Sequence[float]] = None,
+    grad_weight_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Optional[Tensor], ...]:
     """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
 
@@ -316,7 +320,8 @@ def run_chunks(
     the gradients whose final dtype is fp16 (dX's is x's, even when ``grad_input_dtype`` is wider for a
     later reduction) pre-multiplied by the scales in :class:`GradScales` (for a backward that multiplies
     them by grad_output anyway), otherwise every gradient is returned unscaled. ``fp16_bounds``: the
-    values of :func:`_fp16_bound_stats`, when the caller has read them already.
+    values of :func:`_fp16_bound_stats`, when the caller has read them already. ``grad_weight_dtype``: dW's
+    accumulator dtype, returned as it is (no cast to the weight's dtype; see :func:`saved_grad_weight_dtype`).
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -359,7 +364,9 @@ def run_chunks(
         grad_input = (torch.empty if rows is None else torch.zeros)(
             n_rows, hidden, dtype=grad_input_dtype, device=device
         )
-    accum_dtype = _accumulator_dtype(accum, weight, compute_dtype, n_chunks=-(-n_valid // chunk_size))
+    accum_dtype = grad_weight_dtype or _accumulator_dtype(
+        accum, weight, compute_dtype, n_chunks=-(-n_valid // chunk_size)
+    )
     # With an fp64 accumulator (fp32 weights), dX's long reduction over V runs in fp64 too: cuBLAS's
     # fp32 accuracy over K = V varies with the chunk's shape, fp64 makes it a non-issue.
     weight_for_grad_input = (
@@ -421,7 +428,8 @@ def run_chunks(
     if need_grad_weight:
         if n_valid == 0:
             grad_weight.zero_()
-        grad_weight = grad_weight.to(weight.dtype)
+        if grad_weight_dtype is None:
+            grad_weight = grad_weight.to(weight.dtype)
     if need_grad_bias:
         grad_bias = grad_bias.to(bias.dtype)
     return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, scales
@@ -468,6 +476,21 @@ def _accumulator_dtype(accum: str, weight: Tensor, compute_dtype: torch.dtype, n
         if compute_dtype == weight.dtype == torch.float32 and _has_full_rate_fp64(weight.device):
             return torch.float64
     return weight.dtype
+
+
+def saved_grad_weight_dtype(
+    x: Tensor, weight: Tensor, compute_dtype: torch.dtype, accum: str, chunk_size: int, impl: str
+) -> torch.dtype:
+    """The dtype of the dW that "mean"/"sum" forward keeps for backward: its accumulator's, uncast.
+
+    Backward casts it to the weight's dtype with grad_output folded into the same pass, instead of a cast
+    in forward and a scaling pass in backward (fp16, whose grad_output is a loss scale, and any loss
+    scaled before backward, e.g. gradient accumulation). The dtype follows the chunk count of the shape
+    (every row valid), which the fake implementation knows; masked rows only lower the real count.
+    """
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = _resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, n_rows)
+    return _accumulator_dtype(accum, weight, compute_dtype, n_chunks=-(-n_rows // rows))
 
 
 def _has_full_rate_fp64(device: torch.device) -> bool:
@@ -588,13 +611,15 @@ def flce_forward(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, inverse_scales); unused
     ones are empty. ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients only) undoes the powers of two
-    the fp16 gradients carry, see :func:`run_chunks`.
+    the fp16 gradients carry, see :func:`run_chunks`. ``grad_weight`` is dW's accumulator, in
+    :func:`saved_grad_weight_dtype` (backward casts it).
 
     For "none" no gradient is computed here (backward recomputes); the need_grad_* flags then only
     say what backward will produce.
     """
     options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight)
     grads_now = reduction != "none"
+    grad_weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
     with torch.autocast(x.device.type, enabled=False):
         ce_scale, z_scale = _loss_scales(target, reduction, options, x.device)
         loss, lse, correct, entropy, gx, gw, gb, inverse_scales = _chunk_loop(
@@ -614,6 +639,7 @@ def flce_forward(
             chunk_size=chunk_size,
             impl=impl,
             keep_scaled=True,
+            grad_weight_dtype=grad_weight_dtype,
         )
     if reduction != "none":
         loss = loss.sum()
@@ -661,7 +687,13 @@ def _(
         x.new_empty(n_stats, dtype=torch.bool),
         x.new_empty(n_stats, dtype=fp32),
         torch.empty_like(x) if need_grad_input and grads_now else x.new_empty(0),
-        torch.empty_like(weight) if need_grad_weight and grads_now else x.new_empty(0),
+        (
+            torch.empty_like(
+                weight, dtype=saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
+            )
+            if need_grad_weight and grads_now
+            else x.new_empty(0)
+        ),
         torch.empty_like(bias) if need_grad_bias and grads_now else x.new_empty(0),
         x.new_empty(3 if scaled else 0, dtype=fp32),
     )
@@ -686,6 +718,24 @@ def flce_scale_grads_(
 @flce_scale_grads_.register_fake
 def _(grad_input, grad_weight, grad_bias, scale, inverse_scales):
     return None
+
+
+@torch.library.custom_op("lightning_flce::flce_cast_grad_weight", mutates_args=())
+@resolved_annotations
+def flce_cast_grad_weight(
+    accumulator: Tensor, scale: Tensor, inverse_scales: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """dW in ``dtype`` from forward's wider accumulator: ``accumulator * grad_output`` (and its fp16
+    inverse scale) in one pass, rounded once."""
+    factor = scale.reshape(1).float()
+    if inverse_scales.numel():
+        factor = factor * inverse_scales[1]
+    return scale_into(torch.empty_like(accumulator, dtype=dtype), accumulator, factor)
+
+
+@flce_cast_grad_weight.register_fake
+def _(accumulator, scale, inverse_scales, dtype):
+    return torch.empty_like(accumulator, dtype=dtype)
 
 
 @torch.library.custom_op("lightning_flce::flce_backward", mutates_args=())
@@ -791,6 +841,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ) = inputs
     ctx.reduction = reduction
     ctx.needs = (need_grad_input, need_grad_weight, need_grad_bias)
+    ctx.weight_dtype = weight.dtype
     # Only the loss is differentiable. Without this, autograd would hand backward zero-filled
     # [N, H] and [V, H] "gradients" for the saved-gradient outputs: a full dX + dW of memory.
     ctx.set_materialize_grads(False)
@@ -835,7 +886,11 @@ def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
     else:
         check_single_backward(ctx)
         gx, gw, gb, inverse_scales = ctx.saved_tensors
-        flce_scale_grads_(gx, gw, gb, grad_loss, inverse_scales)
+        if gw.numel() and gw.dtype != ctx.weight_dtype:
+            gw = flce_cast_grad_weight(gw, grad_loss, inverse_scales, ctx.weight_dtype)
+            flce_scale_grads_(gx, gw.new_empty(0), gb, grad_loss, inverse_scales)
+        else:
+            flce_scale_grads_(gx, gw, gb, grad_loss, inverse_scales)
     grads[_X] = gx if need_grad_input else None
     grads[_WEIGHT] = gw if need_grad_weight else None
     grads[_BIAS] = gb if need_grad_bias else None

@@ -53,10 +53,11 @@ from lightning_flce.functional import (
     _resolve_impl,
 )
 from lightning_flce.kernels import ChunkOutputs, LossOptions, shard_row_stats, shard_softmax_grad
-from lightning_flce.kernels.scale import scale_
+from lightning_flce.kernels.scale import scale_, scale_into
 from lightning_flce.op import (
     _CHUNK_ALIGN,
     _FLOOR_LIMITED_ALIGN,
+    _accumulator_dtype,
     _loss_scales,
     balanced_chunk_rows,
     check_single_backward,
@@ -649,6 +650,9 @@ class _VocabParallelFLCE(torch.autograd.Function):
         # x: this rank's input (what autograd sees); x_all: every token's (x itself without sequence parallelism)
         need_gx, need_gw, need_gb = needs
         grads_now = reduction != "none"
+        # dW stays in its accumulator's dtype until backward casts it with grad_output folded in (see op.py)
+        n_chunks = -(-plan.n_valid // plan.chunk_size)
+        grad_weight_dtype = _accumulator_dtype(plan.accum, weight, plan.compute_dtype, n_chunks)
         with torch.autocast(x.device.type, enabled=False):
             ce_scale, z_scale = _loss_scales(
                 target, reduction, LossOptions(ignore_index=plan.ignore_index), x.device
@@ -666,6 +670,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
                 need_grad_bias=need_gb and grads_now,
                 compute_stats=compute_stats,
                 keep_scaled=True,
+                grad_weight_dtype=grad_weight_dtype,
             )
         # the per-token results are the same on every rank: reduce them whole, or keep this rank's tokens'
         if reduction != "none":
@@ -677,6 +682,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
         if gx is not None:
             gx = gx.view(x.shape)
         ctx.plan, ctx.reduction, ctx.needs, ctx.input_shape = plan, reduction, needs, x.shape
+        ctx.weight_dtype = weight.dtype
         ctx.stored_scales = scales[1:]  # the powers of two fp16 dX, dW, d bias carry (1 otherwise)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*(t for t in (lse, correct, entropy) if t is not None))
@@ -716,9 +722,15 @@ class _VocabParallelFLCE(torch.autograd.Function):
         else:
             check_single_backward(ctx)
             gx, gw, gb = ctx.saved_tensors
-            for grad, stored_scale in zip((gx, gw, gb), ctx.stored_scales):
-                if grad is not None:
-                    scale_(grad, grad_loss if stored_scale == 1.0 else grad_loss / stored_scale)
+            factors = [grad_loss if stored == 1.0 else grad_loss / stored for stored in ctx.stored_scales]
+            if (
+                gw is not None and gw.dtype != ctx.weight_dtype
+            ):  # the wide accumulator: cast and scale at once
+                gw = scale_into(torch.empty_like(gw, dtype=ctx.weight_dtype), gw, factors[1].float())
+                factors[1] = None
+            for grad, factor in zip((gx, gw, gb), factors):
+                if grad is not None and factor is not None:
+                    scale_(grad, factor)
         grads[0] = gx if need_gx else None
         grads[1] = gw if need_gw else None
         grads[3] = gb if need_gb else None
@@ -778,11 +790,12 @@ def _chunk_loop(
     need_grad_bias: bool,
     compute_stats: bool,
     keep_scaled: bool = False,
+    grad_weight_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Optional[Tensor], ...]:
     """The op's chunk loop (:func:`lightning_flce.op.run_chunks`) on a shard: per-token loss/LSE/stats [N]
     (replicated), the gradients (dX [N, H] all-reduced over the group, or with sequence parallelism this
     rank's reduce-scattered rows; dW, db local rows; None for gradients not asked for) and their
-    :class:`~lightning_flce.op.GradScales` (``keep_scaled`` as in ``run_chunks``)."""
+    :class:`~lightning_flce.op.GradScales` (``keep_scaled`` and ``grad_weight_dtype`` as in ``run_chunks``)."""
     target = target.reshape(-1)
 
     def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
@@ -821,6 +834,7 @@ def _chunk_loop(
         accum=plan.accum,
         grad_input_dtype=reduce_dtype,
         keep_scaled=keep_scaled,
+        grad_weight_dtype=grad_weight_dtype,
     )
     if grad_input is not None:
         grad_input = grad_input.view(-1, x.shape[-1])

@@ -208,3 +208,19 @@ def test_cuda_supported_cases_take_the_inplace_gemm(dtype, gw_dtype):
     before = torch.cuda.max_memory_allocated()
     accumulate_grad_weight(grad_weight, grad_logits, x)
     assert torch.cuda.max_memory_allocated() - before < grad_weight.numel() * grad_weight.element_size() // 4
+
+
+def test_scale_into_rounds_once_and_bounds_its_cpu_temporary(monkeypatch):
+    """``scale_into`` (backward's cast of dW's fp32 accumulator with grad_output folded in): exactly the
+    once-rounded product, in slices on the CPU (torch.mul into a narrower ``out`` goes through a temporary
+    of the product's dtype, as large as its input)."""
+    import lightning_flce.kernels.scale as scale
+
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(100, 37, generator=gen)
+    monkeypatch.setattr(scale, "_CPU_SLICE", 1000)  # 4 slices, the last one partial
+    for dtype in (torch.bfloat16, torch.float16):
+        out = scale.scale_into(torch.empty(100, 37, dtype=dtype), src, torch.tensor([0.7]))
+        assert torch.equal(out, (src.double() * torch.tensor(0.7, dtype=torch.float32).double()).to(dtype))
+    with pytest.raises(ValueError, match="shapes differ"):
+        scale.scale_into(torch.empty(3, dtype=torch.bfloat16), src, torch.tensor([1.0]))

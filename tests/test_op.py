@@ -555,8 +555,9 @@ def test_default_chunk_size_is_balanced_in_the_op(monkeypatch):
 
 
 def test_chunk_buffer_released_before_the_dw_cast(monkeypatch):
-    """With an fp32 accumulator, dW's cast to the weight's dtype allocates the op's last large tensor; the
-    chunk's logits buffer must be gone by then, or the peak holds accumulator + output + buffer."""
+    """With an fp32 accumulator, dW's cast to the weight's dtype allocates the chunk loop's last large
+    tensor (in the backward of "none", which recomputes the chunks); the chunk's logits buffer must be gone
+    by then, or the peak holds accumulator + output + buffer."""
     import gc
     import weakref
 
@@ -583,22 +584,95 @@ def test_chunk_buffer_released_before_the_dw_cast(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", spy_empty)
     monkeypatch.setattr(torch.Tensor, "to", spy_to)
-    fused_linear_cross_entropy(x, weight, target, chunk_size=128)
-    assert len(buffers) == 1 and alive_at_cast == [[False]], (len(buffers), alive_at_cast)
+    fused_linear_cross_entropy(x, weight, target, chunk_size=128, reduction="none").sum().backward()
+    # One buffer in forward (the loss), one in backward's recompute.
+    assert len(buffers) == 2 and alive_at_cast == [[False, False]], (len(buffers), alive_at_cast)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("masked_to_one_chunk", [False, True], ids=["4-chunks", "valid-rows-in-1-chunk"])
+def test_wide_dw_accumulator_is_cast_once_in_backward(dtype, masked_to_one_chunk):
+    """ "mean"/"sum" keep dW's fp32 accumulator for backward, which casts it with grad_output folded in: dW
+    is rounded to the weight's dtype once, as naive's is, also for a grad_output that is not a power of
+    two (a cast in forward and a scaling in backward rounded it twice: 1.21x (bf16) and 1.23x (fp16)
+    naive's error here). The accumulator's dtype follows the shape's chunk count (what the fake
+    implementation knows), so a batch whose valid rows fit one chunk keeps an fp32 one too; with only 32
+    valid rows the two one-rounding errors differ by up to 1.3x with the seed, hence 1.5x there (a wrong
+    or stale accumulator is off by O(1))."""
+    x, weight, target, *_ = make_problem(128, 48, 1000, dtype=dtype, ignore_frac=0.1, seed=11)
+    if masked_to_one_chunk:
+        target[32:] = -100
+    forward = torch.ops.lightning_flce.flce_forward(
+        x,
+        weight,
+        target,
+        None,
+        None,
+        -100,
+        "mean",
+        0.0,
+        0.0,
+        0.0,
+        dtype,
+        "auto",
+        32,
+        "torch",
+        True,
+        True,
+        False,
+        False,
+    )
+    assert forward[5].dtype == torch.float32
+
+    def op(x_, w_):
+        return fused_linear_cross_entropy(x_, w_, target, chunk_size=32)
+
+    grad_output = torch.tensor(0.7 * 2**12 if dtype == torch.float16 else 0.7)  # fp16: a loss scale
+    _, (_, got) = grads_of(op, x.requires_grad_(), weight.requires_grad_(), grad_output=grad_output)
+    _, (_, want) = grads_of(
+        lambda x_, w_: reference_loss(x_, w_, target), x.double(), weight.double(), grad_output=grad_output
+    )
+    _, (_, naive) = grads_of(lambda x_, w_: unfused_loss(x_, w_, target), x, weight, grad_output=grad_output)
+    assert got.dtype == dtype
+    assert relative_error(got, want) <= (1.5 if masked_to_one_chunk else 1.1) * relative_error(naive, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (False, False, False)])
-def test_custom_ops_fake_implementations_match(dtype, reduction, needs):
+@pytest.mark.parametrize("chunk_size", [0, 8], ids=["one-chunk", "chunks-of-8"])
+def test_custom_ops_fake_implementations_match(dtype, reduction, needs, chunk_size):
     """torch.library.opcheck: schema, and every output's metadata from the fake implementation (what
-    torch.compile traces with) equals the real one's, e.g. fp16's extra inverse-scales output."""
+    torch.compile traces with) equals the real one's, e.g. fp16's extra inverse-scales output and the
+    saved dW accumulator's dtype (fp32 for bf16/fp16 over several chunks)."""
     x, weight, target, bias, _ = make_problem(32, 16, 64, seed=10, dtype=dtype)
+    target[8:] = -100  # the valid rows fit one chunk; the shape has four
     ops = torch.ops.lightning_flce
-    forward_args = (x, weight, target, bias, None, -100, reduction, 0.1, 1e-3, 0.0, dtype, "auto", 0, "torch")
+    forward_args = (
+        x,
+        weight,
+        target,
+        bias,
+        None,
+        -100,
+        reduction,
+        0.1,
+        1e-3,
+        0.0,
+        dtype,
+        "auto",
+        chunk_size,
+        "torch",
+    )
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(ops.flce_forward.default, (*forward_args, *needs, True), test_utils=checks)
     if reduction == "none":
         grad_loss = torch.randn(32)
         backward_args = (grad_loss, *forward_args[:6], *forward_args[7:], *needs)
         torch.library.opcheck(ops.flce_backward.default, backward_args, test_utils=checks)
+    saved_grad_weight = ops.flce_forward.default(*forward_args, *needs, True)[5]
+    if reduction == "mean" and needs[1] and dtype != torch.float32:
+        assert saved_grad_weight.dtype == (torch.float32 if chunk_size else dtype)
+        inverse_scales = torch.tensor([1.0, 0.5, 1.0]) if dtype == torch.float16 else torch.empty(0)
+        cast_args = (saved_grad_weight, torch.tensor(3.0), inverse_scales, dtype)
+        torch.library.opcheck(ops.flce_cast_grad_weight.default, cast_args, test_utils=checks)

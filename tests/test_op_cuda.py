@@ -198,6 +198,30 @@ def test_op_never_materializes_vh_product(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_backward_casts_the_dw_accumulator_without_a_temporary(dtype):
+    """ "mean" over several chunks keeps dW's fp32 accumulator for backward, whose cast to the weight's dtype
+    takes grad_output in the same pass: backward allocates dW's output and nothing of [V, H] besides (a
+    product in fp32 first would add 4 V H bytes), and the result is the accumulator times grad_output."""
+    vocab, hidden = 16000, 1024
+    x, weight, target = make_problem(8192, hidden, vocab, dtype, seed=9)
+    weight.requires_grad_()
+    loss = fused_linear_cross_entropy(x, weight, target, chunk_size=2048)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    (loss * 3.0).backward()
+    torch.cuda.synchronize()
+    rise = torch.cuda.max_memory_allocated() - before
+    output_bytes = vocab * hidden * weight.element_size()
+    assert output_bytes <= rise <= output_bytes + (1 << 20), (rise, output_bytes)
+    _, (want,) = grads_of(
+        lambda w: reference_loss(x.double(), w, target), weight.double(), grad_output=torch.tensor(3.0)
+    )
+    assert weight.grad.dtype == dtype
+    assert relative_error(weight.grad, want) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_one_host_sync_in_forward_none_in_backward(dtype):
     """Forward syncs once (target validation + row count, and fp16's gradient bounds); the mean normalizer
     and the backward stay on device."""

@@ -237,6 +237,20 @@ def test_scale_kernel(scale):
             torch.testing.assert_close(tensor, expected, rtol=2**-7, atol=0)
 
 
+@pytest.mark.parametrize("source_dtype", [torch.float32, torch.float64], ids=str)
+def test_scale_into_kernel(source_dtype):
+    """dW's accumulator cast with the scale folded in: ``out = src * scale`` rounded once."""
+    from lightning_flce.kernels.scale import scale_into
+
+    gen = torch.Generator().manual_seed(2)
+    src = torch.randn(3, 5000, generator=gen, dtype=source_dtype)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = scale_into(torch.empty(3, 5000, dtype=dtype), src, torch.tensor([0.7]))
+        expected = (src.double() * 0.7).to(dtype)
+        # The interpreter truncates to bf16/fp16 where torch rounds to nearest: within 1 ulp.
+        torch.testing.assert_close(out, expected, rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("feature_name", ["plain", "all"])
 def test_fp16_grads_under_a_loss_scale(feature_name, reduction):
