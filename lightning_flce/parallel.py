@@ -24,10 +24,14 @@ Like the single-device op, "mean"/"sum" compute the gradients in forward (backwa
 collectives then run in backward too, on every rank in the same order). fp16 gradients get the
 single-device op's powers of two (see ``lightning_flce.op``), so a GradScaler works as with the unfused loss.
 
-Shard layout and consistency are checked with one small integer all-reduce per call (one host sync):
-every rank learns every shard's ``(start, size)``, and a mismatch between ranks (different hidden states
-count, targets, hidden size, chunk size, dtype or ``requires_grad``) raises the same error on every rank
-instead of hanging in a later collective.
+Shard layout and consistency are checked with one small integer all-reduce per call (one host sync), the
+call's first collective: every rank learns every shard's ``(start, size)``, and a mismatch between ranks
+(different hidden states count, targets, hidden size, chunk size, dtype, ``requires_grad`` or
+``sequence_parallel``) raises the same error on every rank instead of hanging in a later collective. Every
+rank joins it even when its own argument checks failed (it then sends a flag instead of its row), so a bad
+argument on one rank raises on all: there its own error, on the others one naming it. Only errors raised
+before the group is known (no initialized ``torch.distributed``, a DTensor weight whose mesh gives no
+group) stay on the rank.
 
 Not supported (raise): ``class_weight`` (``NotImplementedError``). Not tested: ``torch.compile`` of a graph
 containing this op (it is a plain ``autograd.Function`` with host syncs and collectives, so dynamo
@@ -76,8 +80,10 @@ __all__ = [
 ]
 
 _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
-# Columns of the per-rank row of the layout all-reduce.
+# Columns of the per-rank row of the agreement all-reduce.
 (
+    _C_FAILED,  # 0, or 1 + the index in _PEER_ERROR_TYPES of the error this rank's argument checks raised
+    _C_SEQUENCE_PARALLEL,
     _C_START_GIVEN,
     _C_START,
     _C_ROWS,
@@ -91,8 +97,10 @@ _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
     _C_DTYPES,
     _C_FLAGS,
     _C_OPTIONS,
-) = range(13)
-_N_COLUMNS = 13
+) = range(15)
+_N_COLUMNS = 15
+# The ranks whose checks passed raise the failed rank's error type: the first listed that it is, else RuntimeError
+_PEER_ERROR_TYPES = (ValueError, TypeError, NotImplementedError, RuntimeError)
 _FINGERPRINT_MOD = 65521
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
@@ -430,49 +438,68 @@ def _call(
     sequence_parallel: bool = False,
     compute_stats: bool,
 ) -> FLCEOutput:
-    if class_weight is not None:
-        raise NotImplementedError(
-            "class_weight is not supported by the vocab-parallel op (its normalizer and smoothing term would"
-            " need the weights of every shard); use fused_linear_cross_entropy on the full weight"
-        )
-    input, weight, bias, group = _from_dtensors(input, weight, bias, group)
+    # Raised on this rank only: without a process group there is no collective to tell the others through.
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("vocab_parallel_fused_linear_cross_entropy needs an initialized torch.distributed")
-    compute_dtype = _check_inputs(input, weight, target, bias, None)
-    target, ignore_index = _class_indices(target, ignore_index)
-    local_input = input
-    if sequence_parallel:
-        input, target = _gather_tokens(input, target, group)
-    _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
-    use_triton = _resolve_impl(impl, input.device) == "triton"
-    accum = _accum_mode(accum_dtype, weight)
-
-    grad_enabled = torch.is_grad_enabled()
-    needs = (
-        grad_enabled and local_input.requires_grad,
-        grad_enabled and weight.requires_grad,
-        grad_enabled and bias is not None and bias.requires_grad,
-    )
-    vocab_start, vocab, n_valid, chunk_size = _layout(
-        input,
-        weight,
-        target,
-        group=group,
-        vocab_start=vocab_start,
-        ignore_index=int(ignore_index),
-        reduction=reduction,
+    group = _call_group(weight, group)
+    sequence_parallel = bool(sequence_parallel)
+    # The argument checks of this rank: an error is re-raised after the agreement all-reduce, which every
+    # rank must join (a rank raising before it would leave the others waiting there).
+    failure = row = None
+    try:
+        if class_weight is not None:
+            raise NotImplementedError(
+                "class_weight is not supported by the vocab-parallel op (its normalizer and smoothing term would"
+                " need the weights of every shard); use fused_linear_cross_entropy on the full weight"
+            )
+        input, weight, bias = _from_dtensors(input, weight, bias)
+        compute_dtype = _check_inputs(input, weight, target, bias, None)
+        target, ignore_index = _class_indices(target, ignore_index)
+        _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
+        use_triton = _resolve_impl(impl, input.device) == "triton"
+        accum = _accum_mode(accum_dtype, weight)
+        grad_enabled = torch.is_grad_enabled()
+        needs = (
+            grad_enabled and input.requires_grad,
+            grad_enabled and weight.requires_grad,
+            grad_enabled and bias is not None and bias.requires_grad,
+        )
+        row = _agreement_row(
+            input,
+            weight,
+            target,
+            vocab_start=vocab_start,
+            ignore_index=int(ignore_index),
+            reduction=reduction,
+            chunk_size=chunk_size,
+            compute_dtype=compute_dtype,
+            need_grad_input=needs[0],
+            compute_stats=compute_stats,
+            sequence_parallel=sequence_parallel,
+            loss_options=(float(label_smoothing), float(lse_square_scale), float(softcap or 0.0)),
+        )
+    except Exception as exc:
+        failure = exc
+    rows = _agree(row, failure, group, _agreement_device(input, group))
+    layout = _layout(
+        rows,
+        rank=dist.get_rank(group),
         chunk_size=chunk_size,
         compute_dtype=compute_dtype,
-        need_grad_input=needs[0],
-        compute_stats=compute_stats,
-        loss_options=(float(label_smoothing), float(lse_square_scale), float(softcap or 0.0)),
+        on_gpu=input.device.type == "cuda",
     )
+    local_input = input
+    # After the agreement: every rank holds as many tokens, of one hidden size and dtype.
+    if sequence_parallel:
+        input, target = _gather_tokens(input, target, group)
+    if not layout.targets_in_range:  # the same targets on every rank now: the same message
+        raise _target_range_error(target, layout.vocab, int(ignore_index))
     plan = _Plan(
         group=group,
-        vocab_start=vocab_start,
-        vocab=vocab,
-        n_valid=n_valid,
-        chunk_size=chunk_size,
+        vocab_start=layout.vocab_start,
+        vocab=layout.vocab,
+        n_valid=layout.n_valid,
+        chunk_size=layout.chunk_size,
         compute_dtype=compute_dtype,
         accum=accum,
         ignore_index=int(ignore_index),
@@ -488,25 +515,39 @@ def _call(
     return FLCEOutput(loss, lse, correct, entropy)
 
 
+def _call_group(weight: Tensor, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The call's process group: a DTensor weight's 1-D mesh's (``group``, if given, must be the same), else
+    ``group``. Its errors raise on this rank only (no group to agree through)."""
+    api = dtensor_api()
+    if api is None or not isinstance(weight, api.DTensor):
+        return group
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"a DTensor weight must be Shard(0) on a 1-D mesh, got {weight.placements} on a {mesh.ndim}-D mesh"
+        )
+    mesh_group = mesh.get_group()
+    if group is not None and group != mesh_group:
+        raise ValueError("group differs from the process group of the DTensor weight's mesh")
+    return mesh_group
+
+
 def _from_dtensors(
-    input: Tensor, weight: Tensor, bias: Optional[Tensor], group: Optional[dist.ProcessGroup]
-) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[dist.ProcessGroup]]:
-    """Local tensors and group of a ``Shard(0)`` DTensor weight (and bias) on a 1-D mesh whose ranks are in
-    ascending order; a ``Replicate`` DTensor input becomes its local tensor. Plain tensors pass through."""
+    input: Tensor, weight: Tensor, bias: Optional[Tensor]
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Local tensors of a ``Shard(0)`` DTensor weight (and bias) on a 1-D mesh (see :func:`_call_group`) whose
+    ranks are in ascending order; a ``Replicate`` DTensor input becomes its local tensor. Plain tensors pass
+    through."""
     api = dtensor_api()
     if api is None:  # pragma: no cover - torch without distributed
-        return input, weight, bias, group
+        return input, weight, bias
     DTensor, Replicate, Shard = api.DTensor, api.Replicate, api.Shard
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
-        if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        if tuple(weight.placements) != (Shard(0),):
             raise ValueError(
                 f"a DTensor weight must be Shard(0) on a 1-D mesh, got {weight.placements} on a {mesh.ndim}-D mesh"
             )
-        mesh_group = mesh.get_group()
-        if group is not None and group != mesh_group:
-            raise ValueError("group differs from the process group of the DTensor weight's mesh")
-        group = mesh_group
         mesh_ranks = mesh.mesh.flatten().tolist()  # the same list on every rank: all raise or none
         if mesh_ranks != sorted(mesh_ranks):
             raise ValueError(
@@ -526,15 +567,14 @@ def _from_dtensors(
         if any(p != Replicate() for p in input.placements):
             raise ValueError(f"a DTensor input must be replicated, got {input.placements}")
         input = input.to_local()
-    return input, weight, bias, group
+    return input, weight, bias
 
 
-def _layout(
+def _agreement_row(
     input: Tensor,
     weight: Tensor,
     target: Tensor,
     *,
-    group: Optional[dist.ProcessGroup],
     vocab_start: Optional[int],
     ignore_index: int,
     reduction: str,
@@ -542,12 +582,11 @@ def _layout(
     compute_dtype: torch.dtype,
     need_grad_input: bool,
     compute_stats: bool,
+    sequence_parallel: bool,
     loss_options: Tuple[float, ...] = (),
-) -> Tuple[int, int, int, int]:
-    """``(vocab_start, V, number of non-ignored targets, chunk_size)``, agreed on by every rank through one
-    int64 all-reduce (one host sync) of every rank's shard and a fingerprint of what must agree."""
-    world_size = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+) -> Tensor:
+    """This rank's int64 row of the agreement table (see :func:`_layout`): its shard, its tokens' count and
+    target statistics, and codes of what must agree."""
     device = input.device
     flat_target = target.reshape(-1).long()
     n_tokens = flat_target.numel()
@@ -560,13 +599,14 @@ def _layout(
     flags = (
         int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2
     )  # must agree as well
-    itemsize = torch.empty((), dtype=compute_dtype).element_size()
     # fp16 and bf16 have one itemsize: compare the dtypes themselves (input's and the GEMMs')
     dtypes = _DTYPE_CODES.get(input.dtype, 0) * 16 + _DTYPE_CODES.get(compute_dtype, 0)
     # Python's hash of ints and floats is the same in every process (no hash randomization for numbers).
     options = hash((ignore_index, *loss_options)) & ((1 << 62) - 1)
-    row = torch.stack(
+    return torch.stack(
         [
+            flat_target.new_tensor(0),
+            flat_target.new_tensor(int(sequence_parallel)),
             flat_target.new_tensor(int(vocab_start is not None)),
             flat_target.new_tensor(int(vocab_start) if vocab_start is not None else 0),
             flat_target.new_tensor(weight.shape[0]),
@@ -582,15 +622,83 @@ def _layout(
             flat_target.new_tensor(options),
         ]
     )
-    table = torch.zeros(world_size, _N_COLUMNS, dtype=torch.int64, device=device)
-    table[rank] = row
+
+
+def _agreement_device(input: Any, group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where the agreement table lives: the input's device, or CUDA's under NCCL (a rank whose input is not
+    a CUDA tensor, a bad argument, must still join the all-reduce)."""
+    device = input.device if isinstance(input, Tensor) else torch.device("cpu")
+    if device.type != "cuda" and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _agree(
+    row: Optional[Tensor],
+    failure: Optional[Exception],
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> Sequence[Sequence[int]]:
+    """Every rank's agreement row, through one int64 all-reduce (one host sync): the call's first collective,
+    joined by every rank whatever its argument checks raised (``failure``; it then sends only the flag). If
+    any rank's checks failed, every rank raises: that rank its own error, the others one of the same type
+    naming it (its message cannot be sent)."""
+    table = torch.zeros(dist.get_world_size(group), _N_COLUMNS, dtype=torch.int64, device=device)
+    rank = dist.get_rank(group)
+    if failure is None:
+        table[rank] = row
+    else:
+        table[rank, _C_FAILED] = 1 + next(
+            (i for i, kind in enumerate(_PEER_ERROR_TYPES) if isinstance(failure, kind)),
+            _PEER_ERROR_TYPES.index(RuntimeError),
+        )
     dist.all_reduce(table, op=dist.ReduceOp.SUM, group=group)
     rows: Sequence[Sequence[int]] = table.tolist()
+    if failure is not None:
+        raise failure
+    failed = [r for r, values in enumerate(rows) if values[_C_FAILED]]
+    if failed:
+        kind = _PEER_ERROR_TYPES[rows[failed[0]][_C_FAILED] - 1]
+        raise kind(
+            f"rank(s) {failed} of the vocab-parallel group failed their argument checks ({kind.__name__} on"
+            f" rank {failed[0]}); see that rank's error"
+        )
+    return rows
+
+
+class _Layout(NamedTuple):
+    """What the agreement rows say, the same on every rank."""
+
+    vocab_start: int
+    vocab: int
+    n_valid: int  # over all ranks' tokens with sequence parallelism
+    chunk_size: int
+    targets_in_range: bool  # the caller raises otherwise, once it holds every token
+
+
+def _layout(
+    rows: Sequence[Sequence[int]],
+    *,
+    rank: int,
+    chunk_size: Optional[int],
+    compute_dtype: torch.dtype,
+    on_gpu: bool,
+) -> _Layout:
+    """The shard layout and chunk size from every rank's agreement row (:func:`_agreement_row`); raises the
+    same error on every rank where the ranks disagree. Without sequence parallelism every rank holds the same
+    tokens, so their counts and target fingerprints must be equal; with it each holds its own (as many on
+    every rank): the counts of non-ignored targets add up, the target bounds combine by min / max."""
 
     def column(index: int) -> list:
         return [r[index] for r in rows]
 
-    for index, what in (
+    if len(set(column(_C_SEQUENCE_PARALLEL))) > 1:
+        raise ValueError(
+            "the ranks of the vocab-parallel group disagree on sequence_parallel:"
+            f" {[bool(flag) for flag in column(_C_SEQUENCE_PARALLEL)]}; give the same on every rank"
+        )
+    sequence_parallel = bool(rows[0][_C_SEQUENCE_PARALLEL])
+    must_agree = [
         (_C_HIDDEN, "hidden sizes (weight columns)"),
         (_C_TOKENS, "numbers of tokens"),
         (_C_VALID, "numbers of non-ignored targets"),
@@ -600,7 +708,19 @@ def _layout(
         (_C_FLAGS, "reduction, stats or input.requires_grad"),
         (_C_OPTIONS, "ignore_index, label_smoothing, lse_square_scale or softcap"),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
-    ):
+    ]
+    tokens = column(_C_TOKENS)
+    if sequence_parallel:
+        if len(set(tokens)) > 1:
+            raise ValueError(f"sequence_parallel needs the same number of tokens on every rank, got {tokens}")
+        input_dtypes = {code // 16 for code in column(_C_DTYPES)}
+        if len(set(column(_C_HIDDEN))) > 1 or len(input_dtypes) > 1:
+            raise ValueError(
+                "sequence_parallel needs the same hidden size and input dtype on every rank (the tokens are"
+                " all-gathered as one tensor)"
+            )
+        must_agree = [(index, what) for index, what in must_agree if index not in (_C_VALID, _C_FINGERPRINT)]
+    for index, what in must_agree:
         if len(set(column(index))) > 1:
             raise ValueError(
                 f"the ranks of the vocab-parallel group disagree on their {what}: {column(index)}; input, target"
@@ -624,24 +744,27 @@ def _layout(
     else:
         start = sum(sizes[:rank])
 
-    bad_min = rows[0][_C_TARGET_MIN] < 0
-    bad_max = rows[0][_C_TARGET_MAX] >= vocab and rows[0][_C_VALID] > 0
-    if bad_min or bad_max:
-        bad = flat_target[valid & ((flat_target < 0) | (flat_target >= vocab))]
-        raise ValueError(
-            f"{bad.numel()} target(s) outside [0, {vocab}) and not ignore_index={ignore_index},"
-            f" e.g. {bad[:5].tolist()}"
-        )
-    n_valid = rows[0][_C_VALID]
+    n_tokens = sum(tokens) if sequence_parallel else tokens[0]
+    n_valid = sum(column(_C_VALID)) if sequence_parallel else rows[0][_C_VALID]
+    in_range = min(column(_C_TARGET_MIN)) >= 0 and max(column(_C_TARGET_MAX)) < vocab
     if chunk_size is None:
         # The same on every rank: chunk boundaries must line up for the per-chunk collectives.
         # On a GPU the GEMM-side rule (>= 4096 rows while the logits fit in dX + dW): each chunk reads and
         # writes the whole dW accumulator, and the CPU rule's 128 MiB of fp32 temporaries meant ~128-row
         # chunks at 64K local columns. The softmax's fp32 temporaries are bounded by row slices instead.
-        on_gpu = input.device.type == "cuda"
-        max_rows = default_chunk_size(n_tokens, max(sizes), weight.shape[1], itemsize, use_triton=on_gpu)
+        itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        max_rows = default_chunk_size(n_tokens, max(sizes), rows[0][_C_HIDDEN], itemsize, use_triton=on_gpu)
         chunk_size = balanced_chunk_rows(n_valid, max_rows, _FLOOR_LIMITED_ALIGN if on_gpu else _CHUNK_ALIGN)
-    return start, vocab, n_valid, int(chunk_size)
+    return _Layout(start, vocab, n_valid, int(chunk_size), in_range)
+
+
+def _target_range_error(target: Tensor, vocab: int, ignore_index: int) -> ValueError:
+    flat_target = target.reshape(-1)
+    bad = flat_target[(flat_target != ignore_index) & ((flat_target < 0) | (flat_target >= vocab))]
+    return ValueError(
+        f"{bad.numel()} target(s) outside [0, {vocab}) and not ignore_index={ignore_index},"
+        f" e.g. {bad[:5].tolist()}"
+    )
 
 
 class _VocabParallelFLCE(torch.autograd.Function):
@@ -757,21 +880,8 @@ def _local_rows(full: Optional[Tensor], group: Optional[dist.ProcessGroup]) -> O
 def _gather_tokens(
     input: Tensor, target: Tensor, group: Optional[dist.ProcessGroup]
 ) -> Tuple[Tensor, Tensor]:
-    """Sequence parallelism: all ranks' tokens, ``[sum N_r, H]`` and ``[sum N_r]``, after checking (one small
-    all-reduce, the same error on every rank) that every rank holds as many tokens."""
-    n_local, hidden, dtype = target.numel(), input.shape[-1], _DTYPE_CODES.get(input.dtype, 0)
-    counts = torch.tensor([n_local, -n_local, hidden, -hidden, dtype, -dtype], device=target.device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
-    most, fewest = int(counts[0]), -int(counts[1])
-    if most != fewest:
-        raise ValueError(
-            f"sequence_parallel needs the same number of tokens on every rank, got between {fewest} and {most}"
-        )
-    if int(counts[2]) != -int(counts[3]) or int(counts[4]) != -int(counts[5]):
-        raise ValueError(
-            "sequence_parallel needs the same hidden size and input dtype on every rank (the tokens are"
-            " all-gathered as one tensor)"
-        )
+    """Sequence parallelism: all ranks' tokens, ``[sum N_r, H]`` and ``[sum N_r]`` (the agreement checked that
+    every rank holds as many, of one hidden size and dtype)."""
     hidden = input.reshape(-1, input.shape[-1]).detach()
     return _gather_rows(hidden, group), _gather_rows(target.reshape(-1), group)
 

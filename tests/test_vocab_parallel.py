@@ -137,6 +137,42 @@ def cases(world: int) -> dict[str, dict]:
     return out
 
 
+# A bad argument on some ranks only: those raise their own error, the others a peer error naming them, and
+# nobody waits in a collective. Run apart from :func:`cases` (a hang there would fail every case).
+# name: (bad ranks, (error type, message) on a bad rank; None: every rank raises the message itself)
+ONE_RANK_ERRORS = {
+    "float_target": ((1,), ("TypeError", "target must hold integer class indices")),
+    "label_smoothing": ((1,), ("ValueError", "label_smoothing must be in [0, 1]")),
+    "chunk_size": ((1,), ("ValueError", "chunk_size must be a positive int")),
+    "weight_dtype": ((1,), ("TypeError", "weight dtype torch.float64 differs from input dtype")),
+    "class_weight": ((1,), ("NotImplementedError", "class_weight is not supported")),
+    "dtensor_placement": ((1,), ("ValueError", "a DTensor weight must be Shard(0) on a 1-D mesh")),
+    "float_target_all_but_rank0": (None, ("TypeError", "target must hold integer class indices")),
+    "sequence_parallel_rank0_only": ((0,), None),
+    "sequence_parallel_hidden": ((1,), None),
+    "sequence_parallel_target_out_of_range": ((1,), None),
+}
+ONE_RANK_SHARED_ERRORS = {
+    "sequence_parallel_rank0_only": ("ValueError", "disagree on sequence_parallel"),
+    "sequence_parallel_hidden": ("ValueError", "same hidden size and input dtype"),
+    "sequence_parallel_target_out_of_range": ("ValueError", "1 target(s) outside [0, "),
+}
+
+
+def one_rank_error_cases(world: int) -> dict[str, dict]:
+    out = {f"one_rank_error-{name}": {"kind": "one_rank_error", "error": name} for name in ONE_RANK_ERRORS}
+    out["after_one_rank_errors-plain-mean"] = {"kind": "loss", "feature": "plain", "reduction": "mean"}
+    return out
+
+
+def bad_ranks(name: str, world: int) -> tuple:
+    ranks = ONE_RANK_ERRORS[name][0]
+    return tuple(range(1, world)) if ranks is None else ranks
+
+
+SUITES = {"main": cases, "one_rank_errors": one_rank_error_cases}
+
+
 def make_problem(spec: dict, world: int):
     """Full (replicated) problem of a case: x, weight, target, bias, grad_output."""
     gen = torch.Generator().manual_seed(zlib.crc32(spec.get("feature", "plain").encode()))
@@ -343,10 +379,58 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         else:
             result["error"] = None
         dist.barrier()
+    elif kind == "one_rank_error":
+        error = spec["error"]
+        bad = rank in bad_ranks(error, world)
+        kwargs = {"chunk_size": chunk_size}
+        if error == "dtensor_placement":  # the mesh on every rank (its group is the world), a DTensor on one
+            from torch.distributed.device_mesh import DeviceMesh
+
+            from lightning_flce._compat import dtensor_api
+
+            api = dtensor_api()
+            mesh = DeviceMesh("cpu", torch.arange(world))
+            if bad:
+                w_shard = api.DTensor.from_local(w_shard, mesh, [api.Replicate()])
+        elif bad and error in ("float_target", "float_target_all_but_rank0"):
+            target = target.float()
+        elif bad and error == "label_smoothing":
+            kwargs["label_smoothing"] = 1.5
+        elif bad and error == "chunk_size":
+            kwargs["chunk_size"] = 0
+        elif bad and error == "weight_dtype":
+            w_shard = w_shard.double()
+        elif bad and error == "class_weight":
+            kwargs["class_weight"] = torch.ones(end - start)
+        elif bad and error == "sequence_parallel_rank0_only":  # this rank's tokens only, as meant
+            n_local = x.shape[0] // world
+            x, target = (
+                x[rank * n_local : (rank + 1) * n_local],
+                target[rank * n_local : (rank + 1) * n_local],
+            )
+            kwargs["sequence_parallel"] = True
+        elif error == "sequence_parallel_hidden":
+            kwargs["sequence_parallel"] = True
+            x, target = x[:6], target[:6]
+            if bad:  # one hidden feature more, in the input and the weight
+                x = torch.cat([x, x[:, :1]], dim=-1)
+                w_shard = torch.cat([w_shard, w_shard[:, :1]], dim=-1)
+        elif error == "sequence_parallel_target_out_of_range":  # in one rank's tokens only
+            kwargs["sequence_parallel"] = True
+            x, target = x[:6], target[:6].clone()
+            if bad:
+                target[2] = VOCAB[world] + 3
+        try:
+            vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
+        except Exception as exc:  # recorded for the parent to check
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            result["error"] = None
+        dist.barrier()
     return result
 
 
-def worker(out_dir: str, world: int, rank: int) -> None:
+def worker(out_dir: str, world: int, rank: int, suite: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -355,7 +439,7 @@ def worker(out_dir: str, world: int, rank: int) -> None:
     )
     results = {}
     start = time.perf_counter()
-    for name, spec in cases(world).items():
+    for name, spec in SUITES[suite](world).items():
         results[name] = run_case(spec, world, rank)
     results["_seconds"] = time.perf_counter() - start
     dist.barrier()
@@ -382,9 +466,13 @@ def tie_problem(world: int):
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch(world: int, out_dir: Path) -> list[dict]:
+def _launch(world: int, out_dir: Path, suite: str) -> list[dict]:
     return run_ranks(
-        world, lambda rank: [__file__, out_dir, world, rank], out_dir, TIMEOUT_S, label="vocab-parallel"
+        world,
+        lambda rank: [__file__, out_dir, world, rank, suite],
+        out_dir,
+        TIMEOUT_S,
+        label=f"vocab-parallel {suite}",
     )
 
 
@@ -392,10 +480,10 @@ def _launch(world: int, out_dir: Path) -> list[dict]:
 def results(tmp_path_factory):
     cache = {}
 
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = _launch(world, tmp_path_factory.mktemp(f"vp{world}"))
-        return cache[world]
+    def get(world: int, suite: str = "main") -> list[dict]:
+        if (world, suite) not in cache:
+            cache[world, suite] = _launch(world, tmp_path_factory.mktemp(f"vp{world}_{suite}"), suite)
+        return cache[world, suite]
 
     return get
 
@@ -555,6 +643,37 @@ def test_vocab_parallel(results, world, name):
             assert r["error"] is not None, f"rank {rank} did not raise"
             kind_name, message = expected
             assert r["error"].startswith(kind_name) and message in r["error"], r["error"]
+
+
+def _one_rank_error_ids():
+    return [(world, name) for world in (2, 3) for name in one_rank_error_cases(world)]
+
+
+@pytest.mark.parametrize(
+    ("world", "name"), _one_rank_error_ids(), ids=[f"w{w}-{n}" for w, n in _one_rank_error_ids()]
+)
+def test_one_rank_errors(results, world, name):
+    """A bad argument on some ranks only raises on every rank (no rank hangs; the group stays usable): the
+    bad ranks their own error, the others one of the same type naming them."""
+    spec = one_rank_error_cases(world)[name]
+    ranks = [r[name] for r in results(world, "one_rank_errors")]
+    if spec["kind"] == "loss":
+        _check_loss_and_grads(spec, world, ranks)
+        return
+    error = spec["error"]
+    bad = bad_ranks(error, world)
+    for rank, r in enumerate(ranks):
+        assert r["error"] is not None, f"rank {rank} did not raise"
+        if error in ONE_RANK_SHARED_ERRORS:
+            kind_name, message = ONE_RANK_SHARED_ERRORS[error]
+        elif rank in bad:
+            kind_name, message = ONE_RANK_ERRORS[error][1]
+        else:
+            kind_name = ONE_RANK_ERRORS[error][1][0]
+            message = f"rank(s) {list(bad)} of the vocab-parallel group failed their argument checks"
+        assert r["error"].startswith(kind_name + ":") and message in r["error"], (rank, r["error"])
+    if error in ONE_RANK_SHARED_ERRORS:
+        assert len({r["error"] for r in ranks}) == 1, [r["error"] for r in ranks]
 
 
 def _check_sequence_parallel(spec, world, ranks):
@@ -739,4 +858,4 @@ def test_softmax_in_row_slices(tmp_path, monkeypatch, feature_name):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
