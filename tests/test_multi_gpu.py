@@ -642,6 +642,72 @@ def op_worker(out_dir: str, device_name: str, cases: list[str]) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+# A bad argument on one rank only, over NCCL: every rank raises (the bad rank its own error, the other one of the
+# same type naming it), nobody hangs in a collective, and the group stays usable (a good call after them).
+# "input_on_cpu" also needs the agreement table on the GPU for the rank whose input is not on it (NCCL).
+# name: (bad rank, error type, message on the bad rank; the same message on both ranks when shared)
+OP_ERROR_CASES = {
+    "float_target": (1, "TypeError", "target must hold integer class indices", False),
+    "weight_dtype": (1, "TypeError", "weight dtype torch.float64 differs from input dtype", False),
+    "input_on_cpu": (1, "ValueError", "weight is on cuda:1 but input is on cpu", False),
+    "sequence_parallel_rank0_only": (0, "ValueError", "disagree on sequence_parallel", True),
+}
+
+
+def run_op_error_case(name: str, rank: int, device: torch.device) -> dict:
+    """One :data:`OP_ERROR_CASES` call (no backward); returns this rank's error, or None."""
+    import torch.distributed as dist
+
+    from lightning_flce.parallel import vocab_parallel_fused_linear_cross_entropy, vocab_shard_range
+
+    x, weight, target, _, _ = _op_problem({"dtype": "fp32", "reduction": "mean"}, device)
+    start, end = vocab_shard_range(OP_VOCAB, WORLD, rank)
+    w_shard = weight[start:end]
+    bad = rank == OP_ERROR_CASES[name][0]
+    kwargs = {}
+    if bad and name == "float_target":
+        target = target.float()
+    elif bad and name == "weight_dtype":
+        w_shard = w_shard.double()
+    elif bad and name == "input_on_cpu":
+        x = x.cpu()
+    elif bad and name == "sequence_parallel_rank0_only":
+        rows = slice(rank * OP_TOKENS // WORLD, (rank + 1) * OP_TOKENS // WORLD)
+        x, target, kwargs = x[rows], target[rows], {"sequence_parallel": True}
+    try:
+        vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        error = None
+    dist.barrier()
+    return {"error": error}
+
+
+def op_errors_worker(out_dir: str, device_name: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_flce.parallel import vocab_parallel_fused_linear_cross_entropy, vocab_shard_range
+
+    rank = int(os.environ["RANK"])
+    device = (
+        torch.device("cpu") if device_name == "cpu" else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    results = {name: run_op_error_case(name, rank, device) for name in OP_ERROR_CASES}
+    x, weight, target, _, _ = _op_problem({"dtype": "fp32", "reduction": "mean"}, device)
+    start, end = vocab_shard_range(OP_VOCAB, WORLD, rank)
+    loss = vocab_parallel_fused_linear_cross_entropy(x, weight[start:end], target)
+    results["after"] = {"loss": float(loss), "single": float(F.cross_entropy(F.linear(x, weight), target))}
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
 def check_op_case(name: str, ranks: list[dict]) -> dict:
     spec = OP_CASES[name]
     for rank, r in enumerate(ranks):
@@ -748,6 +814,26 @@ def test_vocab_parallel_op_nccl(suite_results, name):
 
 @pytest.mark.cuda
 @needs_two_gpus
+@pytest.mark.parametrize("name", list(OP_ERROR_CASES))
+def test_vocab_parallel_op_one_rank_errors_nccl(suite_results, name):
+    bad, kind, message, shared = OP_ERROR_CASES[name]
+    ranks = suite_results("op_errors")
+    for rank, r in enumerate(ranks):
+        error = r[name]["error"]
+        assert error is not None, f"rank {rank} did not raise"
+        if shared or rank == bad:
+            assert error.startswith(f"{kind}:") and message in error, (rank, error)
+        else:
+            assert error.startswith(f"{kind}: rank(s) [{bad}] of the vocab-parallel group failed"), (
+                rank,
+                error,
+            )
+    for r in ranks:  # the group still works
+        assert abs(r["after"]["loss"] - r["after"]["single"]) < 1e-4 * abs(r["after"]["single"]), r["after"]
+
+
+@pytest.mark.cuda
+@needs_two_gpus
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("suite", ["ddp", "fsdp1", "fsdp2", "deepspeed3"])
 def test_lightning_two_steps_equal_one_process(suite_results, suite, scenario):
@@ -778,6 +864,8 @@ def main() -> None:
     if suite == "op":
         cases = args.only.split(",") if args.only else list(OP_CASES)
         op_worker(out_dir, args.device, cases)
+    elif suite == "op_errors":
+        op_errors_worker(out_dir, args.device)
     else:
         scenarios = args.only.split(",") if args.only else list(SCENARIOS)
         lightning_worker(suite, out_dir, args.device, scenarios)
