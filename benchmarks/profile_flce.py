@@ -57,6 +57,7 @@ LOGITS, DX, DW, CE, CAST, GATHER, OTHER = (
 )
 CATEGORIES = [LOGITS, DX, DW, CE, CAST, GATHER, OTHER]
 CE_KERNEL = "_cross_entropy_chunk_kernel"
+CAST_KERNEL = "_scale_into_kernel"  # backward's cast of dW's accumulator (grad_output folded in)
 # record_function label put around the op's per-chunk CE call during the profiled call, so the PyTorch
 # implementation's many small ops (CPU, or impl="torch") also land in "CE kernel".
 CE_LABEL = "flce::cross_entropy_chunk"
@@ -234,6 +235,8 @@ def classify(evt: Any, H: int, V: int, kernel_name: Optional[str] = None) -> str
     """Stage of a kernel (or, on CPU, of an op's self time) from the kernel name and the op stack."""
     if kernel_name and CE_KERNEL in kernel_name:
         return CE
+    if kernel_name and CAST_KERNEL in kernel_name:
+        return CAST
     node = evt
     in_accumulate_grad = False
     while node is not None:
@@ -248,7 +251,7 @@ def classify(evt: Any, H: int, V: int, kernel_name: Optional[str] = None) -> str
             return cat
         node = getattr(node, "cpu_parent", None)
     name, shapes = evt.name or "", evt.input_shapes or []
-    if name in CAST_OPS:
+    if name in CAST_OPS or CAST_KERNEL in name or name == "lightning_flce::flce_cast_grad_weight":
         return CAST
     if name in GATHER_OPS:
         return GATHER
