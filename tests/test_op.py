@@ -130,8 +130,10 @@ def test_bf16_no_worse_than_naive(reduction, feature_name):
 
 
 def test_bf16_scalar_grad_output_rounding():
-    """A scalar grad_output that is not a power of two rescales dX/dW after they were rounded to bf16
-    in forward: one extra bf16 rounding (at most a factor sqrt(2) on a rounding-dominated error)."""
+    """A scalar grad_output that is not a power of two rescales dX after it was rounded to bf16 in forward:
+    one extra bf16 rounding (at most a factor sqrt(2) on a rounding-dominated error). dW here (3 chunks) has
+    an fp32 accumulator, which backward casts with grad_output folded in: one rounding, see
+    test_wide_dw_accumulator_is_cast_once_in_backward."""
     _check_bf16_against_naive("mean", "plain", grad_scale=0.7, ratio=1.5)
 
 
