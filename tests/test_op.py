@@ -499,15 +499,19 @@ def test_lightning_measure_flops_counts_the_head(device):
         assert measure_flops(head, forward) == 2 * n_rows * hidden * vocab
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_torch_compile_fullgraph_matches_eager(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("chunk_size", [None, 8], ids=["one-chunk", "chunks-of-8"])
+def test_torch_compile_fullgraph_matches_eager(dtype, chunk_size):
     """The op is one opaque node: a compiled model around it has no graph break (fp16: the forward's
-    extra output, the inverse gradient scales, has the shape the fake implementation promises)."""
+    extra output, the inverse gradient scales, has the shape the fake implementation promises; bf16/fp16
+    over several chunks: the saved dW is the fp32 accumulator, cast by backward's own op)."""
     x, weight, target, bias, _ = make_problem(32, 16, 64, seed=9, dtype=dtype)
     proj = torch.nn.Linear(16, 16, dtype=dtype)
 
     def model(inp, w, b):
-        return fused_linear_cross_entropy(torch.relu(proj(inp)), w, target, b, label_smoothing=0.1)
+        return fused_linear_cross_entropy(
+            torch.relu(proj(inp)), w, target, b, label_smoothing=0.1, chunk_size=chunk_size
+        )
 
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     got_loss, got_grads = grads_of(

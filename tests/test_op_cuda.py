@@ -246,13 +246,15 @@ def test_one_host_sync_in_forward_none_in_backward(dtype):
     assert not [w for w in backward_syncs if "synchroniz" in str(w.message)]
 
 
-def test_torch_compile_inductor_matches_eager():
+@pytest.mark.parametrize("chunk_size", [None, 256], ids=["one-chunk", "chunks-of-256"])
+def test_torch_compile_inductor_matches_eager(chunk_size):
+    """Inductor around the op (several chunks: forward saves the fp32 dW accumulator, backward casts it)."""
     x, weight, target = make_problem(1024, 256, 4000, torch.bfloat16, seed=7)
     proj = torch.nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16)
 
     def model(inp, w):
         return fused_linear_cross_entropy(
-            torch.nn.functional.gelu(proj(inp)), w, target, lse_square_scale=1e-4
+            torch.nn.functional.gelu(proj(inp)), w, target, lse_square_scale=1e-4, chunk_size=chunk_size
         )
 
     compiled = torch.compile(model, fullgraph=True)
