@@ -221,7 +221,6 @@ def _backward(loss: torch.Tensor, grad_output: torch.Tensor) -> None:
 
 
 def run_case(spec: dict, world: int, rank: int) -> dict:
-    import torch.distributed as dist
 
     kind = spec["kind"]
     x, weight, target, bias, grad_output = make_problem(spec, world)
@@ -372,13 +371,7 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         elif error == "sp_uneven":
             kwargs["sequence_parallel"] = True
             x, target = x[: 5 + rank], target[: 5 + rank]  # rank 1 holds one token more
-        try:
-            vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
-        except Exception as exc:  # recorded for the parent to check
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            result["error"] = None
-        dist.barrier()
+        result["error"] = _error_of_call(x, w_shard, target, kwargs)
     elif kind == "one_rank_error":
         error = spec["error"]
         bad = rank in bad_ranks(error, world)
@@ -422,14 +415,23 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             x, target = x[:6], target[:6].clone()
             if bad:
                 target[2] = VOCAB[world] + 3
-        try:
-            vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
-        except Exception as exc:  # recorded for the parent to check
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        else:
-            result["error"] = None
-        dist.barrier()
+        result["error"] = _error_of_call(x, w_shard, target, kwargs)
     return result
+
+
+def _error_of_call(x, w_shard, target, kwargs: dict):
+    """The error the op raises on this rank (``"Type: message"``, for the parent to check), or None; then
+    a barrier, so no rank starts the next case while another is still in this one."""
+    import torch.distributed as dist
+
+    try:
+        vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        error = None
+    dist.barrier()
+    return error
 
 
 def worker(out_dir: str, world: int, rank: int, suite: str) -> None:
