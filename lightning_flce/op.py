@@ -11,9 +11,10 @@ Forward (``lightning_flce::flce_forward``), per chunk of C tokens::
 so for "mean"/"sum" the gradients exist when forward returns, and backward only multiplies them by
 grad_output (``lightning_flce::flce_scale_grads_``, skipped on the device when it is 1), except dW when
 its accumulator is wider than the weight: forward keeps the accumulator and backward's cast to the
-weight's dtype takes grad_output in the same pass (``lightning_flce::flce_cast_grad_weight``). For "none" each token has its own grad_output, which dW cannot absorb after the fact:
-forward computes only the loss, and backward (``lightning_flce::flce_backward``) recomputes the
-chunks with the per-token scales.
+weight's dtype takes grad_output in the same pass (``lightning_flce::flce_cast_grad_weight``). For
+"none" each token has its own grad_output, which dW cannot absorb after the fact: forward computes only
+the loss, and backward (``lightning_flce::flce_backward``) recomputes the chunks with the per-token
+scales.
 
 Rows whose target is ``ignore_index`` are dropped before the GEMMs (they cost nothing but a gather).
 Targets are validated and counted with one host sync per call, before any kernel runs; the mean's
