@@ -731,12 +731,12 @@ def flce_cast_grad_weight(
     factor = scale.reshape(1).float()
     if inverse_scales.numel():
         factor = factor * inverse_scales[1]
-    return scale_into(torch.empty_like(accumulator, dtype=dtype), accumulator, factor)
+    return scale_into(accumulator.new_empty(accumulator.shape, dtype=dtype), accumulator, factor)
 
 
 @flce_cast_grad_weight.register_fake
 def _(accumulator, scale, inverse_scales, dtype):
-    return torch.empty_like(accumulator, dtype=dtype)
+    return accumulator.new_empty(accumulator.shape, dtype=dtype)
 
 
 @torch.library.custom_op("lightning_flce::flce_backward", mutates_args=())
@@ -865,7 +865,15 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def check_single_backward(ctx) -> None:
     """ "mean"/"sum" hand out the gradients computed in forward, scaled in place by grad_output: a second
-    backward through the same graph (``retain_graph=True``, repeated ``autograd.grad``) cannot reuse them."""
+    backward through the same graph (``retain_graph=True``, repeated ``autograd.grad``) cannot reuse them,
+    and they carry no graph of their own, so ``create_graph=True`` (a gradient penalty) cannot differentiate
+    them (it would silently drop the penalty's term through the head)."""
+    if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
+        raise RuntimeError(
+            "fused linear cross-entropy does not support double backward (create_graph=True): with reduction"
+            " 'mean'/'sum' its gradients are computed in forward without a graph. Compute a gradient penalty"
+            " on the unfused loss (F.cross_entropy(F.linear(x, W), t)) for the steps that need it"
+        )
     if getattr(ctx, "grads_handed_out", False):
         raise RuntimeError(
             "backward ran twice through the same fused linear cross-entropy call: with reduction 'mean'/'sum' it"

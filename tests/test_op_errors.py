@@ -170,6 +170,24 @@ def test_second_backward_through_mean_or_sum_is_refused():
     torch.testing.assert_close(x.grad, 2 * first)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_double_backward_is_refused(dtype):
+    """create_graph=True (a gradient penalty through the head) would get "mean"/"sum" gradients that carry
+    no graph, and the penalty's term through the head would vanish silently: refused with a clear error.
+    ("none" recomputes in a custom op without a double-backward formula: torch refuses that one.)"""
+    x = torch.randn(N, H, dtype=dtype, requires_grad=True)
+    weight = torch.randn(V, H, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, V, (N,))
+    for reduction in ("mean", "sum"):
+        loss = fused_linear_cross_entropy(x, weight, target, reduction=reduction, chunk_size=4)
+        with pytest.raises(RuntimeError, match="does not support double backward"):
+            torch.autograd.grad(loss, weight, create_graph=True)
+    loss = fused_linear_cross_entropy(x, weight, target, reduction="none").sum()
+    (grad_weight,) = torch.autograd.grad(loss, weight, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        grad_weight.square().sum().backward()
+
+
 def test_empty_partitioned_weight_is_explained():
     """DeepSpeed ZeRO-3 leaves a partitioned parameter as a 1-D tensor with numel 0 outside its module's forward."""
     with pytest.raises(ValueError, match="ZeRO-3"):

@@ -794,9 +794,10 @@ def test_needs_an_initialized_process_group():
         )
 
 
-def test_second_backward_is_refused(tmp_path):
+def test_second_and_double_backward_are_refused(tmp_path):
     """As the single-device op: "mean"/"sum" hand out their forward-computed gradients once (a second backward
-    would scale them in place again); "none" recomputes and supports retain_graph."""
+    would scale them in place again) and refuse create_graph=True (they carry no graph); "none" recomputes and
+    supports retain_graph."""
     import torch.distributed as dist
 
     spec = {"feature": "plain", "reduction": "mean"}
@@ -806,6 +807,9 @@ def test_second_backward_is_refused(tmp_path):
         x.requires_grad_()
         weight.requires_grad_()
         for reduction in ("mean", "sum"):
+            loss = vocab_parallel_fused_linear_cross_entropy(x, weight, target, reduction=reduction)
+            with pytest.raises(RuntimeError, match="does not support double backward"):
+                torch.autograd.grad(loss, weight, create_graph=True, retain_graph=True)
             loss = vocab_parallel_fused_linear_cross_entropy(x, weight, target, reduction=reduction)
             loss.backward(retain_graph=True)
             with pytest.raises(RuntimeError, match="backward ran twice"):

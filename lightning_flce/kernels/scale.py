@@ -75,10 +75,13 @@ def scale_into(out: torch.Tensor, src: torch.Tensor, scale: torch.Tensor) -> tor
     """``out = src * scale`` (``scale``: [1] on ``src``'s device) in one pass without a full-size temporary."""
     if out.shape != src.shape:
         raise ValueError(f"scale_into: shapes differ, {tuple(out.shape)} and {tuple(src.shape)}")
+    if not out.is_contiguous():
+        raise ValueError("scale_into: out must be contiguous")
+    src = src.contiguous()  # a no-op for the accumulator the op passes
     if out.numel() == 0:
         return out
     scale = scale.reshape(1)
-    if triton_usable(src.device) and src.is_contiguous() and out.is_contiguous():
+    if triton_usable(src.device):
         grid = (triton.cdiv(src.numel(), _BLOCK),)
         _scale_into_kernel[grid](out, src, scale, src.numel(), BLOCK=_BLOCK)
     else:
