@@ -523,6 +523,25 @@ def test_torch_compile_fullgraph_matches_eager(dtype, chunk_size):
         torch.testing.assert_close(got, want)
 
 
+def test_torch_compile_dynamic_shapes_match_eager():
+    """dynamic=True: one graph for several token counts (the fake implementation's shapes are symbolic),
+    bf16 over several chunks (the saved fp32 accumulator and backward's cast op)."""
+    weight = torch.randn(64, 16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(12))
+
+    def model(inp, w, t):
+        return fused_linear_cross_entropy(torch.relu(inp), w, t, chunk_size=8)
+
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True, fullgraph=True)
+    for n_rows in (32, 48, 40):
+        x, _, target, _, _ = make_problem(n_rows, 16, 64, seed=n_rows, dtype=torch.bfloat16)
+        inputs = (x.requires_grad_(), weight.requires_grad_(), target)
+        got_loss, got_grads = grads_of(compiled, *inputs)
+        want_loss, want_grads = grads_of(model, *inputs)
+        torch.testing.assert_close(got_loss, want_loss)
+        for got, want in zip(got_grads[:2], want_grads[:2]):
+            torch.testing.assert_close(got, want)
+
+
 def test_default_chunks_are_balanced_over_the_valid_rows():
     from lightning_flce.op import balanced_chunk_rows
 
