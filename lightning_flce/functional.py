@@ -150,7 +150,7 @@ def _call(
     compute_stats: bool,
 ) -> FLCEOutput:
     compute_dtype = _check_inputs(input, weight, target, bias, class_weight)
-    # Here, not in _check_inputs: a vocab-parallel rank must not raise alone (its peers would hang).
+    # Here, not in _check_inputs: the vocab-parallel op reports a zero-row shard with every rank's shard sizes.
     if 0 in weight.shape:
         raise ValueError(f"hidden size and vocabulary must be non-empty, got weight {tuple(weight.shape)}")
     _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)

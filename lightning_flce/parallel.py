@@ -845,14 +845,14 @@ class _VocabParallelFLCE(torch.autograd.Function):
         else:
             check_single_backward(ctx)
             gx, gw, gb = ctx.saved_tensors
-            factors = [grad_loss if stored == 1.0 else grad_loss / stored for stored in ctx.stored_scales]
-            if (
-                gw is not None and gw.dtype != ctx.weight_dtype
-            ):  # the wide accumulator: cast and scale at once
-                gw = scale_into(torch.empty_like(gw, dtype=ctx.weight_dtype), gw, factors[1].float())
-                factors[1] = None
-            for grad, factor in zip((gx, gw, gb), factors):
-                if grad is not None and factor is not None:
+            fx, fw, fb = (grad_loss if stored == 1.0 else grad_loss / stored for stored in ctx.stored_scales)
+            # A wide dW accumulator is cast to the weight's dtype and scaled in one pass.
+            if gw is not None and gw.dtype != ctx.weight_dtype:
+                gw = scale_into(torch.empty_like(gw, dtype=ctx.weight_dtype), gw, fw.float())
+            elif gw is not None:
+                scale_(gw, fw)
+            for grad, factor in ((gx, fx), (gb, fb)):
+                if grad is not None:
                     scale_(grad, factor)
         grads[0] = gx if need_gx else None
         grads[1] = gw if need_gw else None

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -103,3 +103,18 @@ def run_ranks(
     if echo:
         print(outputs[0][-1000:])
     return [torch.load(Path(out_dir) / f"rank{rank}.pt") for rank in range(world)]
+
+
+def error_in_step(call: Callable[[], Any]) -> Optional[str]:
+    """In a worker: the exception ``call()`` raises on this rank as ``"Type: message"`` (for the parent to
+    check), or None; then a barrier of the default group, so no rank starts the next case early."""
+    import torch.distributed as dist
+
+    try:
+        call()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        error = None
+    dist.barrier()
+    return error

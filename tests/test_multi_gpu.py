@@ -63,7 +63,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from ranks import free_port, run_ranks, torchrun_env
+from ranks import error_in_step, free_port, run_ranks, torchrun_env
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _key, _value in NO_MULTICAST.items():  # also for anything this process starts
@@ -610,7 +610,8 @@ def run_op_case(spec: dict, rank: int, device: torch.device) -> dict:
     return out
 
 
-def op_worker(out_dir: str, device_name: str, cases: list[str]) -> None:
+def _join_op_group(device_name: str) -> tuple[int, torch.device]:
+    """An op worker's process group (gloo on the CPU, NCCL bound to this rank's GPU): its rank and device."""
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
@@ -624,6 +625,13 @@ def op_worker(out_dir: str, device_name: str, cases: list[str]) -> None:
         torch.set_float32_matmul_precision("highest")
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl", device_id=device)  # bound: barriers and DTensor use this GPU
+    return rank, device
+
+
+def op_worker(out_dir: str, device_name: str, cases: list[str]) -> None:
+    import torch.distributed as dist
+
+    rank, device = _join_op_group(device_name)
     results = {}
     for name in cases:
         start = time.perf_counter()
@@ -656,8 +664,6 @@ OP_ERROR_CASES = {
 
 def run_op_error_case(name: str, rank: int, device: torch.device) -> dict:
     """One :data:`OP_ERROR_CASES` call (no backward); returns this rank's error, or None."""
-    import torch.distributed as dist
-
     from lightning_flce.parallel import vocab_parallel_fused_linear_cross_entropy, vocab_shard_range
 
     x, weight, target, _, _ = _op_problem({"dtype": "fp32", "reduction": "mean"}, device)
@@ -674,14 +680,11 @@ def run_op_error_case(name: str, rank: int, device: torch.device) -> dict:
     elif bad and name == "sequence_parallel_rank0_only":
         rows = slice(rank * OP_TOKENS // WORLD, (rank + 1) * OP_TOKENS // WORLD)
         x, target, kwargs = x[rows], target[rows], {"sequence_parallel": True}
-    try:
-        vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    else:
-        error = None
-    dist.barrier()
-    return {"error": error}
+    return {
+        "error": error_in_step(
+            lambda: vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
+        )
+    }
 
 
 def op_errors_worker(out_dir: str, device_name: str) -> None:
@@ -689,15 +692,7 @@ def op_errors_worker(out_dir: str, device_name: str) -> None:
 
     from lightning_flce.parallel import vocab_parallel_fused_linear_cross_entropy, vocab_shard_range
 
-    rank = int(os.environ["RANK"])
-    device = (
-        torch.device("cpu") if device_name == "cpu" else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    rank, device = _join_op_group(device_name)
     results = {name: run_op_error_case(name, rank, device) for name in OP_ERROR_CASES}
     x, weight, target, _, _ = _op_problem({"dtype": "fp32", "reduction": "mean"}, device)
     start, end = vocab_shard_range(OP_VOCAB, WORLD, rank)

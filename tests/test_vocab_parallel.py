@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from ranks import run_ranks
+from ranks import error_in_step, run_ranks
 from reference import grads_of, reference_loss, relative_error
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
@@ -371,7 +371,9 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         elif error == "sp_uneven":
             kwargs["sequence_parallel"] = True
             x, target = x[: 5 + rank], target[: 5 + rank]  # rank 1 holds one token more
-        result["error"] = _error_of_call(x, w_shard, target, kwargs)
+        result["error"] = error_in_step(
+            lambda: vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
+        )
     elif kind == "one_rank_error":
         error = spec["error"]
         bad = rank in bad_ranks(error, world)
@@ -415,23 +417,10 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             x, target = x[:6], target[:6].clone()
             if bad:
                 target[2] = VOCAB[world] + 3
-        result["error"] = _error_of_call(x, w_shard, target, kwargs)
+        result["error"] = error_in_step(
+            lambda: vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
+        )
     return result
-
-
-def _error_of_call(x, w_shard, target, kwargs: dict):
-    """The error the op raises on this rank (``"Type: message"``, for the parent to check), or None; then
-    a barrier, so no rank starts the next case while another is still in this one."""
-    import torch.distributed as dist
-
-    try:
-        vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    else:
-        error = None
-    dist.barrier()
-    return error
 
 
 def worker(out_dir: str, world: int, rank: int, suite: str) -> None:
