@@ -26,9 +26,9 @@ class FLCEOutput(NamedTuple):
 
     Attributes:
         loss: as :func:`fused_linear_cross_entropy` returns it (differentiable).
-        lse: [N] fp32 log-sum-exp of each token's (softcapped) logits; 0 for ignored tokens.
-        correct: [N] bool, ``argmax(logits) == target`` (first maximum on ties); False for ignored tokens.
-        entropy: [N] fp32 entropy of each token's softmax; 0 for ignored tokens.
+        lse: fp32 log-sum-exp of each token's (softcapped) logits, in the target's shape; 0 for ignored tokens.
+        correct: bool ``argmax(logits) == target`` per token (first maximum on ties); False for ignored tokens.
+        entropy: fp32 entropy of each token's softmax; 0 for ignored tokens.
 
     The statistics carry no gradient.
     """
@@ -71,7 +71,7 @@ def fused_linear_cross_entropy(
         ignore_index: targets equal to it contribute no loss and no gradient.
         reduction: ``"mean"`` (over non-ignored tokens, weighted by ``class_weight`` as in
             ``F.cross_entropy``; the z-loss is averaged over non-ignored tokens), ``"sum"``, or
-            ``"none"`` (per-token [N] losses, 0 for ignored tokens).
+            ``"none"`` (per-token losses in the target's shape, 0 for ignored tokens).
         label_smoothing: in [0, 1], as in ``F.cross_entropy``.
         class_weight: optional [V] weight per class, as ``F.cross_entropy``'s ``weight``.
         lse_square_scale: z-loss coefficient (PaLM uses 1e-4).
@@ -92,7 +92,7 @@ def fused_linear_cross_entropy(
             ``"auto"`` (Triton on CUDA, PyTorch elsewhere).
 
     Returns:
-        The fp32 loss: a scalar, or [N] for ``reduction="none"``.
+        The fp32 loss: a scalar, or one per token (the target's shape) for ``reduction="none"``.
 
     Edge cases (documented and tested): an all-ignored batch gives 0 (also for "mean") with zero
     gradients and the graph connected; N = 0 gives 0 ("none": an empty tensor); NaN/Inf in the
@@ -177,6 +177,20 @@ def _call(
         grad_enabled and bias is not None and bias.requires_grad,
         compute_stats,
     )
+    return _shaped_like_target(
+        FLCEOutput(loss, lse, correct, entropy), target.shape, reduction, compute_stats
+    )
+
+
+def _shaped_like_target(
+    output: FLCEOutput, shape: torch.Size, reduction: str, compute_stats: bool
+) -> FLCEOutput:
+    """The per-token outputs ([N] from the op) in the target's shape, as ``F.cross_entropy``'s "none" is."""
+    loss, lse, correct, entropy = output
+    if reduction == "none":
+        loss = loss.view(shape)
+    if compute_stats:
+        lse, correct, entropy = lse.view(shape), correct.view(shape), entropy.view(shape)
     return FLCEOutput(loss, lse, correct, entropy)
 
 
@@ -278,10 +292,13 @@ def _check_options(
         raise ValueError(f"softcap must be finite and > 0 (or None), got {softcap}")
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(f"accum_dtype must be a torch.dtype or None, got {accum_dtype!r}")
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0
-    ):
-        raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size!r}")
+    if chunk_size is not None:
+        try:
+            positive = not isinstance(chunk_size, bool) and operator.index(chunk_size) > 0
+        except TypeError:
+            positive = False
+        if not positive:
+            raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size!r}")
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
 
@@ -294,7 +311,7 @@ def _accum_mode(accum_dtype: Optional[torch.dtype], weight: Tensor) -> str:
     if accum_dtype == weight.dtype:
         return "param"
     raise ValueError(
-        f"accum_dtype must be None, torch.float32 or the weight's dtype {weight.dtype}, got {accum_dtype}"
+        f"accum_dtype must be None, torch.float32, torch.float64 or the weight's dtype {weight.dtype}, got {accum_dtype}"
     )
 
 

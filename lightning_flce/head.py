@@ -1,6 +1,7 @@
 """The LM-head loss computed inside the head module's own forward call."""
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
@@ -45,7 +46,7 @@ class FLCEHeadLoss(nn.Module):
 
     Args:
         ignore_index: target value that does not contribute to the loss.
-        label_smoothing: label smoothing of the cross-entropy, in ``[0, 1)``.
+        label_smoothing: label smoothing of the cross-entropy, in ``[0, 1]``.
         z_loss: coefficient of the z-loss ``z_loss * logsumexp(logits) ** 2`` added per token.
         accum_fp32: always accumulate the head weight gradient in float32 (``accum_dtype=torch.float32``);
             ``False`` keeps the op's default ``accum_dtype=None``.
@@ -73,10 +74,10 @@ class FLCEHeadLoss(nn.Module):
         naive: bool = False,
     ) -> None:
         super().__init__()
-        if not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        if z_loss < 0.0:
-            raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        if not 0.0 <= z_loss < math.inf:
+            raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
         if chunk_size is not None and chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
         if impl not in ("auto", "triton", "torch"):
@@ -371,6 +372,7 @@ def _plain_loss(
     logits = F.linear(hidden, weight, bias).float().flatten(0, -2)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    token_shape = labels.shape
     labels = labels.flatten()
     valid = labels != ignore_index
     per_token = F.cross_entropy(
@@ -380,7 +382,7 @@ def _plain_loss(
     if z_loss:
         per_token = per_token + z_loss * lse.square() * valid
     if reduction == "none":
-        loss = per_token
+        loss = per_token.view(token_shape)
     elif reduction == "sum":
         loss = per_token.sum()
     else:
@@ -393,4 +395,5 @@ def _plain_loss(
         entropy = lse - (probs * logits).sum(-1)
         correct = (logits.argmax(-1) == labels) & valid
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-        return FLCEOutput(loss, torch.where(valid, lse, zero), correct, torch.where(valid, entropy, zero))
+        stats = (torch.where(valid, lse, zero), correct, torch.where(valid, entropy, zero))
+        return FLCEOutput(loss, *(stat.view(token_shape) for stat in stats))

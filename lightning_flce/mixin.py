@@ -1,6 +1,9 @@
 """LightningModule mixin that computes the LM-head loss with fused linear cross-entropy."""
 
+import difflib
 import functools
+import inspect
+import math
 from typing import Any, Callable, Literal, Optional
 
 import torch
@@ -14,6 +17,17 @@ from lightning_flce.parallel import VocabParallelHead, register_fsdp_step_method
 
 _NORMALIZE_MODES = ("step", "micro_batch")
 _NARROW_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
+
+
+def _check_no_unknown_flce_options(kwargs: dict) -> None:
+    """A misspelled ``flce_*`` option would otherwise reach ``LightningModule.__init__`` as an unexpected
+    keyword argument of an unrelated class: name it and the option it was likely meant to be."""
+    known = [name for name in inspect.signature(FLCEMixin.__init__).parameters if name.startswith("flce_")]
+    for name in kwargs:
+        if name.startswith("flce_"):
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {', '.join(known)}"
+            raise TypeError(f"FLCEMixin got an unknown option {name!r}{hint}")
 
 
 class _Float64Mean(MeanMetric):
@@ -69,7 +83,7 @@ class FLCEMixin:
     Args:
         flce_head: attribute path of the head module from the LightningModule, e.g. ``"lm_head"`` or
             ``"model.lm_head"``. ``None``: ``get_output_embeddings()`` of the Hugging Face model that is the
-            module itself or one of its direct children, else ``"lm_head"``. The head is looked up at every
+            module itself or its only direct child that is one, else ``"lm_head"``. The head is looked up at every
             call (never by parameter name), so tied, resized or PEFT-wrapped heads are found as they are.
         flce_chunk_size: tokens per chunk; ``None`` lets the op choose from its memory budget.
         flce_ignore_index: label value that does not count.
@@ -165,11 +179,12 @@ class FLCEMixin:
         flce_normalize: Literal["step", "micro_batch"] = "step",
         **kwargs: Any,
     ) -> None:
+        _check_no_unknown_flce_options(kwargs)
         super().__init__(*args, **kwargs)
         if flce_normalize not in _NORMALIZE_MODES:
             raise ValueError(f"flce_normalize must be one of {_NORMALIZE_MODES}, got {flce_normalize!r}")
-        if flce_softcap is not None and flce_softcap <= 0:
-            raise ValueError(f"flce_softcap must be > 0 or None, got {flce_softcap}")
+        if flce_softcap is not None and not 0.0 < flce_softcap < math.inf:
+            raise ValueError(f"flce_softcap must be finite and > 0, or None, got {flce_softcap}")
         self.flce_head = flce_head
         self.flce_ignore_index = flce_ignore_index
         self.flce_softcap = flce_softcap

@@ -55,6 +55,7 @@ from lightning_flce.functional import (
     _check_options,
     _class_indices,
     _resolve_impl,
+    _shaped_like_target,
 )
 from lightning_flce.kernels import ChunkOutputs, LossOptions, shard_row_stats, shard_softmax_grad
 from lightning_flce.kernels.scale import scale_, scale_into
@@ -166,8 +167,9 @@ def vocab_parallel_fused_linear_cross_entropy(
             statistics of ``..._with_stats``. "mean"/"sum" are over all ranks' tokens.
 
     Returns:
-        The fp32 loss (a scalar, or [N] for ``reduction="none"``), replicated on every rank. Backpropagate
-        the same ``grad_output`` on every rank (the usual case: the loss feeds the same computation on all).
+        The fp32 loss (a scalar, or one per token in the target's shape for ``reduction="none"``), replicated
+        on every rank. Backpropagate the same ``grad_output`` on every rank (the usual case: the loss feeds the
+        same computation on all).
     """
     return _call(
         input,
@@ -454,6 +456,7 @@ def _call(
             )
         input, weight, bias = _from_dtensors(input, weight, bias)
         compute_dtype = _check_inputs(input, weight, target, bias, None)
+        token_shape = target.shape  # this rank's tokens: the shape of "none"'s losses and of the statistics
         target, ignore_index = _class_indices(target, ignore_index)
         _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
         use_triton = _resolve_impl(impl, input.device) == "triton"
@@ -512,7 +515,7 @@ def _call(
     loss, lse, correct, entropy = _VocabParallelFLCE.apply(
         local_input, weight, target, bias, plan, reduction, compute_stats, needs, input
     )
-    return FLCEOutput(loss, lse, correct, entropy)
+    return _shaped_like_target(FLCEOutput(loss, lse, correct, entropy), token_shape, reduction, compute_stats)
 
 
 def _call_group(weight: Tensor, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:

@@ -46,7 +46,9 @@ def loss_of_logits(
     lse_square_scale: float = 0.0,
     softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """Cross-entropy (``F.cross_entropy``'s options) plus the z-loss term, in the logits' dtype."""
+    """Cross-entropy (``F.cross_entropy``'s options) plus the z-loss term, in the logits' dtype; "none" gives
+    one loss per token in the target's shape."""
+    token_shape = target.shape
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1)
     if softcap:
@@ -67,7 +69,7 @@ def loss_of_logits(
         elif reduction == "sum":
             z_loss = z_loss.sum()
         loss = loss + z_loss
-    return loss
+    return loss.view(token_shape) if reduction == "none" else loss
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -460,6 +460,8 @@ def test_cli_lists_the_options_under_model_init_args():
     [
         ({"flce_normalize": "batch"}, "flce_normalize"),
         ({"flce_softcap": 0.0}, "flce_softcap"),
+        ({"flce_softcap": float("nan")}, "flce_softcap"),
+        ({"flce_z_loss": float("nan")}, "z_loss"),
         ({"flce_label_smoothing": 1.5}, "label_smoothing"),
         ({"flce_z_loss": -1.0}, "z_loss"),
         ({"flce_chunk_size": 0}, "chunk_size"),
@@ -469,6 +471,22 @@ def test_cli_lists_the_options_under_model_init_args():
 def test_bad_options_raise(options, message):
     with pytest.raises(ValueError, match=message):
         tiny_gpt(**options)
+
+
+def test_misspelled_option_names_the_intended_one():
+    with pytest.raises(TypeError, match="unknown option 'flce_chunksize'; did you mean 'flce_chunk_size'"):
+        tiny_gpt(flce_chunksize=64)
+    with pytest.raises(TypeError, match="unknown option 'flce_frobnicate'; the options are flce_head, "):
+        tiny_gpt(flce_frobnicate=True)
+
+
+def test_full_label_smoothing_is_accepted_like_the_op():
+    """label_smoothing=1.0 is F.cross_entropy's and the op's upper bound; the module takes it too."""
+    head = nn.Linear(8, VOCAB)
+    hidden, labels = torch.randn(6, 8), torch.randint(0, VOCAB, (6,))
+    loss = FLCEHeadLoss(label_smoothing=1.0)(head, hidden, labels)
+    expected = F.cross_entropy(head(hidden), labels, label_smoothing=1.0)
+    torch.testing.assert_close(loss, expected, **FP32)
 
 
 def test_bad_head_and_labels_raise():
@@ -514,7 +532,7 @@ def test_head_loss_module_direct_use():
     labels[0, :2] = -100
     per_token = FLCEHeadLoss(chunk_size=3)(head, hidden, labels, reduction="none")
     expected = F.cross_entropy(head(hidden).reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
-    torch.testing.assert_close(per_token, expected, **FP32)
+    torch.testing.assert_close(per_token, expected.view(2, 5), **FP32)  # per token, in the labels' shape
 
 
 class SkipsNormalization(TinyGPT):

@@ -82,9 +82,8 @@ def run_case(x, weight, target, bias, class_weight, feature, reduction, grad_out
 )
 def test_matches_float64_reference(reduction, feature_name, lead_shape, hidden, vocab, chunk_size):
     x, weight, target, bias, class_weight = make_problem(None, hidden, vocab, lead_shape=lead_shape)
-    n_rows = target.numel()
-    # A random, non-1 grad_output: per token for "none", a scalar otherwise.
-    grad_output = torch.randn(n_rows) if reduction == "none" else torch.tensor(1.7)
+    # A random, non-1 grad_output: per token (the target's shape) for "none", a scalar otherwise.
+    grad_output = torch.randn(target.shape) if reduction == "none" else torch.tensor(1.7)
     (loss, grads), (ref_loss, ref_grads) = run_case(
         x,
         weight,
@@ -383,6 +382,26 @@ def test_stats_match_reference():
     torch.testing.assert_close(
         out.loss.double(), reference_loss(x, weight, target, bias, softcap=5.0), rtol=1e-6, atol=0
     )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_per_token_outputs_take_the_target_shape(reduction):
+    """[B, T, H] hidden states give "none" losses and statistics of shape [B, T] (as F.cross_entropy's "none"
+    follows its target), equal to the flattened call's, and take a [B, T] grad_output."""
+    x, weight, target, bias, _ = make_problem(None, 12, 150, lead_shape=(3, 7), seed=3)
+    options = {"reduction": reduction, "label_smoothing": 0.1, "lse_square_scale": 1e-3, "chunk_size": 8}
+    x3, x2 = x.clone().requires_grad_(), x.reshape(21, 12).clone().requires_grad_()
+    out3 = fused_linear_cross_entropy_with_stats(x3, weight, target, bias, **options)
+    out2 = fused_linear_cross_entropy_with_stats(x2, weight, target.reshape(21), bias, **options)
+    assert out3.loss.shape == (target.shape if reduction == "none" else ())
+    for got, flat in zip(out3, out2):
+        if got.dim():
+            assert got.shape == target.shape
+        torch.testing.assert_close(got.reshape(flat.shape), flat, rtol=0, atol=0)
+    grad_output = torch.randn(out3.loss.shape)
+    out3.loss.backward(grad_output)
+    out2.loss.backward(grad_output.reshape(out2.loss.shape))
+    torch.testing.assert_close(x3.grad.reshape(21, 12), x2.grad, rtol=0, atol=0)
 
 
 def test_only_requested_gradients():

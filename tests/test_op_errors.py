@@ -105,6 +105,9 @@ def test_bad_tensors(overrides, error, match):
         ({"lse_square_scale": float("inf")}, ValueError, "lse_square_scale"),
         ({"softcap": float("inf")}, ValueError, "softcap"),
         ({"chunk_size": 2.5}, ValueError, "chunk_size"),
+        ({"chunk_size": True}, ValueError, "chunk_size"),
+        ({"chunk_size": torch.tensor(-4)}, ValueError, "chunk_size"),
+        ({"accum_dtype": torch.float16}, ValueError, "torch.float32, torch.float64 or the weight's dtype"),
         ({"ignore_index": -100.7}, TypeError, "ignore_index"),
         ({"ignore_index": 2**64}, ValueError, "ignore_index must fit in int64"),
     ],
@@ -112,6 +115,14 @@ def test_bad_tensors(overrides, error, match):
 def test_bad_options(kwargs, error, match):
     with pytest.raises(error, match=match):
         _call(kwargs)
+
+
+def test_chunk_size_takes_any_integer_type():
+    """Integer types other than int (numpy's, a 0-d integer tensor) are chunk sizes, as ignore_index takes them."""
+    args = _args()
+    expected = fused_linear_cross_entropy(**args, chunk_size=4)
+    for chunk_size in (torch.tensor(4), pytest.importorskip("numpy").int64(4)):
+        torch.testing.assert_close(fused_linear_cross_entropy(**args, chunk_size=chunk_size), expected)
 
 
 @pytest.mark.parametrize(

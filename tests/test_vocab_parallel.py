@@ -188,13 +188,12 @@ def make_problem(spec: dict, world: int):
     elif ignore == "all":
         target.fill_(-100)
     bias = torch.randn(vocab, generator=gen).to(dtype)
-    n_tokens = target.numel()
     reduction = spec.get("reduction", "mean")
     grad_output = {"mean": torch.tensor(1.0), "sum": torch.tensor(0.75)}.get(reduction)
     if "grad_output" in spec:
         grad_output = torch.tensor(spec["grad_output"])
     elif grad_output is None:
-        grad_output = torch.randn(n_tokens, generator=gen)
+        grad_output = torch.randn(shape, generator=gen)  # "none": one per token, in the target's shape
     return x, weight, target, bias, grad_output
 
 
