@@ -26,9 +26,10 @@ class FLCEOutput(NamedTuple):
 
     Attributes:
         loss: as :func:`fused_linear_cross_entropy` returns it (differentiable).
-        lse: fp32 log-sum-exp of each token's (softcapped) logits, in the target's shape; 0 for ignored tokens.
+        lse: log-sum-exp of each token's (softcapped) logits, in the target's shape and the loss's dtype; 0 for
+            ignored tokens.
         correct: bool ``argmax(logits) == target`` per token (first maximum on ties); False for ignored tokens.
-        entropy: fp32 entropy of each token's softmax; 0 for ignored tokens.
+        entropy: entropy of each token's softmax, in the loss's dtype; 0 for ignored tokens.
 
     The statistics carry no gradient.
     """
@@ -59,9 +60,9 @@ def fused_linear_cross_entropy(
 
     Equal to ``F.cross_entropy(softcap(F.linear(input, weight, bias).float()), target,
     weight=class_weight, ignore_index=ignore_index, reduction=reduction,
-    label_smoothing=label_smoothing)`` plus the z-loss ``lse_square_scale * logsumexp(logits) ** 2``
-    of every non-ignored token, computed in chunks of tokens: peak extra memory is one chunk's
-    logits, not [N, V].
+    label_smoothing=label_smoothing)`` (``.double()`` for fp64 inputs) plus the z-loss
+    ``lse_square_scale * logsumexp(logits) ** 2`` of every non-ignored token, computed in chunks of
+    tokens: peak extra memory is one chunk's logits, not [N, V].
 
     Args:
         input: [..., H] hidden states; leading dimensions are flattened to N tokens.
@@ -83,16 +84,18 @@ def fused_linear_cross_entropy(
             so dW is as accurate as one unchunked GEMM: fp32 for fp16/bf16 GEMMs (an fp32 weight under
             autocast included), fp64 for fp32 GEMMs on GPUs with full-rate fp64 (A100, H100, ...); the
             weight's dtype otherwise.
-            ``torch.float64`` is accepted too. (d bias is always accumulated in fp32.)
+            ``torch.float64`` is accepted too. (d bias is accumulated in fp32, fp64 for fp64 inputs.)
         chunk_size: tokens per chunk; None picks it from a memory budget: a quarter of dX + dW, and on
-            the GPU at least 4096 tokens while their logits fit in dX + dW (fewer chunks: each one reads
-            and writes the whole dW accumulator), then evens the chunks out over the non-ignored tokens.
-            Smaller chunks save memory at some speed.
+            the GPU (not for fp64) at least 4096 tokens while their logits fit in dX + dW (fewer chunks:
+            each one reads and writes the whole dW accumulator), then evens the chunks out over the
+            non-ignored tokens. Smaller chunks save memory at some speed.
         impl: ``"triton"`` (CUDA; the CPU only under ``TRITON_INTERPRET=1``), ``"torch"``, or
-            ``"auto"`` (Triton on CUDA, PyTorch elsewhere).
+            ``"auto"`` (Triton on CUDA, PyTorch elsewhere). The Triton kernels compute in fp32: fp64
+            inputs run the PyTorch softmax (in fp64) under any ``impl``.
 
     Returns:
-        The fp32 loss: a scalar, or one per token (the target's shape) for ``reduction="none"``.
+        The loss in fp32 (fp64 for fp64 inputs, as ``F.cross_entropy`` of fp64 logits): a scalar, or one per
+        token (the target's shape) for ``reduction="none"``.
 
     Edge cases (documented and tested): an all-ignored batch gives 0 (also for "mean") with zero
     gradients and the graph connected; N = 0 gives 0 ("none": an empty tensor); NaN/Inf in the

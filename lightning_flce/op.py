@@ -34,7 +34,7 @@ from torch import Tensor
 
 from lightning_flce._compat import resolved_annotations, triton_usable
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
-from lightning_flce.kernels import LossOptions, cross_entropy_chunk
+from lightning_flce.kernels import LossOptions, chunk_kernels_use_triton, cross_entropy_chunk, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
 
 _MiB = 1 << 20
@@ -49,9 +49,10 @@ _CHUNK_ALIGN = 64
 # quarter-floor rule showed it as the largest loss (results/*_run8_*: dW 30% over its FLOP floor).
 _MIN_TRITON_CHUNK_ROWS = 4096
 _FLOOR_LIMITED_ALIGN = 256
-# The PyTorch path works on about three fp32 copies of a chunk, and needs larger chunks than the GPU to
-# keep its GEMMs efficient (CPU, 4096x1024x32000 fp32: 64-row chunks run 1.4x slower than 320-row ones).
-_TORCH_PATH_BYTES_PER_LOGIT = 12
+# The PyTorch path works on about three copies of a chunk in the softmax dtype (fp32, or fp64), and needs
+# larger chunks than the GPU to keep its GEMMs efficient (CPU, 4096x1024x32000 fp32: 64-row chunks run 1.4x
+# slower than 320-row ones).
+_TORCH_PATH_COPIES = 3
 _TORCH_PATH_MIN_CHUNK_BYTES = 128 * _MiB
 # fp16 logit gradients. d loss / d logit is ~ p / N for "mean": below fp16's smallest subnormal (6e-8)
 # once N V > 2^24, so it would flush to zero, and torch's GradScaler cannot help (its scale reaches only
@@ -77,7 +78,7 @@ def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, use_
     floor_bytes = (n_rows + vocab) * hidden * itemsize
     min_bytes = _MIN_CHUNK_BYTES if use_triton else _TORCH_PATH_MIN_CHUNK_BYTES
     budget = max(floor_bytes // 4, min_bytes)
-    bytes_per_row = vocab * (itemsize if use_triton else _TORCH_PATH_BYTES_PER_LOGIT)
+    bytes_per_row = vocab * (itemsize if use_triton else _TORCH_PATH_COPIES * max(itemsize, 4))
     align = _CHUNK_ALIGN
     wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row
     if use_triton and wanted > budget:
@@ -150,7 +151,7 @@ def _chunk_loop(
             weight_dtype=weight.dtype,
         )
     n_valid, fp16_bounds = _check_targets(target, valid, weight.shape[0], options.ignore_index, fp16_stats)
-    use_triton = impl == "triton"
+    use_triton = chunk_kernels_use_triton(impl, compute_dtype)
     chunk_size = _resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, n_valid)
 
     def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
@@ -315,7 +316,8 @@ def run_chunks(
 
     Returns per-token loss/LSE/stats [N] (0 for ignored rows), the gradients: dX [N, H] in
     ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for, and their
-    :class:`GradScales`. ``ce_scale``/``z_scale`` are fp32 [1] (shared) or [N] (per token). ``accum`` is
+    :class:`GradScales`. Per-token results are in :func:`~lightning_flce.kernels.softmax_dtype` of
+    ``compute_dtype``, and so are ``ce_scale``/``z_scale``: [1] (shared) or [N] (per token). ``accum`` is
     "fp32", "fp64", "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
     With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
     the gradients whose final dtype is fp16 (dX's is x's, even when ``grad_input_dtype`` is wider for a
@@ -335,10 +337,11 @@ def run_chunks(
     bias_c = bias.to(compute_dtype) if bias is not None else None
     per_row_scale = ce_scale.numel() > 1
 
-    loss = torch.zeros(n_rows, dtype=torch.float32, device=device)
-    lse = torch.zeros(n_rows, dtype=torch.float32, device=device)
+    loss_dtype = softmax_dtype(compute_dtype)
+    loss = torch.zeros(n_rows, dtype=loss_dtype, device=device)
+    lse = torch.zeros(n_rows, dtype=loss_dtype, device=device)
     correct = torch.zeros(n_rows if compute_stats else 0, dtype=torch.bool, device=device)
-    entropy = torch.zeros(n_rows if compute_stats else 0, dtype=torch.float32, device=device)
+    entropy = torch.zeros(n_rows if compute_stats else 0, dtype=loss_dtype, device=device)
     compute_grad = need_grad_input or need_grad_weight or need_grad_bias
     scales = GradScales()
     if compute_grad and compute_dtype == torch.float16:
@@ -376,8 +379,8 @@ def run_chunks(
     if need_grad_weight:
         grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
         accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
-    if need_grad_bias:
-        grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+    if need_grad_bias:  # summed in the loss dtype: fp32, or fp64 for fp64 GEMMs
+        grad_bias = torch.zeros(vocab, dtype=loss_dtype, device=device)
 
     logits_buffer = None
     for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
@@ -421,7 +424,7 @@ def run_chunks(
                 alpha=scales.grad_weight / scales.logits,
             )
         if need_grad_bias:
-            grad_bias.add_(logits.sum(dim=0, dtype=torch.float32), alpha=scales.grad_bias / scales.logits)
+            grad_bias.add_(logits.sum(dim=0, dtype=loss_dtype), alpha=scales.grad_bias / scales.logits)
 
     # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
     # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
@@ -513,20 +516,21 @@ def _write_rows(dest: Tensor, rows, values: Tensor) -> None:
 
 
 def _loss_scales(
-    target: Tensor, reduction: str, options: LossOptions, device: torch.device
+    target: Tensor, reduction: str, options: LossOptions, device: torch.device, dtype: torch.dtype
 ) -> Tuple[Tensor, Tensor]:
-    """fp32 [1] multipliers of the CE and z-loss terms, computed on the device (no host sync).
+    """[1] multipliers of the CE and z-loss terms in ``dtype`` (the softmax dtype), computed on the device
+    (no host sync).
 
     "mean" divides CE by the summed class weight of the valid targets (the count without weights), as
     ``F.cross_entropy`` does, and the z-loss by the count; an all-ignored batch (or a zero total weight) gets
     0, not NaN.
     """
-    one = torch.ones(1, dtype=torch.float32, device=device)
+    one = torch.ones(1, dtype=dtype, device=device)
     if reduction != "mean":
         return one, one
     target = target.reshape(-1)
     valid = target != options.ignore_index
-    count = valid.sum(dtype=torch.float32).reshape(1)
+    count = valid.sum(dtype=dtype).reshape(1)
     if options.class_weight is not None:
         safe = torch.where(valid, target, 0)
         ce_norm = (options.class_weight[safe] * valid).sum().reshape(1)
@@ -544,10 +548,11 @@ def _options(
     lse_square_scale: float,
     softcap: float,
     class_weight: Optional[Tensor],
+    compute_dtype: torch.dtype,
 ) -> LossOptions:
     class_weight_sum = None
     if class_weight is not None:
-        class_weight = class_weight.float().contiguous()
+        class_weight = class_weight.to(softmax_dtype(compute_dtype)).contiguous()
         class_weight_sum = class_weight.sum().reshape(1)
     return LossOptions(
         ignore_index=ignore_index,
@@ -567,7 +572,7 @@ def _resolve_chunk_size(
         return chunk_size
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    use_triton = impl == "triton"
+    use_triton = chunk_kernels_use_triton(impl, compute_dtype)
     max_rows = default_chunk_size(n_rows, weight.shape[0], weight.shape[1], itemsize, use_triton)
     return balanced_chunk_rows(n_valid, max_rows, _FLOOR_LIMITED_ALIGN if use_triton else _CHUNK_ALIGN)
 
@@ -611,18 +616,19 @@ def flce_forward(
     compute_stats: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, inverse_scales); unused
-    ones are empty. ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients only) undoes the powers of two
-    the fp16 gradients carry, see :func:`run_chunks`. ``grad_weight`` is dW's accumulator, in
-    :func:`saved_grad_weight_dtype` (backward casts it).
+    ones are empty. loss, lse and entropy are in :func:`~lightning_flce.kernels.softmax_dtype` of
+    ``compute_dtype`` (fp32; fp64 for fp64 GEMMs). ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients
+    only) undoes the powers of two the fp16 gradients carry, see :func:`run_chunks`. ``grad_weight`` is dW's
+    accumulator, in :func:`saved_grad_weight_dtype` (backward casts it).
 
     For "none" no gradient is computed here (backward recomputes); the need_grad_* flags then only
     say what backward will produce.
     """
-    options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight)
+    options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight, compute_dtype)
     grads_now = reduction != "none"
     grad_weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
     with torch.autocast(x.device.type, enabled=False):
-        ce_scale, z_scale = _loss_scales(target, reduction, options, x.device)
+        ce_scale, z_scale = _loss_scales(target, reduction, options, x.device, softmax_dtype(compute_dtype))
         loss, lse, correct, entropy, gx, gw, gb, inverse_scales = _chunk_loop(
             x,
             weight,
@@ -675,18 +681,19 @@ def _(
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     grads_now = reduction != "none"
     fp32 = torch.float32
+    loss_dtype = softmax_dtype(compute_dtype)
     scaled = (
         compute_dtype == torch.float16
         and grads_now
         and (need_grad_input or need_grad_weight or need_grad_bias)
     )
-    loss = x.new_empty((n_rows,) if reduction == "none" else (), dtype=fp32)
+    loss = x.new_empty((n_rows,) if reduction == "none" else (), dtype=loss_dtype)
     n_stats = n_rows if compute_stats else 0
     return (
         loss,
-        x.new_empty(n_stats, dtype=fp32),
+        x.new_empty(n_stats, dtype=loss_dtype),
         x.new_empty(n_stats, dtype=torch.bool),
-        x.new_empty(n_stats, dtype=fp32),
+        x.new_empty(n_stats, dtype=loss_dtype),
         torch.empty_like(x) if need_grad_input and grads_now else x.new_empty(0),
         (
             torch.empty_like(
@@ -761,8 +768,8 @@ def flce_backward(
     need_grad_bias: bool,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward of reduction="none": recompute each chunk with the per-token grad_output as its scale."""
-    options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight)
-    scale = grad_loss.reshape(-1).float()
+    options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight, compute_dtype)
+    scale = grad_loss.reshape(-1).to(softmax_dtype(compute_dtype))
     with torch.autocast(x.device.type, enabled=False):
         *_, gx, gw, gb, _ = _chunk_loop(
             x,

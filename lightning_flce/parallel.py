@@ -11,13 +11,14 @@ Megatron-style tensor parallelism). Per chunk of C tokens each rank computes onl
     dW_r    (+)= (d loss / d logits).T @ x_c                      # stays local
     dX_part (+)= (d loss / d logits) @ W_r                        # summed over the group once, at the end
 
-where ``z`` are the (softcapped) fp32 logits, ``z_target`` comes from the rank that owns the target (the
-others add 0), and the label-smoothing and entropy sums ride in the same sum. No rank holds ``[N, V]``
-or the full ``[V, H]``. Every collective goes through :mod:`torch.distributed` on ``group`` (gloo on the
-CPU, NCCL on GPUs). Default chunks follow the single-device op's rule for the device (on GPUs: large chunks,
-since each one reads and writes the whole dW accumulator). The per-chunk softmax is a pair of Triton kernels
+where ``z`` are the (softcapped) logits in fp32 (fp64 for fp64 GEMMs), ``z_target`` comes from the rank that
+owns the target (the others add 0), and the label-smoothing and entropy sums ride in the same sum. No rank
+holds ``[N, V]`` or the full ``[V, H]``. Every collective goes through :mod:`torch.distributed` on ``group``
+(gloo on the CPU, NCCL on GPUs). Default chunks follow the single-device op's rule for the device (on GPUs:
+large chunks, since each one reads and writes the whole dW accumulator). The per-chunk softmax is a pair of Triton kernels
 around the all-reduces (``lightning_flce.kernels.cross_entropy_shard``: one read for the row statistics,
-one read + write for the gradient), or their PyTorch twin in row slices that bound its fp32 temporaries.
+one read + write for the gradient), or their PyTorch twin in row slices that bound its temporaries (fp64
+GEMMs always run the twin: the kernels compute in fp32).
 
 Like the single-device op, "mean"/"sum" compute the gradients in forward (backward multiplies them by
 ``grad_output``), and "none" recomputes the chunks in backward with the per-token ``grad_output`` (its
@@ -57,7 +58,14 @@ from lightning_flce.functional import (
     _resolve_impl,
     _shaped_like_target,
 )
-from lightning_flce.kernels import ChunkOutputs, LossOptions, shard_row_stats, shard_softmax_grad
+from lightning_flce.kernels import (
+    ChunkOutputs,
+    LossOptions,
+    chunk_kernels_use_triton,
+    shard_row_stats,
+    shard_softmax_grad,
+    softmax_dtype,
+)
 from lightning_flce.kernels.scale import scale_, scale_into
 from lightning_flce.op import (
     _CHUNK_ALIGN,
@@ -167,9 +175,9 @@ def vocab_parallel_fused_linear_cross_entropy(
             statistics of ``..._with_stats``. "mean"/"sum" are over all ranks' tokens.
 
     Returns:
-        The fp32 loss (a scalar, or one per token in the target's shape for ``reduction="none"``), replicated
-        on every rank. Backpropagate the same ``grad_output`` on every rank (the usual case: the loss feeds the
-        same computation on all).
+        The loss (a scalar, or one per token in the target's shape for ``reduction="none"``) in fp32, fp64 for
+        fp64 inputs, replicated on every rank. Backpropagate the same ``grad_output`` on every rank (the usual
+        case: the loss feeds the same computation on all).
     """
     return _call(
         input,
@@ -459,7 +467,7 @@ def _call(
         token_shape = target.shape  # this rank's tokens: the shape of "none"'s losses and of the statistics
         target, ignore_index = _class_indices(target, ignore_index)
         _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
-        use_triton = _resolve_impl(impl, input.device) == "triton"
+        use_triton = chunk_kernels_use_triton(_resolve_impl(impl, input.device), compute_dtype)
         accum = _accum_mode(accum_dtype, weight)
         grad_enabled = torch.is_grad_enabled()
         needs = (
@@ -754,7 +762,7 @@ def _layout(
         # The same on every rank: chunk boundaries must line up for the per-chunk collectives.
         # On a GPU the GEMM-side rule (>= 4096 rows while the logits fit in dX + dW): each chunk reads and
         # writes the whole dW accumulator, and the CPU rule's 128 MiB of fp32 temporaries meant ~128-row
-        # chunks at 64K local columns. The softmax's fp32 temporaries are bounded by row slices instead.
+        # chunks at 64K local columns. The softmax's temporaries are bounded by row slices instead.
         itemsize = torch.empty((), dtype=compute_dtype).element_size()
         max_rows = default_chunk_size(n_tokens, max(sizes), rows[0][_C_HIDDEN], itemsize, use_triton=on_gpu)
         chunk_size = balanced_chunk_rows(n_valid, max_rows, _FLOOR_LIMITED_ALIGN if on_gpu else _CHUNK_ALIGN)
@@ -781,7 +789,11 @@ class _VocabParallelFLCE(torch.autograd.Function):
         grad_weight_dtype = _accumulator_dtype(plan.accum, weight, plan.compute_dtype, n_chunks)
         with torch.autocast(x.device.type, enabled=False):
             ce_scale, z_scale = _loss_scales(
-                target, reduction, LossOptions(ignore_index=plan.ignore_index), x.device
+                target,
+                reduction,
+                LossOptions(ignore_index=plan.ignore_index),
+                x.device,
+                softmax_dtype(plan.compute_dtype),
             )
             loss, lse, correct, entropy, gx, gw, gb, scales = _chunk_loop(
                 x_all,
@@ -826,7 +838,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
         need_gx, need_gw, need_gb = ctx.needs
         if ctx.reduction == "none":
             x_all, weight, target, bias = ctx.saved_tensors
-            scale = grad_loss.reshape(-1).float()
+            scale = grad_loss.reshape(-1).to(softmax_dtype(ctx.plan.compute_dtype))
             if ctx.plan.sequence_parallel:  # every rank's chunks need every token's grad_output
                 scale = _gather_rows(scale.contiguous(), ctx.plan.group)
             with torch.autocast(x_all.device.type, enabled=False):
@@ -1009,8 +1021,8 @@ def _shard_chunk(
     sum_exp, z_target = summed[0], summed[1]
     lse = row_max + sum_exp.log()
 
-    ce_scale = ce_scale.float()
-    z_scale = z_scale.float()
+    ce_scale = ce_scale.to(lse.dtype)
+    z_scale = z_scale.to(lse.dtype)
     ce = (1.0 - eps) * (lse - z_target)
     if eps > 0.0:
         ce = ce + eps * (lse - summed[2] / vocab)

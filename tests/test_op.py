@@ -4,7 +4,8 @@ Tolerances: fp32 results are compared with relative L2 errors of 1e-5. fp32 roun
 operation; the longest reductions here (logsumexp over V <= 32003, GEMMs over H <= 65 or N <= 64
 tokens) grow it to ~1e-6, well under 1e-5, while a wrong term (a missing smoothing or z-loss
 contribution, a wrong normalizer) moves the result by more than 1e-3. bf16 is held to the bar of
-the naive path in the same dtype (see test_bf16_no_worse_than_naive).
+the naive path in the same dtype (see test_bf16_no_worse_than_naive). fp64 inputs run the softmax in fp64
+too, and are held to 1e-12 (see FP64_TOL).
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import torch.nn.functional as F
 from reference import grads_of, reference_loss, relative_error, unfused_loss
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
+from lightning_flce.kernels import chunk_kernels_use_triton
 from lightning_flce.op import default_chunk_size
 
 FP32_TOL = 1e-5
+# fp64 rounding is 1.1e-16 per operation; grown over these reductions (logsumexp over V <= 1000, GEMMs over
+# H <= 65 or N <= 64) it stays near 1e-15 (measured: at most 1e-15). An fp32 step anywhere (the softmax, a
+# scale, the d bias sum) shows as ~1e-8..1e-7, so 1e-12 tells them apart with margin on both sides.
+FP64_TOL = 1e-12
 
 FEATURES = {
     "plain": {},
@@ -207,6 +213,87 @@ def test_fp64_accumulation_for_fp32_weight():
     assert relative_error(dx, ref_dx) < 1e-6
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("feature_name", ["plain", "all", "smoothing+class_weight"])
+def test_float64_matches_float64_reference(reduction, feature_name):
+    """fp64 GEMMs get an fp64 softmax (as F.cross_entropy on fp64 logits): loss, LSE, entropy, dX, dW and
+    d bias within FP64_TOL of the reference, over several chunks with ignored rows; fp64 out."""
+    x, weight, target, bias, class_weight = make_problem(37, 17, 1000, dtype=torch.float64)
+    feature = FEATURES[feature_name]
+    grad_output = torch.randn(37, dtype=torch.float64) if reduction == "none" else torch.tensor(1.7)
+    (loss, grads), (ref_loss, ref_grads) = run_case(
+        x, weight, target, bias, class_weight.double(), feature, reduction, grad_output, chunk_size=8
+    )
+    assert loss.dtype == torch.float64
+    assert relative_error(loss, ref_loss) < FP64_TOL
+    for got, want in zip(grads, ref_grads):
+        if want is not None:
+            assert got.dtype == torch.float64
+            assert relative_error(got, want) < FP64_TOL
+
+    softcap = feature.get("softcap")
+    b = bias if feature.get("bias") else None
+    out = fused_linear_cross_entropy_with_stats(x, weight, target, b, softcap=softcap, chunk_size=8)
+    logits = F.linear(x, weight, b).detach()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    valid = target != -100
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1) * valid
+    assert out.lse.dtype == out.entropy.dtype == torch.float64
+    assert relative_error(out.lse, torch.logsumexp(logits, -1) * valid) < FP64_TOL
+    assert relative_error(out.entropy, entropy) < FP64_TOL
+
+
+class _RecomputedInBackward(torch.autograd.Function):
+    """``fn(*inputs)`` whose backward runs ``fn`` again and differentiates that call: gradcheck backpropagates
+    twice through one graph (its reentrancy check), which "mean"/"sum" refuse by design (their gradients are
+    computed in forward and handed out once). grad_output still reaches the op's own backward."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.fn = fn
+        ctx.save_for_backward(*inputs)
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+            return (None, *torch.autograd.grad(ctx.fn(*inputs), inputs, grad_output))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("feature_name", ["plain", "all", "smoothing+class_weight"])
+def test_float64_gradcheck(reduction, feature_name):
+    """torch.autograd.gradcheck (default tolerances) w.r.t. input, weight and bias, over 3 chunks (6 valid
+    rows, 4 ignored; "none": on the op itself; "mean"/"sum" through _RecomputedInBackward, times 1.7 so the op's
+    backward scales by a grad_output other than 1)."""
+    x, weight, target, bias, class_weight = make_problem(10, 4, 13, dtype=torch.float64, seed=5)
+    assert int((target == -100).sum()) == 4
+    feature = FEATURES[feature_name]
+    kwargs = {k: v for k, v in feature.items() if k not in ("bias", "class_weight")}
+    cw = class_weight.double() if feature.get("class_weight") else None
+
+    def op(x_, w_, b_):
+        return fused_linear_cross_entropy(
+            x_, w_, target, b_, reduction=reduction, class_weight=cw, chunk_size=2, **kwargs
+        )
+
+    inputs = (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_())
+    if reduction == "none":
+        assert torch.autograd.gradcheck(op, inputs)
+    else:
+        assert torch.autograd.gradcheck(lambda *t: 1.7 * _RecomputedInBackward.apply(op, *t), inputs)
+
+
+def test_float64_runs_the_torch_softmax_also_for_triton():
+    """The Triton kernels compute in fp32: fp64 GEMMs take the PyTorch twin whatever the impl (on CUDA too)."""
+    assert not chunk_kernels_use_triton("triton", torch.float64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert chunk_kernels_use_triton("triton", dtype)
+        assert not chunk_kernels_use_triton("torch", dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_all_ignored_gives_zero_with_connected_graph(dtype):
     x, weight, target, bias, _ = make_problem(12, 8, 50)
@@ -229,9 +316,9 @@ def test_fp64_under_autocast_stays_fp64(autocast_dtype):
     with torch.autocast("cpu", dtype=autocast_dtype):
         got = grads_of(lambda x_, w_, b_: fused_linear_cross_entropy(x_, w_, target, b_), x, weight, bias)
     want = grads_of(lambda x_, w_, b_: reference_loss(x_, w_, target, b_), x, weight, bias)
-    assert relative_error(got[0], want[0]) < 1e-6
+    assert got[0].dtype == torch.float64 and relative_error(got[0], want[0]) < FP64_TOL
     for a, b in zip(got[1], want[1]):
-        assert a.dtype == torch.float64 and relative_error(a, b) < 1e-6
+        assert a.dtype == torch.float64 and relative_error(a, b) < FP64_TOL
 
 
 def test_fp16_zero_gradient_bounds():
@@ -518,12 +605,13 @@ def test_lightning_measure_flops_counts_the_head(device):
         assert measure_flops(head, forward) == 2 * n_rows * hidden * vocab
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("chunk_size", [None, 8], ids=["one-chunk", "chunks-of-8"])
 def test_torch_compile_fullgraph_matches_eager(dtype, chunk_size):
     """The op is one opaque node: a compiled model around it has no graph break (fp16: the forward's
     extra output, the inverse gradient scales, has the shape the fake implementation promises; bf16/fp16
-    over several chunks: the saved dW is the fp32 accumulator, cast by backward's own op)."""
+    over several chunks: the saved dW is the fp32 accumulator, cast by backward's own op; fp64: the fake
+    implementation's fp64 loss)."""
     x, weight, target, bias, _ = make_problem(32, 16, 64, seed=9, dtype=dtype)
     proj = torch.nn.Linear(16, 16, dtype=dtype)
 
@@ -681,14 +769,14 @@ def test_wide_dw_accumulator_is_cast_once_in_backward(dtype, masked_to_one_chunk
     assert relative_error(got, want) <= (1.5 if masked_to_one_chunk else 1.1) * relative_error(naive, want)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("needs", [(True, True, True), (False, True, False), (False, False, False)])
 @pytest.mark.parametrize("chunk_size", [0, 8], ids=["one-chunk", "chunks-of-8"])
 def test_custom_ops_fake_implementations_match(dtype, reduction, needs, chunk_size):
     """torch.library.opcheck: schema, and every output's metadata from the fake implementation (what
-    torch.compile traces with) equals the real one's, e.g. fp16's extra inverse-scales output and the
-    saved dW accumulator's dtype (fp32 for bf16/fp16 over several chunks)."""
+    torch.compile traces with) equals the real one's, e.g. fp16's extra inverse-scales output, the
+    saved dW accumulator's dtype (fp32 for bf16/fp16 over several chunks) and fp64's fp64 loss and stats."""
     x, weight, target, bias, _ = make_problem(32, 16, 64, seed=10, dtype=dtype)
     target[8:] = -100  # the valid rows fit one chunk; the shape has four
     ops = torch.ops.lightning_flce
@@ -712,13 +800,16 @@ def test_custom_ops_fake_implementations_match(dtype, reduction, needs, chunk_si
     # outputs are scaled in place by backward, which AOTAutograd refuses for a graph output ("Node ... was
     # invalid, but is output"). The public wrapper never returns them; test_torch_compile_* compile it.
     checks = ("test_schema", "test_faketensor")
+    loss_dtype = torch.promote_types(dtype, torch.float32)
     torch.library.opcheck(ops.flce_forward.default, (*forward_args, *needs, True), test_utils=checks)
     if reduction == "none":
-        grad_loss = torch.randn(32)
+        grad_loss = torch.randn(32, dtype=loss_dtype)
         backward_args = (grad_loss, *forward_args[:6], *forward_args[7:], *needs)
         torch.library.opcheck(ops.flce_backward.default, backward_args, test_utils=checks)
-    saved_grad_weight = ops.flce_forward.default(*forward_args, *needs, True)[5]
-    if reduction == "mean" and needs[1] and dtype != torch.float32:
+    forward_out = ops.flce_forward.default(*forward_args, *needs, True)
+    assert forward_out[0].dtype == forward_out[1].dtype == loss_dtype
+    saved_grad_weight = forward_out[5]
+    if reduction == "mean" and needs[1] and dtype in (torch.float16, torch.bfloat16):
         assert saved_grad_weight.dtype == (torch.float32 if chunk_size else dtype)
         inverse_scales = torch.tensor([1.0, 0.5, 1.0]) if dtype == torch.float16 else torch.empty(0)
         cast_args = (saved_grad_weight, torch.tensor(3.0), inverse_scales, dtype)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from reference import grads_of, reference_loss, relative_error
 from test_accumulate import OpRecorder
+from test_op import FP64_TOL
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 
@@ -131,6 +132,51 @@ def test_all_features_match_float64(dtype):
     assert relative_error(loss, ref_loss) < (1e-5 if dtype == torch.float32 else 1e-3)
     for got, want in zip(grads, ref_grads):
         assert relative_error(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_float64_runs_in_float64(monkeypatch, reduction):
+    """fp64 on CUDA (impl "auto", i.e. Triton): the fp32-only chunk kernel never runs (the PyTorch twin
+    computes in fp64), backward's grad_output scaling stays fp64 (the scale kernel multiplies in fp32), and
+    loss, LSE, dX, dW, d bias are within test_op.py's FP64_TOL of float64."""
+    import lightning_flce.kernels.cross_entropy as chunk_kernel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fp32 Triton chunk kernel ran on fp64 logits")
+
+    monkeypatch.setattr(chunk_kernel, "cross_entropy_chunk_triton", refuse)
+    x, weight, target = make_problem(1024, 128, 5003, torch.float64, seed=4)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    bias = torch.randn(5003, device="cuda", generator=gen, dtype=torch.float64)
+    class_weight = torch.rand(5003, device="cuda", generator=gen, dtype=torch.float64) + 0.5
+    options = {
+        "label_smoothing": 0.1,
+        "class_weight": class_weight,
+        "lse_square_scale": 1e-4,
+        "softcap": 30.0,
+        "reduction": reduction,
+    }
+    grad_output = (
+        torch.randn(1024, device="cuda", generator=gen, dtype=torch.float64)
+        if reduction == "none"
+        else torch.tensor(1.7, device="cuda", dtype=torch.float64)
+    )
+    args = (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_())
+    loss, grads = grads_of(
+        lambda a, b, c: fused_linear_cross_entropy(a, b, target, c, chunk_size=256, **options),
+        *args,
+        grad_output=grad_output,
+    )
+    ref_loss, ref_grads = grads_of(
+        lambda a, b, c: reference_loss(a, b, target, c, **options), *args, grad_output=grad_output
+    )
+    assert loss.dtype == torch.float64 and relative_error(loss, ref_loss) < FP64_TOL
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == torch.float64 and relative_error(got, want) < FP64_TOL
+    lse = fused_linear_cross_entropy_with_stats(x, weight, target, bias, softcap=30.0).lse
+    logits = 30.0 * torch.tanh(F.linear(x, weight, bias).detach() / 30.0)
+    assert lse.dtype == torch.float64
+    assert relative_error(lse, torch.logsumexp(logits, -1) * (target != -100)) < FP64_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -5,7 +5,7 @@ Run as a separate invocation, since the variable must be set before triton is im
     TRITON_INTERPRET=1 pytest -m interpret
 
 Shapes stay near 128 tokens x 64 hidden x 1000 vocab (about a second per call in the interpreter).
-Tolerances as in test_op.py: fp32 within 1e-5 relative of float64.
+Tolerances as in test_op.py: fp32 within 1e-5 relative of float64, fp64 within 1e-12.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import grads_of, reference_loss, relative_error
-from test_op import FEATURES, make_problem
+from test_op import FEATURES, FP64_TOL, make_problem
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import LossOptions
@@ -187,6 +187,35 @@ def test_op_triton_path_matches_float64(reduction, feature_name):
             assert relative_error(got, want) < FP32_TOL
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_op_triton_impl_runs_fp64_in_fp64(monkeypatch, reduction):
+    """fp64 with impl="triton": the fp32-only chunk kernel never runs (the PyTorch twin computes in fp64), and
+    backward's grad_output scaling stays fp64 (the scale kernel multiplies in fp32)."""
+    import lightning_flce.kernels.cross_entropy as chunk_kernel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fp32 Triton chunk kernel ran on fp64 logits")
+
+    monkeypatch.setattr(chunk_kernel, "cross_entropy_chunk_triton", refuse)
+    x, weight, target, bias, class_weight = make_problem(64, 32, 500, dtype=torch.float64, seed=14)
+    kwargs = {"reduction": reduction, "class_weight": class_weight.double(), "label_smoothing": 0.1}
+    grad_output = torch.randn(64, dtype=torch.float64) if reduction == "none" else torch.tensor(1.3)
+    args = (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_())
+    loss, grads = grads_of(
+        lambda x_, w_, b_: fused_linear_cross_entropy(
+            x_, w_, target, b_, impl="triton", chunk_size=24, **kwargs
+        ),
+        *args,
+        grad_output=grad_output,
+    )
+    ref_loss, ref_grads = grads_of(
+        lambda x_, w_, b_: reference_loss(x_, w_, target, b_, **kwargs), *args, grad_output=grad_output
+    )
+    assert loss.dtype == torch.float64 and relative_error(loss, ref_loss) < FP64_TOL
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == torch.float64 and relative_error(got, want) < FP64_TOL
+
+
 def test_op_triton_path_bf16_matches_torch_path():
     """bf16 logits in the kernel: loads, fp32 math, bf16 stores of the gradient."""
     x, weight, target, *_ = make_problem(128, 64, 1000, dtype=torch.bfloat16, seed=12)
@@ -316,11 +345,12 @@ def test_shard_kernels_match_torch_twin(softcap, dtype):
     assert changed == [[row, int(local_target[row])] for row in range(n_rows) if held[row]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("feature_name", ["plain", "all"])
-def test_vocab_parallel_triton_path(tmp_path, feature_name, reduction):
+def test_vocab_parallel_triton_path(tmp_path, feature_name, reduction, dtype):
     """The vocab-parallel op with impl="triton" on a group of one process (gloo) equals the single-device op:
-    loss, dX, dW, d bias and the statistics, over several chunks."""
+    loss, dX, dW, d bias and the statistics, over several chunks (fp64: both run the PyTorch twins in fp64)."""
     import torch.distributed as dist
 
     from lightning_flce.parallel import (
@@ -328,13 +358,14 @@ def test_vocab_parallel_triton_path(tmp_path, feature_name, reduction):
         vocab_parallel_fused_linear_cross_entropy_with_stats,
     )
 
-    x, weight, target, bias, _ = make_problem(96, 32, 500, seed=7)
+    x, weight, target, bias, _ = make_problem(96, 32, 500, seed=7, dtype=dtype)
     x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()
+    tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
     feature = dict(FEATURES[feature_name])
     b = bias if feature.pop("bias", False) else None
     feature.pop("class_weight", None)
     kwargs = {"reduction": reduction, **feature}
-    grad_output = torch.rand(96) if reduction == "none" else None
+    grad_output = torch.rand(96, dtype=dtype) if reduction == "none" else None
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         got = grads_of(
@@ -359,10 +390,11 @@ def test_vocab_parallel_triton_path(tmp_path, feature_name, reduction):
         grad_output=grad_output,
     )
     want_stats = fused_linear_cross_entropy_with_stats(x, weight, target, b, impl="torch", **kwargs)
-    assert relative_error(got[0], want[0]) < FP32_TOL
+    assert got[0].dtype == stats.lse.dtype == torch.promote_types(dtype, torch.float32)
+    assert relative_error(got[0], want[0]) < tol
     for g, w in zip(got[1], want[1]):
         if w is not None:
-            assert relative_error(g, w) < FP32_TOL
-    assert relative_error(stats.lse, want_stats.lse) < FP32_TOL
-    assert relative_error(stats.entropy, want_stats.entropy) < FP32_TOL
+            assert relative_error(g, w) < tol
+    assert relative_error(stats.lse, want_stats.lse) < tol
+    assert relative_error(stats.entropy, want_stats.entropy) < tol
     assert torch.equal(stats.correct, want_stats.correct)

@@ -8,8 +8,8 @@ results with the float64 reference (``tests/reference.py``) and with ``fused_lin
 full weight: dX and the loss on every rank, dW and d bias as the concatenation of the shards at their rows.
 
 Tolerances as in ``test_op.py``: relative L2 errors of 1e-5 (fp32 rounding grown over the short reductions
-here is ~1e-6; a missing or wrong term moves the result by more than 1e-3). Ignored-only batches must give
-exact zeros. Errors must raise on every rank and leave the group usable (the later cases still run).
+here is ~1e-6; a missing or wrong term moves the result by more than 1e-3), 1e-12 for fp64 inputs (an fp64
+softmax: ~1e-15 here, where one fp32 step shows as ~1e-8). Ignored-only batches must give exact zeros. Errors must raise on every rank and leave the group usable (the later cases still run).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from lightning_flce.parallel import (
 )
 
 FP32_TOL = 1e-5
+FP64_TOL = 1e-12
 HIDDEN = 16
 VOCAB = {2: 51, 3: 50}  # uneven shards: 26 + 25 and 17 + 17 + 16 rows
 # world 3, explicit vocab_start: not in rank order and of very different sizes
@@ -119,6 +120,12 @@ def cases(world: int) -> dict[str, dict]:
         "stats": True,
     }
     out["stats-smoothing"] = {"kind": "stats", "feature": "smoothing", "reduction": "mean"}
+    out["fp64-stats-smoothing"] = {
+        "kind": "stats",
+        "feature": "smoothing",
+        "reduction": "mean",
+        "dtype": torch.float64,
+    }
     out["stats-ties"] = {"kind": "ties"}
     out["module"] = {"kind": "module", "feature": "bias", "reduction": "mean"}
     out["dtensor"] = {"kind": "dtensor", "reduction": "sum"}
@@ -522,8 +529,13 @@ def _expected(spec: dict, world: int):
     return reference, single, target
 
 
-def _check_loss_and_grads(spec, world, ranks, tol=FP32_TOL):
+def _tolerance(spec: dict) -> float:
+    return FP64_TOL if spec.get("dtype") == torch.float64 else FP32_TOL
+
+
+def _check_loss_and_grads(spec, world, ranks):
     (ref_loss, ref_grads), (single_loss, single_grads), target = _expected(spec, world)
+    tol = _tolerance(spec)
     vocab = VOCAB[world]
     all_ignored = spec.get("ignore") == "all"
     dw = _full_from_shards([(r["rows"], r["dw"]) for r in ranks], vocab)
@@ -531,7 +543,7 @@ def _check_loss_and_grads(spec, world, ranks, tol=FP32_TOL):
     if ranks[0].get("db") is not None:
         db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], vocab)
     for rank, r in enumerate(ranks):
-        assert r["loss"].dtype == torch.float32
+        assert r["loss"].dtype == torch.promote_types(spec.get("dtype", torch.float32), torch.float32)
         assert r["loss"].shape == single_loss.shape
         assert r["dx"].dtype == single_grads[0].dtype
         if all_ignored:
@@ -578,8 +590,9 @@ def test_vocab_parallel(results, world, name):
         probs = logits.softmax(-1)
         ref_entropy = torch.where(valid, -(probs * probs.log()).sum(-1), 0.0)
         for r in ranks:
-            assert relative_error(r["lse"], ref_lse) < FP32_TOL
-            assert relative_error(r["entropy"], ref_entropy) < FP32_TOL
+            assert r["lse"].dtype == r["entropy"].dtype == single.lse.dtype
+            assert relative_error(r["lse"], ref_lse) < _tolerance(spec)
+            assert relative_error(r["entropy"], ref_entropy) < _tolerance(spec)
             assert torch.equal(r["correct"], (logits.argmax(-1) == target) & valid)
             assert torch.equal(r["correct"], single.correct)
     elif kind == "ties":
@@ -825,7 +838,7 @@ def test_softmax_in_row_slices(tmp_path, monkeypatch, feature_name):
     import lightning_flce.kernels.cross_entropy_shard_torch as twin
 
     monkeypatch.setattr(twin, "_SOFTMAX_TEMPORARY_BYTES", 7 * 16 * VOCAB[2])
-    assert len(twin._row_slices(37, VOCAB[2])) == 6
+    assert len(twin._row_slices(37, VOCAB[2], torch.float32.itemsize)) == 6
     spec = {"feature": feature_name, "reduction": "mean"}
     x, weight, target, bias, _ = make_problem(spec, 2)
     kwargs = op_kwargs(spec)

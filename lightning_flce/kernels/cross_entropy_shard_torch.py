@@ -1,8 +1,8 @@
 """Plain-PyTorch twin of :mod:`lightning_flce.kernels.cross_entropy_shard` (same contract, same formulas).
 
-It works on fp32 copies of row slices of the chunk: at most ``_SOFTMAX_TEMPORARY_BYTES`` of temporaries
-(about four ``[rows, V_local]`` fp32 tensors at once), whatever the chunk's row count, so the chunk loop can
-size GEMM chunks for the GEMMs alone.
+It works on copies of row slices of the chunk in the softmax dtype (fp32; fp64 for fp64 logits): at most
+``_SOFTMAX_TEMPORARY_BYTES`` of temporaries (about four ``[rows, V_local]`` tensors at once), whatever the
+chunk's row count, so the chunk loop can size GEMM chunks for the GEMMs alone.
 """
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from typing import List, Optional
 
 import torch
 
-from lightning_flce.kernels import ShardRowStats
+from lightning_flce.kernels import ShardRowStats, softmax_dtype
 
 _SOFTMAX_TEMPORARY_BYTES = 256 * 2**20
 
 
-def _row_slices(n_rows: int, local_vocab: int) -> List[slice]:
-    rows = max(1, _SOFTMAX_TEMPORARY_BYTES // (16 * max(local_vocab, 1)))
+def _row_slices(n_rows: int, local_vocab: int, itemsize: int) -> List[slice]:
+    rows = max(1, _SOFTMAX_TEMPORARY_BYTES // (4 * itemsize * max(local_vocab, 1)))
     return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
 
 
 def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
-    z = logits.float()
+    z = logits.to(softmax_dtype(logits.dtype))
     return torch.tanh(z / softcap).mul_(softcap) if softcap > 0.0 else z
 
 
@@ -33,8 +33,11 @@ def shard_row_stats_torch(
     held = (local_target >= 0) & (local_target < local_vocab)
     safe_target = torch.where(held, local_target, 0).unsqueeze(1)
 
-    out = ShardRowStats.empty(n_rows, logits.device, with_z_sum=with_z_sum, with_stats=with_stats)
-    for part in _row_slices(n_rows, local_vocab):
+    dtype = softmax_dtype(logits.dtype)
+    out = ShardRowStats.empty(
+        n_rows, logits.device, with_z_sum=with_z_sum, with_stats=with_stats, dtype=dtype
+    )
+    for part in _row_slices(n_rows, local_vocab, dtype.itemsize):
         z = _capped(logits[part], softcap)
         row_max = z.amax(dim=1)
         # A row masked to -inf on this whole shard: sums of 0 relative to 0, not exp(-inf - -inf) = NaN.
@@ -65,7 +68,7 @@ def shard_softmax_grad_torch(
     held = (local_target >= 0) & (local_target < local_vocab)
     safe_target = torch.where(held, local_target, 0).unsqueeze(1)
     target_coef = torch.where(held, target_coef, 0.0)
-    for part in _row_slices(n_rows, local_vocab):
+    for part in _row_slices(n_rows, local_vocab, softmax_dtype(logits.dtype).itemsize):
         z = _capped(logits[part], softcap)
         grad = (z - lse[part].unsqueeze(1)).exp_().mul_(p_coef[part].unsqueeze(1))
         if smoothing is not None:

@@ -1,15 +1,15 @@
 """Plain-PyTorch twin of the Triton chunk kernel (same contract, same formulas; see
 :mod:`lightning_flce.kernels.cross_entropy`). Serves the CPU and devices without Triton.
 
-It works in fp32 on a [C, V] copy of the chunk, so the chunk loop sizes its chunks for that
-workspace.
+It works in the softmax dtype (fp32; fp64 for fp64 logits, which the Triton kernel does not take) on a
+[C, V] copy of the chunk, so the chunk loop sizes its chunks for that workspace.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_flce.kernels import ChunkOutputs, LossOptions
+from lightning_flce.kernels import ChunkOutputs, LossOptions, softmax_dtype
 
 
 def cross_entropy_chunk_torch(
@@ -30,7 +30,7 @@ def cross_entropy_chunk_torch(
 
     valid = target != options.ignore_index
     safe_target = torch.where(valid, target, 0).unsqueeze(1)
-    z = logits.float()
+    z = logits.to(softmax_dtype(logits.dtype))
     if cap > 0.0:
         z = torch.tanh(z / cap).mul_(cap)
     lse = torch.logsumexp(z, dim=1)
@@ -46,8 +46,8 @@ def cross_entropy_chunk_torch(
     if eps > 0.0:
         weighted_z_sum = z @ class_weight if class_weight is not None else z.sum(dim=1)
         ce = ce + eps / vocab * (w_total * lse - weighted_z_sum)
-    ce_scale = ce_scale.float()
-    z_scale = z_scale.float()
+    ce_scale = ce_scale.to(z.dtype)
+    z_scale = z_scale.to(z.dtype)
     loss = torch.where(valid, ce_scale * ce + z_scale * lam * lse.square(), 0.0)
     lse_out = torch.where(valid, lse, 0.0)
 

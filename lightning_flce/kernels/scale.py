@@ -56,10 +56,12 @@ _CPU_SLICE = 1 << 24
 
 
 def scale_(tensor: torch.Tensor, scale: torch.Tensor) -> None:
-    """``tensor *= scale`` in place; free when ``scale == 1`` (no host sync on CUDA)."""
+    """``tensor *= scale`` in place; free when ``scale == 1`` (no host sync on CUDA; there fp64 tensors
+    still pay the multiply)."""
     if tensor.numel() == 0:
         return
-    if triton_usable(tensor.device) and tensor.is_contiguous():
+    # The kernel multiplies in fp32: fp64 gradients (fp64 GEMMs) take torch's fp64 multiply instead.
+    if triton_usable(tensor.device) and tensor.is_contiguous() and tensor.dtype != torch.float64:
         grid = (triton.cdiv(tensor.numel(), _BLOCK),)
         _scale_kernel[grid](tensor, scale.reshape(1), tensor.numel(), BLOCK=_BLOCK)
     elif tensor.device.type == "cpu":
