@@ -75,6 +75,21 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _online_lse_step(z, m, d, PRECISE: tl.constexpr):
+    """One block ``z`` of a row's online log-sum-exp: from the running max ``m`` and ``d = sum(exp(z - m))``,
+    returns the new ``(m, d)``, the block's ``exp(z - m_new)``, the factor ``exp(m - m_new)`` that carries
+    earlier sums over, and the block's max."""
+    block_max = tl.max(z, 0)
+    m_new = tl.maximum(m, block_max)
+    # Exponents relative to 0 until a finite logit shows up (exp(-inf - -inf) is NaN): a row may start with a
+    # block masked to -inf (a bias mask, a padded vocabulary).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    rescale = _exp(m - m_ref, PRECISE)
+    e = _exp(z - m_ref, PRECISE)
+    return m_new, d * rescale + tl.sum(e, 0), e, rescale, block_max
+
+
+@triton.jit
 def _log(x, PRECISE: tl.constexpr):
     if PRECISE:
         return libdevice.log(x)
@@ -147,14 +162,7 @@ def _cross_entropy_chunk_kernel(
             cols = start + offsets
             mask = cols < V
             z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-            block_max = tl.max(z, 0)
-            m_new = tl.maximum(m, block_max)
-            # Exponents relative to 0 until a finite logit shows up (exp(-inf - -inf) is NaN): a row may
-            # start with a block masked to -inf (a bias mask, a padded vocabulary).
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            rescale = _exp(m - m_ref, PRECISE)
-            e = _exp(z - m_ref, PRECISE)
-            d = d * rescale + tl.sum(e, 0)
+            m_new, d, e, rescale, block_max = _online_lse_step(z, m, d, PRECISE)
             # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
             z_finite = tl.where(mask, z, 0.0)
             if HAS_SMOOTHING:

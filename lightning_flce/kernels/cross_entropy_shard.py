@@ -24,7 +24,13 @@ import triton.language as tl
 
 from lightning_flce._compat import TRITON_INTERPRET
 from lightning_flce.kernels import ShardRowStats
-from lightning_flce.kernels.cross_entropy import _exp, _load_logits, _tanh, default_launch_config
+from lightning_flce.kernels.cross_entropy import (
+    _exp,
+    _load_logits,
+    _online_lse_step,
+    _tanh,
+    default_launch_config,
+)
 
 
 @triton.jit
@@ -58,14 +64,7 @@ def _shard_row_stats_kernel(
         cols = start + offsets
         mask = cols < V_LOCAL
         z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-        block_max = tl.max(z, 0)
-        m_new = tl.maximum(m, block_max)
-        # Exponents relative to 0 until a finite logit shows up (exp(-inf - -inf) is NaN): a row may
-        # start with a block masked to -inf (a bias mask, a padded vocabulary).
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        rescale = _exp(m - m_ref, PRECISE)
-        e = _exp(z - m_ref, PRECISE)
-        d = d * rescale + tl.sum(e, 0)
+        m_new, d, e, rescale, block_max = _online_lse_step(z, m, d, PRECISE)
         # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
         z_finite = tl.where(mask, z, 0.0)
         if HAS_SMOOTHING:
