@@ -90,3 +90,15 @@ def grads_of(fn, *tensors, grad_output=None):
         grad_output = torch.ones_like(loss)
     (loss * grad_output.to(loss.dtype)).sum().backward()
     return loss.detach(), [t.grad if t is not None and t.requires_grad else None for t in leaves]
+
+
+def assert_matches_reference(got, want, dtype: torch.dtype, tol: float) -> None:
+    """``got`` and ``want`` are :func:`grads_of` results: the loss and every gradient the reference has are in
+    ``dtype`` (the loss in its shape) and within a relative L2 error of ``tol``."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    assert loss.dtype == dtype and loss.shape == ref_loss.shape, (loss.dtype, loss.shape, ref_loss.shape)
+    assert relative_error(loss, ref_loss) < tol, relative_error(loss, ref_loss)
+    for index, (grad, ref_grad) in enumerate(zip(grads, ref_grads)):
+        if ref_grad is not None:
+            assert grad.dtype == dtype, (index, grad.dtype)
+            assert relative_error(grad, ref_grad) < tol, (index, relative_error(grad, ref_grad))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import grads_of, reference_loss, relative_error
+from reference import assert_matches_reference, grads_of, reference_loss, relative_error
 from test_op import FEATURES, FP64_TOL, make_problem
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
@@ -201,19 +201,17 @@ def test_op_triton_impl_runs_fp64_in_fp64(monkeypatch, reduction):
     kwargs = {"reduction": reduction, "class_weight": class_weight.double(), "label_smoothing": 0.1}
     grad_output = torch.randn(64, dtype=torch.float64) if reduction == "none" else torch.tensor(1.3)
     args = (x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_())
-    loss, grads = grads_of(
+    got = grads_of(
         lambda x_, w_, b_: fused_linear_cross_entropy(
             x_, w_, target, b_, impl="triton", chunk_size=24, **kwargs
         ),
         *args,
         grad_output=grad_output,
     )
-    ref_loss, ref_grads = grads_of(
+    want = grads_of(
         lambda x_, w_, b_: reference_loss(x_, w_, target, b_, **kwargs), *args, grad_output=grad_output
     )
-    assert loss.dtype == torch.float64 and relative_error(loss, ref_loss) < FP64_TOL
-    for got, want in zip(grads, ref_grads):
-        assert got.dtype == torch.float64 and relative_error(got, want) < FP64_TOL
+    assert_matches_reference(got, want, torch.float64, FP64_TOL)
 
 
 def test_op_triton_path_bf16_matches_torch_path():
