@@ -480,6 +480,31 @@ def test_per_token_outputs_take_the_target_shape(reduction):
     torch.testing.assert_close(x3.grad.reshape(21, 12), x2.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_inside_activation_checkpointing(reduction, use_reentrant):
+    """Under ``torch.utils.checkpoint`` the op's forward runs again in backward (where "mean" computes its
+    gradients once more): the same gradients as without checkpointing, also for a layer before the op."""
+    x, weight, target, *_ = make_problem(40, 16, 50, seed=4, dtype=torch.float64)
+    proj = torch.nn.Linear(16, 16, dtype=torch.float64)
+
+    def head_loss(x_, w_):
+        return fused_linear_cross_entropy(proj(x_), w_, target, reduction=reduction, chunk_size=8)
+
+    def checkpointed(x_, w_):
+        return torch.utils.checkpoint.checkpoint(head_loss, x_, w_, use_reentrant=use_reentrant)
+
+    got = grads_of(checkpointed, x.requires_grad_(), weight.requires_grad_())
+    want = grads_of(head_loss, x, weight)
+    proj_grads = []
+    for fn in (checkpointed, head_loss):
+        proj.zero_grad()
+        grads_of(fn, x, weight)
+        proj_grads.append(proj.weight.grad.clone())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(proj_grads[0], proj_grads[1], rtol=0, atol=0)
+
+
 def test_only_requested_gradients():
     """A frozen head (LoRA-style) gets no dW; a frozen input gets no dX."""
     x, weight, target, *_ = make_problem(20, 8, 40)
