@@ -5,10 +5,14 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 
 - the op: :func:`fused_linear_cross_entropy`, :func:`fused_linear_cross_entropy_with_stats`
   (``functional.py``: API and checks; ``op.py``: chunk loop and custom ops);
-- the per-chunk kernels: ``kernels/cross_entropy.py`` (Triton), ``kernels/cross_entropy_torch.py``;
+- the per-chunk kernels: ``kernels/cross_entropy.py`` (Triton), ``kernels/cross_entropy_torch.py``
+  (its PyTorch twin), ``kernels/cross_entropy_shard*.py`` (the vocab-parallel softmax), ``kernels/scale.py``;
 - the dW accumulation: ``accumulate.py``;
-- Lightning: :class:`FLCEMixin` (``mixin.py``), :class:`FLCEMemoryCallback` (``callbacks/memory.py``),
-  models in ``models/``, data in ``data/``, the CLI in ``cli.py``.
+- the head sharded over V across ranks: ``parallel.py`` (``vocab_parallel_fused_linear_cross_entropy``,
+  ``VocabParallelHead``);
+- Lightning: :class:`FLCEMixin` (``mixin.py``; the loss inside the head's own forward, for FSDP/ZeRO-3 and
+  Hugging Face heads: ``head.py``), :class:`FLCEMemoryCallback` (``callbacks/memory.py``), models in
+  ``models/``, data in ``data/``, the CLI in ``cli.py``.
 """
 
 import importlib
