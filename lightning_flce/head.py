@@ -14,6 +14,7 @@ from lightning_flce.functional import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
 )
+from lightning_flce.kernels import softmax_dtype
 from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_cross_entropy_with_stats
 
 # Wrappers that keep the real module under one attribute and pass their inputs on to it unchanged (FSDP1).
@@ -368,8 +369,9 @@ def _plain_loss(
     softcap: Optional[float],
     with_stats: bool,
 ) -> Union[Tensor, FLCEOutput]:
-    """The reference path: materialises the [N, V] logits in float32."""
-    logits = F.linear(hidden, weight, bias).float().flatten(0, -2)
+    """The reference path: materialises the [N, V] logits in the op's softmax dtype (fp32; fp64 for fp64)."""
+    logits = F.linear(hidden, weight, bias)
+    logits = logits.to(softmax_dtype(logits.dtype)).flatten(0, -2)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     token_shape = labels.shape

@@ -480,6 +480,19 @@ def test_misspelled_option_names_the_intended_one():
         tiny_gpt(flce_frobnicate=True)
 
 
+def test_naive_and_fused_head_loss_agree_in_float64():
+    """The naive path (FLCEHeadLoss(naive=True), the comparison baseline) keeps fp64 logits as the op does."""
+    head = nn.Linear(8, VOCAB, dtype=torch.float64)
+    hidden, labels = torch.randn(2, 5, 8, dtype=torch.float64), torch.randint(0, VOCAB, (2, 5))
+    labels[0, 0] = -100
+    for reduction in ("mean", "none"):
+        options = {"reduction": reduction, "softcap": 3.0}
+        naive = FLCEHeadLoss(naive=True, label_smoothing=0.1, z_loss=1e-3)(head, hidden, labels, **options)
+        fused = FLCEHeadLoss(label_smoothing=0.1, z_loss=1e-3)(head, hidden, labels, **options)
+        assert naive.dtype == fused.dtype == torch.float64 and naive.shape == fused.shape
+        torch.testing.assert_close(naive, fused, rtol=1e-12, atol=1e-12)
+
+
 def test_full_label_smoothing_is_accepted_like_the_op():
     """label_smoothing=1.0 is F.cross_entropy's and the op's upper bound; the module takes it too."""
     head = nn.Linear(8, VOCAB)
