@@ -295,15 +295,21 @@ def _check_options(
         raise ValueError(f"softcap must be finite and > 0 (or None), got {softcap}")
     if accum_dtype is not None and not isinstance(accum_dtype, torch.dtype):
         raise TypeError(f"accum_dtype must be a torch.dtype or None, got {accum_dtype!r}")
-    if chunk_size is not None:
-        try:
-            positive = not isinstance(chunk_size, bool) and operator.index(chunk_size) > 0
-        except TypeError:
-            positive = False
-        if not positive:
-            raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    """``chunk_size`` is None or a positive integer (of any integer type, as ``operator.index`` takes it)."""
+    if chunk_size is None:
+        return
+    try:
+        positive = not isinstance(chunk_size, bool) and operator.index(chunk_size) > 0
+    except TypeError:
+        positive = False
+    if not positive:
+        raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size!r}")
 
 
 def _accum_mode(accum_dtype: Optional[torch.dtype], weight: Tensor) -> str:

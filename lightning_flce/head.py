@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from lightning_flce.functional import (
     FLCEOutput,
+    check_chunk_size,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
 )
@@ -49,8 +50,8 @@ class FLCEHeadLoss(nn.Module):
         ignore_index: target value that does not contribute to the loss.
         label_smoothing: label smoothing of the cross-entropy, in ``[0, 1]``.
         z_loss: coefficient of the z-loss ``z_loss * logsumexp(logits) ** 2`` added per token.
-        accum_fp32: always accumulate the head weight gradient in float32 (``accum_dtype=torch.float32``);
-            ``False`` keeps the op's default ``accum_dtype=None``.
+        accum_fp32: accumulate the head weight gradient in at least float32 (``accum_dtype=torch.float32``;
+            an fp64 weight keeps its fp64 default); ``False`` keeps the op's default ``accum_dtype=None``.
         chunk_size: tokens per chunk; ``None`` lets the op choose from its memory budget.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
         naive: compute the plain logits and ``F.cross_entropy`` instead (same result, [N, V] memory),
@@ -79,8 +80,7 @@ class FLCEHeadLoss(nn.Module):
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         if not 0.0 <= z_loss < math.inf:
             raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
-        if chunk_size is not None and chunk_size <= 0:
-            raise ValueError(f"chunk_size must be a positive number of tokens or None, got {chunk_size}")
+        check_chunk_size(chunk_size)
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"impl must be one of 'auto', 'triton', 'torch', got {impl!r}")
         self.ignore_index = ignore_index
@@ -221,10 +221,14 @@ class FLCEHeadLoss(nn.Module):
             label_smoothing=label_smoothing,
             lse_square_scale=z_loss,
             softcap=softcap,
-            accum_dtype=torch.float32 if self.accum_fp32 else None,
+            accum_dtype=self._accum_dtype(weight),
             chunk_size=self.chunk_size,
             impl=self.impl,
         )
+
+    def _accum_dtype(self, weight: Tensor) -> Optional[torch.dtype]:
+        # accum_fp32 widens, never narrows: an fp64 weight keeps the op's fp64 accumulator
+        return torch.float32 if self.accum_fp32 and weight.dtype != torch.float64 else None
 
     def _vocab_parallel_loss_of(
         self,
@@ -251,7 +255,7 @@ class FLCEHeadLoss(nn.Module):
             "label_smoothing": self.label_smoothing if regularized else 0.0,
             "lse_square_scale": self.z_loss if regularized else 0.0,
             "softcap": softcap,
-            "accum_dtype": torch.float32 if self.accum_fp32 else None,
+            "accum_dtype": self._accum_dtype(module.weight),
             "chunk_size": self.chunk_size,
             "impl": self.impl,
         }

@@ -19,12 +19,19 @@ _NORMALIZE_MODES = ("step", "micro_batch")
 _NARROW_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
-def _check_no_unknown_flce_options(kwargs: dict) -> None:
+def _check_no_unknown_flce_options(kwargs: dict, later_classes: tuple) -> None:
     """A misspelled ``flce_*`` option would otherwise reach ``LightningModule.__init__`` as an unexpected
-    keyword argument of an unrelated class: name it and the option it was likely meant to be."""
+    keyword argument of an unrelated class: name it and the option it was likely meant to be. Names that a
+    class after the mixin in the MRO takes (its own ``flce_`` argument) pass on to it."""
     known = [name for name in inspect.signature(FLCEMixin.__init__).parameters if name.startswith("flce_")]
+    taken_later = {
+        name
+        for cls in later_classes
+        if "__init__" in vars(cls)
+        for name in inspect.signature(cls.__init__).parameters
+    }
     for name in kwargs:
-        if name.startswith("flce_"):
+        if name.startswith("flce_") and name not in taken_later:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
             hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {', '.join(known)}"
             raise TypeError(f"FLCEMixin got an unknown option {name!r}{hint}")
@@ -179,7 +186,8 @@ class FLCEMixin:
         flce_normalize: Literal["step", "micro_batch"] = "step",
         **kwargs: Any,
     ) -> None:
-        _check_no_unknown_flce_options(kwargs)
+        mro = type(self).__mro__
+        _check_no_unknown_flce_options(kwargs, mro[mro.index(FLCEMixin) + 1 :])
         super().__init__(*args, **kwargs)
         if flce_normalize not in _NORMALIZE_MODES:
             raise ValueError(f"flce_normalize must be one of {_NORMALIZE_MODES}, got {flce_normalize!r}")

@@ -465,6 +465,7 @@ def test_cli_lists_the_options_under_model_init_args():
         ({"flce_label_smoothing": 1.5}, "label_smoothing"),
         ({"flce_z_loss": -1.0}, "z_loss"),
         ({"flce_chunk_size": 0}, "chunk_size"),
+        ({"flce_chunk_size": 2.5}, "chunk_size"),
         ({"flce_impl": "cuda"}, "impl"),
     ],
 )
@@ -491,6 +492,33 @@ def test_naive_and_fused_head_loss_agree_in_float64():
         fused = FLCEHeadLoss(label_smoothing=0.1, z_loss=1e-3)(head, hidden, labels, **options)
         assert naive.dtype == fused.dtype == torch.float64 and naive.shape == fused.shape
         torch.testing.assert_close(naive, fused, rtol=1e-12, atol=1e-12)
+
+
+class _BaseWithOwnFlceOption(pl.LightningModule):
+    def __init__(self, flce_extra: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.flce_extra = flce_extra
+
+
+class _MixinBeforeABaseWithAnFlceOption(FLCEMixin, _BaseWithOwnFlceOption):
+    pass
+
+
+def test_an_flce_option_of_a_later_base_class_passes_through():
+    """The misspelling check leaves alone a ``flce_`` argument that a class after the mixin takes."""
+    assert _MixinBeforeABaseWithAnFlceOption(flce_extra=3).flce_extra == 3
+    with pytest.raises(TypeError, match="did you mean 'flce_chunk_size'"):
+        _MixinBeforeABaseWithAnFlceOption(flce_chunksize=3)
+
+
+def test_accum_fp32_never_narrows_an_fp64_head():
+    """accum_fp32 means "at least fp32": an fp64 head keeps its fp64 dW accumulation (1e-12 vs float64)."""
+    head = nn.Linear(8, VOCAB, bias=False, dtype=torch.float64)
+    hidden, labels = torch.randn(40, 8, dtype=torch.float64), torch.randint(0, VOCAB, (40,))
+    FLCEHeadLoss(accum_fp32=True, chunk_size=8)(head, hidden, labels).backward()
+    got, head.weight.grad = head.weight.grad, None
+    F.cross_entropy(head(hidden), labels).backward()
+    torch.testing.assert_close(got, head.weight.grad, rtol=1e-12, atol=1e-14)
 
 
 def test_full_label_smoothing_is_accepted_like_the_op():
