@@ -137,7 +137,7 @@ def test_all_features_match_float64(dtype):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_float64_runs_in_float64(monkeypatch, reduction):
     """fp64 on CUDA (impl "auto", i.e. Triton): the fp32-only chunk kernel never runs (the PyTorch twin
-    computes in fp64), backward's grad_output scaling stays fp64 (the scale kernel multiplies in fp32), and
+    computes in fp64), backward's grad_output scaling stays fp64 (the scale kernel multiplies fp64 tensors in fp64), and
     loss, LSE, dX, dW, d bias are within test_op.py's FP64_TOL of float64."""
     import lightning_flce.kernels.cross_entropy as chunk_kernel
 

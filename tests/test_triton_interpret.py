@@ -190,7 +190,7 @@ def test_op_triton_path_matches_float64(reduction, feature_name):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_op_triton_impl_runs_fp64_in_fp64(monkeypatch, reduction):
     """fp64 with impl="triton": the fp32-only chunk kernel never runs (the PyTorch twin computes in fp64), and
-    backward's grad_output scaling stays fp64 (the scale kernel multiplies in fp32)."""
+    backward's grad_output scaling stays fp64 (the scale kernel multiplies fp64 tensors in fp64)."""
     import lightning_flce.kernels.cross_entropy as chunk_kernel
 
     def refuse(*args, **kwargs):

@@ -26,12 +26,17 @@ if HAS_TRITON:
         n_elements,
         BLOCK: tl.constexpr,
     ):
-        scale = tl.load(scale_ptr).to(tl.float32)
+        scale = tl.load(scale_ptr)
         if scale != 1.0:
             offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < n_elements
             x = tl.load(x_ptr + offsets, mask=mask)
-            tl.store(x_ptr + offsets, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)
+            # fp64 tensors (fp64 GEMMs) multiply in fp64, the others in fp32
+            if x_ptr.dtype.element_ty == tl.float64:
+                scaled = x * scale.to(tl.float64)
+            else:
+                scaled = (x.to(tl.float32) * scale.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + offsets, scaled, mask=mask)
 
     @triton.jit
     def _scale_into_kernel(
@@ -56,12 +61,10 @@ _CPU_SLICE = 1 << 24
 
 
 def scale_(tensor: torch.Tensor, scale: torch.Tensor) -> None:
-    """``tensor *= scale`` in place; free when ``scale == 1`` (no host sync on CUDA; there fp64 tensors
-    still pay the multiply)."""
+    """``tensor *= scale`` in place; free when ``scale == 1`` (no host sync on CUDA)."""
     if tensor.numel() == 0:
         return
-    # The kernel multiplies in fp32: fp64 gradients (fp64 GEMMs) take torch's fp64 multiply instead.
-    if triton_usable(tensor.device) and tensor.is_contiguous() and tensor.dtype != torch.float64:
+    if triton_usable(tensor.device) and tensor.is_contiguous():
         grid = (triton.cdiv(tensor.numel(), _BLOCK),)
         _scale_kernel[grid](tensor, scale.reshape(1), tensor.numel(), BLOCK=_BLOCK)
     elif tensor.device.type == "cpu":
