@@ -21,9 +21,9 @@ between providers and Liger's monkey-patching of ``transformers.models.llama`` c
 Measured per provider: wall time of every optimizer step (``on_train_batch_start`` to
 ``on_train_batch_end`` of a callback, with ``torch.cuda.synchronize()`` at both ends: forward, loss,
 backward, optimizer step and Lightning's own work); tokens/s = batch tokens / median step time over the
-steps after ``--warmup``; peak memory = ``torch.cuda.max_memory_allocated`` after
-``reset_peak_memory_stats`` at the start of the first timed step (weights, AdamW states and the step's
-activations, gradients and temporaries); the loss of every step. An OOM (or any exception) is recorded for
+steps after ``--warmup``; peak memory = ``torch.cuda.max_memory_allocated`` over the timed steps
+(weights, AdamW states and the step's activations, gradients and temporaries), also per phase of the step
+(forward up to ``on_before_backward``, backward, optimizer step and the rest); the loss of every step. An OOM (or any exception) is recorded for
 its provider and the others still run.
 
 Usage (GPU, see benchmarks/gpu_e2e.sh):  python3 benchmarks/bench_lightning_e2e.py [--batch-size 4] ...
@@ -220,6 +220,7 @@ def run_worker(args: argparse.Namespace, name: str) -> Dict[str, Any]:
         "peak_alloc_mib": None,
         "peak_reserved_mib": None,
         "base_alloc_mib": None,
+        "phase_peak_mib": None,
         "loss_first": None,
         "loss_last": None,
         "build_s": None,
@@ -341,7 +342,8 @@ class HFForwardLoss(pl.LightningModule):
 
 
 class StepTimer(pl.Callback):
-    """Synchronized wall time per optimizer step; peak memory reset at the first timed step."""
+    """Synchronized wall time per optimizer step; peak memory of the timed steps, per phase: forward (to
+    ``on_before_backward``), backward, and the rest (optimizer step, zero_grad), so a peak can be placed."""
 
     def __init__(self, warmup: int, device: torch.device, deadline: Optional[float]) -> None:
         self.warmup = warmup
@@ -353,19 +355,35 @@ class StepTimer(pl.Callback):
         self.base_alloc: Optional[int] = None
         self.stopped_early = False
         self.liger_output: Optional[str] = None
+        self.phase_peaks: Dict[str, int] = {}
+
+    def _phase_done(self, phase: str) -> None:
+        """Fold the peak since the last reset into ``phase``'s (timed steps only), and reset it."""
+        if self.index >= self.warmup and self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         C.synchronize(self.device)
         if self.index == self.warmup and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
             self.base_alloc = torch.cuda.memory_allocated(self.device)
+        if self.index >= self.warmup and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.t0 = time.perf_counter()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        self._phase_done("forward")
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._phase_done("backward")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         C.synchronize(self.device)
         dt = time.perf_counter() - self.t0
+        self._phase_done("optimizer")
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else math.nan
         self.records.append({"step": self.index, "s": dt, "loss": value, "timed": self.index >= self.warmup})
@@ -393,7 +411,9 @@ class StepTimer(pl.Callback):
             rec["tokens_per_s_mean"] = rec["tokens_per_step"] * len(timed) / sum(timed)
         if self.device.type == "cuda":
             # Before the first timed step (an OOM in the warm-up) this is the peak since the process started.
-            rec["peak_alloc_mib"] = torch.cuda.max_memory_allocated(self.device) / C.MIB
+            peak = max([torch.cuda.max_memory_allocated(self.device), *self.phase_peaks.values()])
+            rec["peak_alloc_mib"] = peak / C.MIB
+            rec["phase_peak_mib"] = {phase: value / C.MIB for phase, value in self.phase_peaks.items()}
             rec["peak_reserved_mib"] = torch.cuda.max_memory_reserved(self.device) / C.MIB
             if self.base_alloc is not None:
                 rec["base_alloc_mib"] = self.base_alloc / C.MIB
@@ -434,7 +454,8 @@ def markdown(records: List[Dict[str, Any]], env: Dict[str, Any], meta: Dict[str,
         f" {meta['warmup']} warm-up + {meta['steps']} timed steps, isolation {meta['isolation']}",
         "- step time: torch.cuda.synchronize() at on_train_batch_start and on_train_batch_end (fwd, loss, bwd,"
         " optimizer step, Lightning); tokens/s = tokens per step / median timed step; peak = max_memory_allocated"
-        " after reset_peak_memory_stats at the first timed step (includes weights and AdamW states = `base`)",
+        " over the timed steps (includes weights and AdamW states = `base`); fwd / bwd / opt: the peak within"
+        " forward (to on_before_backward), backward, and the optimizer step with the rest of the step",
         "",
         "```",
         *summary_lines(records),
@@ -444,12 +465,13 @@ def markdown(records: List[Dict[str, Any]], env: Dict[str, Any], meta: Dict[str,
         "",
     ]
     headers = ["provider", "tok/s", "x naive", "median s", "p20 / p80 s", "tok/s (mean)", "peak MiB",
-               "base MiB", "reserved MiB", "loss first", "loss last", "steps", "params", "error / note"]  # fmt: skip
+               "fwd / bwd / opt MiB", "base MiB", "reserved MiB", "loss first", "loss last", "steps", "params", "error / note"]  # fmt: skip
     naive = _by_name(records).get("naive", {})
     rows = []
     for r in records:
         ratio = _ratio(r.get("tokens_per_s"), naive.get("tokens_per_s"))
         p20, p80 = r.get("p20_step_s"), r.get("p80_step_s")
+        phases = r.get("phase_peak_mib") or {}
         rows.append(
             [
                 r["provider"],
@@ -459,6 +481,7 @@ def markdown(records: List[Dict[str, Any]], env: Dict[str, Any], meta: Dict[str,
                 "-" if p20 is None else f"{p20:.4f} / {p80:.4f}",
                 C.fmt(r.get("tokens_per_s_mean"), ".0f"),
                 C.fmt(r.get("peak_alloc_mib"), ".0f"),
+                " / ".join(C.fmt(phases.get(k), ".0f") for k in ("forward", "backward", "optimizer")),
                 C.fmt(r.get("base_alloc_mib"), ".0f"),
                 C.fmt(r.get("peak_reserved_mib"), ".0f"),
                 C.fmt(r.get("loss_first"), ".4f"),

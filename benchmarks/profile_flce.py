@@ -251,7 +251,7 @@ def classify(evt: Any, H: int, V: int, kernel_name: Optional[str] = None) -> str
             return cat
         node = getattr(node, "cpu_parent", None)
     name, shapes = evt.name or "", evt.input_shapes or []
-    if name in CAST_OPS or CAST_KERNEL in name or name == "lightning_flce::flce_cast_grad_weight":
+    if name in CAST_OPS or CAST_KERNEL in name or name == "lightning_flce::flce_cast_grad":
         return CAST
     if name in GATHER_OPS:
         return GATHER

@@ -11,7 +11,8 @@ Forward (``lightning_flce::flce_forward``), per chunk of C tokens::
 so for "mean"/"sum" the gradients exist when forward returns, and backward only multiplies them by
 grad_output (``lightning_flce::flce_scale_grads_``, skipped on the device when it is 1), except dW when
 its accumulator is wider than the weight: forward keeps the accumulator and backward's cast to the
-weight's dtype takes grad_output in the same pass (``lightning_flce::flce_cast_grad_weight``). For
+weight's dtype takes grad_output in the same pass (``lightning_flce::flce_cast_grad``), as does dX's
+widening when it was kept in the GEMM's narrower dtype (fp32 hidden states under autocast). For
 "none" each token has its own grad_output, which dW cannot absorb after the fact: forward computes only
 the loss, and backward (``lightning_flce::flce_backward``) recomputes the chunks with the per-token
 scales.
@@ -130,13 +131,14 @@ def _chunk_loop(
     chunk_size: int,
     impl: str,
     keep_scaled: bool = False,
+    grad_input_dtype: Optional[torch.dtype] = None,
     grad_weight_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, ...]:
     """The op's loop: validate targets, drop ignored rows, :func:`run_chunks` with the local kernel.
 
     Returns per-token loss/LSE/stats [N], the gradients, and :func:`_inverse_scales` (see
-    ``keep_scaled`` and ``grad_weight_dtype`` in :func:`run_chunks`); unused outputs are distinct empty
-    tensors (custom-op outputs may not alias each other).
+    ``keep_scaled``, ``grad_input_dtype`` (default: x's) and ``grad_weight_dtype`` in :func:`run_chunks`);
+    unused outputs are distinct empty tensors (custom-op outputs may not alias each other).
     """
     target = target.reshape(-1)
     valid = target != options.ignore_index
@@ -184,7 +186,7 @@ def _chunk_loop(
         need_grad_bias=need_grad_bias,
         compute_stats=compute_stats,
         accum=accum,
-        grad_input_dtype=x.dtype,
+        grad_input_dtype=grad_input_dtype or x.dtype,
         keep_scaled=keep_scaled,
         fp16_bounds=fp16_bounds if fp16_stats else None,
         grad_weight_dtype=grad_weight_dtype,
@@ -262,17 +264,17 @@ def _fp16_grad_scales(
     per_row_scale: bool,
     *,
     keep_scaled: bool,
-    input_dtype: torch.dtype,
+    grad_input_fp16: bool,
     bias_dtype: Optional[torch.dtype],
 ) -> GradScales:
     """:class:`GradScales` for fp16 GEMMs from :func:`_fp16_bound_stats`' values: the stored dX row is at
     most ``2 b max|W|``, a dW row at most ``sum(b) max|x|`` (max|x| is there when dW is stored scaled),
-    and d bias at most ``sum(b)``. ``input_dtype`` is the dtype dX is returned in."""
+    and d bias at most ``sum(b)``. ``grad_input_fp16``: an fp16 dX is returned or kept for backward."""
     bound, bound_sum, *x_max = bounds
     total = bound_sum if per_row_scale else bound_sum * max(n_valid, 1)
     logits_scale = _pow2_at_most(_FP16_LOGIT_GRAD_MAX / bound) if bound > 0 else 1.0
     # dX: 2 b max|W| * (logits_scale / 64) = 32 max|W| at most (fp16 weights never come near 2000).
-    stored_input = logits_scale / 64 if keep_scaled and input_dtype == torch.float16 else 1.0
+    stored_input = logits_scale / 64 if keep_scaled and grad_input_fp16 else 1.0
     # A zero bound (no valid rows, all-zero hidden states, zero weights) means zero gradients: any scale does.
     weight_bound = total * x_max[0] if x_max else 0.0
     stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / weight_bound) if weight_bound > 0 else 1.0
@@ -320,9 +322,9 @@ def run_chunks(
     ``compute_dtype``, and so are ``ce_scale``/``z_scale``: [1] (shared) or [N] (per token). ``accum`` is
     "fp32", "fp64", "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
     With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
-    the gradients whose final dtype is fp16 (dX's is x's, even when ``grad_input_dtype`` is wider for a
-    later reduction) pre-multiplied by the scales in :class:`GradScales` (for a backward that multiplies
-    them by grad_output anyway), otherwise every gradient is returned unscaled. ``fp16_bounds``: the
+    the gradients kept or returned in fp16 (dX: x's dtype or ``grad_input_dtype``, which may be wider for
+    a later reduction or narrower for backward to widen) pre-multiplied by the scales in :class:`GradScales`
+    (for a backward that multiplies them by grad_output anyway), otherwise every gradient is returned unscaled. ``fp16_bounds``: the
     values of :func:`_fp16_bound_stats`, when the caller has read them already. ``grad_weight_dtype``: dW's
     accumulator dtype, returned as it is (no cast to the weight's dtype; see :func:`saved_grad_weight_dtype`).
     """
@@ -355,7 +357,7 @@ def run_chunks(
             n_valid,
             per_row_scale,
             keep_scaled=keep_scaled,
-            input_dtype=x.dtype,
+            grad_input_fp16=torch.float16 in (x.dtype, grad_input_dtype),
             bias_dtype=bias.dtype if bias is not None else None,
         )
     if scales.logits != 1.0:
@@ -425,6 +427,7 @@ def run_chunks(
             )
         if need_grad_bias:
             grad_bias.add_(logits.sum(dim=0, dtype=loss_dtype), alpha=scales.grad_bias / scales.logits)
+        x_c = None  # before the next chunk's row gather (and its cast) allocates
 
     # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
     # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
@@ -495,6 +498,23 @@ def saved_grad_weight_dtype(
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     rows = _resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, n_rows)
     return _accumulator_dtype(accum, weight, compute_dtype, n_chunks=-(-n_rows // rows))
+
+
+def saved_grad_input_dtype(
+    x: Tensor, compute_dtype: torch.dtype, grad_weight_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype of the dX that "mean"/"sum" forward keeps for backward: the dX GEMM's output dtype when x is
+    wider (fp32 hidden states under fp16/bf16 autocast), since dX holds that dtype's values anyway; backward
+    widens it with grad_output folded in. Forward's peak (the training step's, as the head runs last) is then
+    N H (x's itemsize - the GEMM's) bytes lower, and no chunk of dX needs a widened temporary.
+    With an fp64 accumulator dX's GEMM runs in fp64 (see :func:`run_chunks`): it is kept in x's dtype."""
+    if (
+        compute_dtype in _LOW_PRECISION
+        and grad_weight_dtype != torch.float64
+        and x.dtype.itemsize > compute_dtype.itemsize
+    ):
+        return compute_dtype
+    return x.dtype
 
 
 def _has_full_rate_fp64(device: torch.device) -> bool:
@@ -618,8 +638,9 @@ def flce_forward(
     """Returns (loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, inverse_scales); unused
     ones are empty. loss, lse and entropy are in :func:`~lightning_flce.kernels.softmax_dtype` of
     ``compute_dtype`` (fp32; fp64 for fp64 GEMMs). ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients
-    only) undoes the powers of two the fp16 gradients carry, see :func:`run_chunks`. ``grad_weight`` is dW's
-    accumulator, in :func:`saved_grad_weight_dtype` (backward casts it).
+    only) undoes the powers of two the fp16 gradients carry, see :func:`run_chunks`. ``grad_input`` is in
+    :func:`saved_grad_input_dtype` and ``grad_weight`` is dW's accumulator, in :func:`saved_grad_weight_dtype`
+    (backward casts them).
 
     For "none" no gradient is computed here (backward recomputes); the need_grad_* flags then only
     say what backward will produce.
@@ -627,6 +648,7 @@ def flce_forward(
     options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight, compute_dtype)
     grads_now = reduction != "none"
     grad_weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
+    grad_input_dtype = saved_grad_input_dtype(x, compute_dtype, grad_weight_dtype)
     with torch.autocast(x.device.type, enabled=False):
         ce_scale, z_scale = _loss_scales(target, reduction, options, x.device, softmax_dtype(compute_dtype))
         loss, lse, correct, entropy, gx, gw, gb, inverse_scales = _chunk_loop(
@@ -646,6 +668,7 @@ def flce_forward(
             chunk_size=chunk_size,
             impl=impl,
             keep_scaled=True,
+            grad_input_dtype=grad_input_dtype,
             grad_weight_dtype=grad_weight_dtype,
         )
     if reduction != "none":
@@ -689,19 +712,20 @@ def _(
     )
     loss = x.new_empty((n_rows,) if reduction == "none" else (), dtype=loss_dtype)
     n_stats = n_rows if compute_stats else 0
+    grad_weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
     return (
         loss,
         x.new_empty(n_stats, dtype=loss_dtype),
         x.new_empty(n_stats, dtype=torch.bool),
         x.new_empty(n_stats, dtype=loss_dtype),
-        torch.empty_like(x) if need_grad_input and grads_now else x.new_empty(0),
         (
-            torch.empty_like(
-                weight, dtype=saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
-            )
-            if need_grad_weight and grads_now
+            torch.empty_like(x, dtype=saved_grad_input_dtype(x, compute_dtype, grad_weight_dtype))
+            if need_grad_input and grads_now
             else x.new_empty(0)
         ),
+        torch.empty_like(weight, dtype=grad_weight_dtype)
+        if need_grad_weight and grads_now
+        else x.new_empty(0),
         torch.empty_like(bias) if need_grad_bias and grads_now else x.new_empty(0),
         x.new_empty(3 if scaled else 0, dtype=fp32),
     )
@@ -728,22 +752,23 @@ def _(grad_input, grad_weight, grad_bias, scale, inverse_scales):
     return None
 
 
-@torch.library.custom_op("lightning_flce::flce_cast_grad_weight", mutates_args=())
+@torch.library.custom_op("lightning_flce::flce_cast_grad", mutates_args=())
 @resolved_annotations
-def flce_cast_grad_weight(
-    accumulator: Tensor, scale: Tensor, inverse_scales: Tensor, dtype: torch.dtype
+def flce_cast_grad(
+    saved: Tensor, scale: Tensor, inverse_scales: Tensor, index: int, dtype: torch.dtype
 ) -> Tensor:
-    """dW in ``dtype`` from forward's wider accumulator: ``accumulator * grad_output`` (and its fp16
-    inverse scale) in one pass, rounded once."""
+    """A gradient in ``dtype`` from forward's copy in another dtype (dX from the GEMM's narrower dtype, dW
+    from a wider accumulator): ``saved * grad_output`` (and the fp16 inverse scale ``inverse_scales[index]``)
+    in one pass, rounded once."""
     factor = scale.reshape(1).float()
     if inverse_scales.numel():
-        factor = factor * inverse_scales[1]
-    return scale_into(accumulator.new_empty(accumulator.shape, dtype=dtype), accumulator, factor)
+        factor = factor * inverse_scales[index]
+    return scale_into(saved.new_empty(saved.shape, dtype=dtype), saved, factor)
 
 
-@flce_cast_grad_weight.register_fake
-def _(accumulator, scale, inverse_scales, dtype):
-    return accumulator.new_empty(accumulator.shape, dtype=dtype)
+@flce_cast_grad.register_fake
+def _(saved, scale, inverse_scales, index, dtype):
+    return saved.new_empty(saved.shape, dtype=dtype)
 
 
 @torch.library.custom_op("lightning_flce::flce_backward", mutates_args=())
@@ -849,7 +874,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ) = inputs
     ctx.reduction = reduction
     ctx.needs = (need_grad_input, need_grad_weight, need_grad_bias)
-    ctx.weight_dtype = weight.dtype
+    ctx.final_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
     # Only the loss is differentiable. Without this, autograd would hand backward zero-filled
     # [N, H] and [V, H] "gradients" for the saved-gradient outputs: a full dX + dW of memory.
     ctx.set_materialize_grads(False)
@@ -901,12 +926,15 @@ def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
         gx, gw, gb = flce_backward(grad_loss, x, weight, target, bias, class_weight, *ctx.options, *ctx.needs)
     else:
         check_single_backward(ctx)
-        gx, gw, gb, inverse_scales = ctx.saved_tensors
-        if gw.numel() and gw.dtype != ctx.weight_dtype:
-            gw = flce_cast_grad_weight(gw, grad_loss, inverse_scales, ctx.weight_dtype)
-            flce_scale_grads_(gx, gw.new_empty(0), gb, grad_loss, inverse_scales)
-        else:
-            flce_scale_grads_(gx, gw, gb, grad_loss, inverse_scales)
+        *saved, inverse_scales = ctx.saved_tensors
+        # Kept in their final dtype: scaled in place; in another: cast with the scale in the same pass.
+        in_place = list(saved)
+        for i, dtype in enumerate(ctx.final_dtypes):
+            if saved[i].numel() and saved[i].dtype != dtype:
+                saved[i] = flce_cast_grad(saved[i], grad_loss, inverse_scales, i, dtype)
+                in_place[i] = saved[i].new_empty(0)
+        flce_scale_grads_(*in_place, grad_loss, inverse_scales)
+        gx, gw, gb = saved
     grads[_X] = gx if need_grad_input else None
     grads[_WEIGHT] = gw if need_grad_weight else None
     grads[_BIAS] = gb if need_grad_bias else None

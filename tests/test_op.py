@@ -554,6 +554,38 @@ def test_autocast_bf16_matches_autocast_reference():
         assert relative_error(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("accum_dtype", [None, torch.float64], ids=["auto", "fp64"])
+def test_autocast_fp32_hidden_states_keep_grad_input_in_gemm_dtype(autocast_dtype, accum_dtype):
+    """fp32 hidden states under autocast (a final norm's output under Lightning's "*-mixed"): forward keeps dX
+    in the GEMM's dtype, whose values it holds anyway (half the memory at forward's peak), and backward widens
+    it with grad_output; an fp64 accumulator runs dX's GEMM in fp64, so there dX is kept in fp32."""
+    x, weight, target, bias, _ = make_problem(64, 32, 200, seed=10)
+    args = (x, weight, target, bias, None, -100, "mean", 0.0, 0.0, 0.0, autocast_dtype)
+    accum = "auto" if accum_dtype is None else "fp64"
+    saved_dx = torch.ops.lightning_flce.flce_forward.default(
+        *args, accum, 16, "torch", True, True, True, False
+    )[4]
+    assert saved_dx.dtype == (torch.float32 if accum_dtype else autocast_dtype)
+
+    def op(hidden, w, b):
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            return fused_linear_cross_entropy(hidden, w, target, b, chunk_size=16, accum_dtype=accum_dtype)
+
+    grad_output = torch.tensor(3.0)
+    got = grads_of(
+        op, x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), grad_output=grad_output
+    )
+    # The reference in float64 on the GEMM operands as autocast rounds them.
+    rounded = [t.to(autocast_dtype).double() for t in (x, weight, bias)]
+    want = grads_of(
+        lambda *ts: reference_loss(ts[0], ts[1], target, ts[2]), *rounded, grad_output=grad_output
+    )
+    # Logits and dX are rounded to the GEMM dtype: a few units of its epsilon (bf16 2^-8, fp16 2^-11).
+    tol = 4 * torch.finfo(autocast_dtype).eps
+    assert_matches_reference(got, (want[0].float(), [g.float() for g in want[1]]), torch.float32, tol)
+
+
 @pytest.mark.parametrize("autocast", [True, False])
 def test_auto_accumulator_follows_gemm_dtype(monkeypatch, autocast):
     """The "auto" accumulator: from the GEMMs' dtype, not the weight's storage: an fp32 weight under
@@ -826,5 +858,5 @@ def test_custom_ops_fake_implementations_match(dtype, reduction, needs, chunk_si
     if reduction == "mean" and needs[1] and dtype in (torch.float16, torch.bfloat16):
         assert saved_grad_weight.dtype == (torch.float32 if chunk_size else dtype)
         inverse_scales = torch.tensor([1.0, 0.5, 1.0]) if dtype == torch.float16 else torch.empty(0)
-        cast_args = (saved_grad_weight, torch.tensor(3.0), inverse_scales, dtype)
-        torch.library.opcheck(ops.flce_cast_grad_weight.default, cast_args, test_utils=checks)
+        cast_args = (saved_grad_weight, torch.tensor(3.0), inverse_scales, 1, dtype)
+        torch.library.opcheck(ops.flce_cast_grad.default, cast_args, test_utils=checks)

@@ -278,6 +278,19 @@ def test_scale_into_kernel(source_dtype):
         torch.testing.assert_close(out, expected, rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
 
 
+@pytest.mark.parametrize("source_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_scale_into_kernel_widens(source_dtype):
+    """dX kept in the GEMM's dtype (fp32 hidden states under autocast), widened with the scale folded in:
+    the product of a half-precision value and an fp32 scale, rounded once to fp32, as torch computes it."""
+    from lightning_flce.kernels.scale import scale_into
+
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(3, 5000, generator=gen).to(source_dtype)
+    scale = torch.tensor([0.7])
+    out = scale_into(torch.empty(3, 5000), src, scale)
+    torch.testing.assert_close(out, src.float() * scale, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("feature_name", ["plain", "all"])
 def test_fp16_grads_under_a_loss_scale(feature_name, reduction):
@@ -296,6 +309,18 @@ def test_fp16_grads_under_a_loss_scale(feature_name, reduction):
         impl="triton",
         chunk_size=128,
     )
+    assert_no_worse(op_errors, unfused_errors)
+
+
+def test_fp16_autocast_grads_under_a_loss_scale():
+    """fp32 hidden states under fp16 autocast: dX is kept in fp16 carrying its power-of-two scale, and
+    backward's widening kernel takes the scale and the loss scale out in fp32."""
+    from test_fp16_grads import GRAD_SCALER_INIT_SCALE, assert_no_worse, compare
+
+    op_errors, unfused_errors, grads = compare(
+        "all", "mean", GRAD_SCALER_INIT_SCALE, autocast=True, n_rows=512, hidden=32, vocab=1000, impl="triton"
+    )
+    assert grads[0].dtype == torch.float32
     assert_no_worse(op_errors, unfused_errors)
 
 

@@ -5,8 +5,8 @@
 ``loss.backward()``. Reading it on the host (``.item()``, ``torch.equal``) would stall the CPU until the
 GPU catches up; this kernel reads it on the device and every program exits at once when it is 1.
 
-``scale_into``: ``out = src * scale`` into a narrower dtype, one read and one write, rounded once (dW's
-wide accumulator to the weight's dtype).
+``scale_into``: ``out = src * scale`` into another dtype, one read and one write, rounded once (dW's
+wide accumulator to the weight's dtype, dX kept in the GEMM's dtype to x's).
 """
 
 from __future__ import annotations
