@@ -84,7 +84,9 @@ def fused_linear_cross_entropy(
             so dW is as accurate as one unchunked GEMM: fp32 for fp16/bf16 GEMMs (an fp32 weight under
             autocast included), fp64 for fp32 GEMMs on GPUs with full-rate fp64 (A100, H100, ...); the
             weight's dtype otherwise.
-            ``torch.float64`` is accepted too. (d bias is accumulated in fp32, fp64 for fp64 inputs.)
+            ``torch.float64``: fp64, for fp32 and fp64 GEMMs (fp16/bf16 GEMMs raise ValueError: their
+            products would be rounded to 16 bits before the fp64 sum). (d bias is accumulated in fp32, fp64
+            for fp64 inputs.)
         chunk_size: tokens per chunk; None picks it from a memory budget: a quarter of dX + dW, and on
             the GPU (not for fp64) at least 4096 tokens while their logits fit in dX + dW (fewer chunks:
             each one reads and writes the whole dW accumulator), then evens the chunks out over the
@@ -172,7 +174,7 @@ def _call(
         float(lse_square_scale),
         float(softcap) if softcap is not None else 0.0,
         compute_dtype,
-        _accum_mode(accum_dtype, weight),
+        _accum_mode(accum_dtype, weight, compute_dtype),
         int(chunk_size) if chunk_size is not None else 0,
         impl,
         grad_enabled and input.requires_grad,
@@ -233,6 +235,11 @@ def _check_inputs(
             raise ValueError(f"class_weight must be [V]=[{vocab}], got {tuple(class_weight.shape)}")
         if not class_weight.dtype.is_floating_point:
             raise TypeError(f"class_weight must be floating point, got {class_weight.dtype}")
+        if class_weight.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                "class_weight requires grad, but the loss is not differentiable with respect to it (nor is"
+                " F.cross_entropy's weight): pass class_weight.detach()"
+            )
     for name, tensor in (
         ("weight", weight),
         ("target", target),
@@ -312,9 +319,16 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be a positive int (or None), got {chunk_size!r}")
 
 
-def _accum_mode(accum_dtype: Optional[torch.dtype], weight: Tensor) -> str:
+def _accum_mode(accum_dtype: Optional[torch.dtype], weight: Tensor, compute_dtype: torch.dtype) -> str:
     if accum_dtype is None:
         return "auto"
+    if accum_dtype == torch.float64 and compute_dtype in (torch.float16, torch.bfloat16):
+        # No GEMM widens fp16/bf16 operands to fp64: each chunk's product would be rounded to 16 bits first,
+        # a less accurate dW than an fp32 accumulator's (and fp64 dX GEMMs).
+        raise ValueError(
+            f"accum_dtype=torch.float64 needs fp32 or fp64 GEMMs, but they run in {compute_dtype} (autocast or"
+            " half-precision inputs); use accum_dtype=torch.float32, the most accurate accumulator for them"
+        )
     if accum_dtype in (torch.float32, torch.float64):
         return "fp32" if accum_dtype == torch.float32 else "fp64"
     if accum_dtype == weight.dtype:

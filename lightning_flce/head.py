@@ -35,7 +35,9 @@ class FLCEHeadLoss(nn.Module):
     dispatches to the active copy, and user forward (pre-)hooks fire (they see ``(hidden,)`` as input and
     the loss instead of logits as output). ``head.weight``/``head.bias`` are read only inside that call,
     so a sharded weight is never read in its sharded form. (Reading the weight outside that call would see
-    a shard; wrapping the head in a loss module would change its ``state_dict`` keys and checkpoints.)
+    a shard; wrapping the head in a loss module would change its ``state_dict`` keys and checkpoints.) A
+    bare head, with no wrapper and no forward hooks, has nothing to run around the loss: the loss is then
+    called directly, which ``torch.compile`` can trace.
 
     The head must compute ``F.linear(hidden, head.weight, head.bias)``: an ``nn.Linear`` that does not
     override ``forward``, or an ``nn.Embedding`` whose weight is used as the output matrix (tied
@@ -153,8 +155,11 @@ class FLCEHeadLoss(nn.Module):
             # a plain tuple: hooks that rebuild their outputs (FSDP, ZeRO-3) may not handle NamedTuples
             return tuple(output) if with_stats else output
 
-        with _forward_bound_to(module, loss_as_forward):
-            output = head(hidden)
+        if head is module and "forward" not in module.__dict__ and not _has_forward_hooks(module):
+            output = loss_as_forward(hidden)  # nothing to run around it (and torch.compile traces it)
+        else:
+            with _forward_bound_to(module, loss_as_forward):
+                output = head(hidden)
         if not ran:
             raise RuntimeError(
                 f"Calling the head {type(head).__name__} did not reach {type(module).__name__}.forward, so the loss"
@@ -344,6 +349,18 @@ def _check_linear_head(module: nn.Module) -> None:
             " nn.Linear.forward, an nn.Embedding used as the tied output matrix, or a"
             f" lightning_flce.parallel.VocabParallelHead; got {type(module).__name__}"
         )
+
+
+def _has_forward_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs more than its forward: its own or global forward (pre-)hooks, which
+    sharding (FSDP2, DeepSpeed ZeRO-3) uses to gather the weight."""
+    hooks = nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+    )
 
 
 @contextlib.contextmanager

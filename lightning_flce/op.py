@@ -712,6 +712,7 @@ def _(
     )
     loss = x.new_empty((n_rows,) if reduction == "none" else (), dtype=loss_dtype)
     n_stats = n_rows if compute_stats else 0
+    # Gradients are contiguous, as the chunk loop allocates them (not empty_like: a permuted x or weight).
     grad_weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
     return (
         loss,
@@ -719,14 +720,14 @@ def _(
         x.new_empty(n_stats, dtype=torch.bool),
         x.new_empty(n_stats, dtype=loss_dtype),
         (
-            torch.empty_like(x, dtype=saved_grad_input_dtype(x, compute_dtype, grad_weight_dtype))
+            x.new_empty(x.shape, dtype=saved_grad_input_dtype(x, compute_dtype, grad_weight_dtype))
             if need_grad_input and grads_now
             else x.new_empty(0)
         ),
-        torch.empty_like(weight, dtype=grad_weight_dtype)
+        weight.new_empty(weight.shape, dtype=grad_weight_dtype)
         if need_grad_weight and grads_now
         else x.new_empty(0),
-        torch.empty_like(bias) if need_grad_bias and grads_now else x.new_empty(0),
+        bias.new_empty(bias.shape) if need_grad_bias and grads_now else x.new_empty(0),
         x.new_empty(3 if scaled else 0, dtype=fp32),
     )
 
@@ -837,9 +838,9 @@ def _(
     need_grad_bias,
 ):
     return (
-        torch.empty_like(x) if need_grad_input else x.new_empty(0),
-        torch.empty_like(weight) if need_grad_weight else x.new_empty(0),
-        torch.empty_like(bias) if need_grad_bias else x.new_empty(0),
+        x.new_empty(x.shape) if need_grad_input else x.new_empty(0),
+        weight.new_empty(weight.shape) if need_grad_weight else x.new_empty(0),
+        bias.new_empty(bias.shape) if need_grad_bias else x.new_empty(0),
     )
 
 

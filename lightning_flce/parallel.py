@@ -468,7 +468,7 @@ def _call(
         target, ignore_index = _class_indices(target, ignore_index)
         _check_options(reduction, label_smoothing, lse_square_scale, softcap, accum_dtype, chunk_size, impl)
         use_triton = chunk_kernels_use_triton(_resolve_impl(impl, input.device), compute_dtype)
-        accum = _accum_mode(accum_dtype, weight)
+        accum = _accum_mode(accum_dtype, weight, compute_dtype)
         grad_enabled = torch.is_grad_enabled()
         needs = (
             grad_enabled and input.requires_grad,

@@ -576,6 +576,22 @@ def test_head_loss_module_direct_use():
     torch.testing.assert_close(per_token, expected.view(2, 5), **FP32)  # per token, in the labels' shape
 
 
+def test_head_loss_under_torch_compile():
+    """A bare head (no wrapper, no hooks) gets the loss called directly: Dynamo cannot replay the forward
+    binding's ``del head.forward``, and there is nothing to run around the loss."""
+    head = nn.Linear(8, VOCAB)
+    hidden = torch.randn(2, 5, 8)
+    labels = torch.randint(0, VOCAB, (2, 5))
+    head_loss = FLCEHeadLoss(chunk_size=3)
+    compiled = torch.compile(lambda h: head_loss(head, h, labels), backend="aot_eager", fullgraph=True)
+    loss = compiled(hidden.requires_grad_())
+    loss.backward()
+    expected = plain_loss(F.linear(hidden.double(), head.weight.double(), head.bias.double()), labels)
+    torch.testing.assert_close(loss, expected.float(), **FP32)
+    assert head.weight.grad is not None and hidden.grad is not None
+    assert "forward" not in head.__dict__
+
+
 class SkipsNormalization(TinyGPT):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         optimizer.step(closure=optimizer_closure)

@@ -555,22 +555,22 @@ def test_autocast_bf16_matches_autocast_reference():
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("accum_dtype", [None, torch.float64], ids=["auto", "fp64"])
-def test_autocast_fp32_hidden_states_keep_grad_input_in_gemm_dtype(autocast_dtype, accum_dtype):
+def test_autocast_fp32_hidden_states_keep_grad_input_in_gemm_dtype(autocast_dtype):
     """fp32 hidden states under autocast (a final norm's output under Lightning's "*-mixed"): forward keeps dX
     in the GEMM's dtype, whose values it holds anyway (half the memory at forward's peak), and backward widens
-    it with grad_output; an fp64 accumulator runs dX's GEMM in fp64, so there dX is kept in fp32."""
+    it with grad_output. (An fp64 accumulator, which the public API refuses for these GEMMs, would run dX's
+    GEMM in fp64: there dX is kept in fp32.)"""
     x, weight, target, bias, _ = make_problem(64, 32, 200, seed=10)
     args = (x, weight, target, bias, None, -100, "mean", 0.0, 0.0, 0.0, autocast_dtype)
-    accum = "auto" if accum_dtype is None else "fp64"
-    saved_dx = torch.ops.lightning_flce.flce_forward.default(
-        *args, accum, 16, "torch", True, True, True, False
-    )[4]
-    assert saved_dx.dtype == (torch.float32 if accum_dtype else autocast_dtype)
+    for accum, saved_dtype in (("auto", autocast_dtype), ("fp64", torch.float32)):
+        saved_dx = torch.ops.lightning_flce.flce_forward.default(
+            *args, accum, 16, "torch", True, True, True, False
+        )[4]
+        assert saved_dx.dtype == saved_dtype
 
     def op(hidden, w, b):
         with torch.autocast("cpu", dtype=autocast_dtype):
-            return fused_linear_cross_entropy(hidden, w, target, b, chunk_size=16, accum_dtype=accum_dtype)
+            return fused_linear_cross_entropy(hidden, w, target, b, chunk_size=16)
 
     grad_output = torch.tensor(3.0)
     got = grads_of(
@@ -671,6 +671,29 @@ def test_torch_compile_fullgraph_matches_eager(dtype, chunk_size):
         compiled, x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()
     )
     want_loss, want_grads = grads_of(model, x, weight, bias)
+    torch.testing.assert_close(got_loss, want_loss)
+    for got, want in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_compile_permuted_input_and_weight(reduction, monkeypatch, tmp_path):
+    """Sequence-first hidden states transposed to batch-first, a head stored [H, V] and passed as ``.t()``:
+    the fake implementations promise contiguous gradients, as the real ones return (inductor asserts the
+    real strides against the fake ones; a fresh cache, whose keys do not cover the fake's code)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(13)
+    hidden_seq_first = torch.randn(5, 3, 16, generator=gen)
+    weight_t = torch.randn(16, 64, generator=gen)
+    target = torch.randint(0, 64, (3, 5), generator=gen)
+
+    def model(h, wt):
+        return fused_linear_cross_entropy(h.transpose(0, 1), wt.t(), target, reduction=reduction).sum()
+
+    compiled = torch.compile(model, fullgraph=True)
+    got_loss, got_grads = grads_of(compiled, hidden_seq_first.requires_grad_(), weight_t.requires_grad_())
+    want_loss, want_grads = grads_of(model, hidden_seq_first, weight_t)
     torch.testing.assert_close(got_loss, want_loss)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want)

@@ -117,6 +117,30 @@ def test_bad_options(kwargs, error, match):
         _call(kwargs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp64_accumulator_of_half_precision_gemms_raises(dtype):
+    """No GEMM widens fp16/bf16 operands to fp64: an fp64 dW accumulator would sum products rounded to 16 bits
+    (less accurate than fp32's), so it is refused, under autocast as for half-precision inputs."""
+    args = _args()
+    with pytest.raises(ValueError, match="use accum_dtype=torch.float32"), torch.autocast("cpu", dtype=dtype):
+        fused_linear_cross_entropy(**args, accum_dtype=torch.float64)
+    half = {**args, "input": args["input"].to(dtype), "weight": args["weight"].to(dtype)}
+    with pytest.raises(ValueError, match="needs fp32 or fp64 GEMMs"):
+        fused_linear_cross_entropy(**half, accum_dtype=torch.float64)
+
+
+def test_class_weight_requiring_grad_raises():
+    """As F.cross_entropy's weight, class_weight gets no gradient: refused rather than left silently without one
+    (no_grad and a detached copy are fine)."""
+    args = _args()
+    class_weight = torch.rand(args["weight"].shape[0], requires_grad=True)
+    with pytest.raises(ValueError, match="class_weight.detach"):
+        fused_linear_cross_entropy(**args, class_weight=class_weight)
+    with torch.no_grad():
+        fused_linear_cross_entropy(**args, class_weight=class_weight)
+    fused_linear_cross_entropy(**args, class_weight=class_weight.detach())
+
+
 def test_chunk_size_takes_any_integer_type():
     """Integer types other than int (numpy's, a 0-d integer tensor) are chunk sizes, as ignore_index takes them."""
     args = _args()

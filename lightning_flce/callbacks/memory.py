@@ -330,9 +330,11 @@ class FLCEMemoryCallback(Callback):
             }
             headline = PEAK_ALLOCATED
         else:
-            # current first: the peak read after it can only be larger
             rss = _current_rss_bytes()
             peak_rss = _peak_rss_bytes()
+            if rss is not None and peak_rss is not None:
+                # the kernel's high-water mark (ru_maxrss) is updated lazily and can trail the current RSS
+                peak_rss = max(peak_rss, rss)
             measured = {
                 PEAK_RSS: None if peak_rss is None else peak_rss / _MIB,
                 RSS: None if rss is None else rss / _MIB,
