@@ -210,20 +210,22 @@ def test_ce_kernel_loss_with_targets_in_the_first_gradient_block(config):
         torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-9)
 
 
-def test_bf16_mixed_autocast_gives_fp32_weight_grad():
-    """Lightning's bf16-mixed: bf16 hidden states, fp32 head weight under autocast."""
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bf16_mixed_autocast_gives_fp32_weight_grad(hidden_dtype):
+    """Lightning's bf16-mixed: fp32 head weight under autocast; bf16 hidden states, or fp32 ones (a final
+    norm's output: dX is kept in bf16 and widened by backward's cast kernel, here with grad_output 3)."""
     x, weight, target = make_problem(2048, 512, 32000, torch.float32, seed=4)
-    hidden = x.bfloat16().requires_grad_()
+    hidden = x.to(hidden_dtype).requires_grad_()
     w = weight.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = fused_linear_cross_entropy(hidden, w, target)
-    loss.backward()
-    assert w.grad.dtype == torch.float32 and hidden.grad.dtype == torch.bfloat16
+    (loss * 3).backward()
+    assert w.grad.dtype == torch.float32 and hidden.grad.dtype == hidden_dtype
 
-    hidden_ref, w_ref = x.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+    hidden_ref, w_ref = x.to(hidden_dtype).requires_grad_(), weight.clone().requires_grad_()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref_loss = F.cross_entropy(F.linear(hidden_ref, w_ref).float(), target)
-    ref_loss.backward()
+    (ref_loss * 3).backward()
     exact = reference_loss(x.bfloat16(), weight.bfloat16(), target)
     assert relative_error(loss, exact) < 1e-4
     assert relative_error(w.grad, w_ref.grad) < 1e-2
