@@ -36,7 +36,7 @@ class FLCEHeadLoss(nn.Module):
     the loss instead of logits as output). ``head.weight``/``head.bias`` are read only inside that call,
     so a sharded weight is never read in its sharded form. (Reading the weight outside that call would see
     a shard; wrapping the head in a loss module would change its ``state_dict`` keys and checkpoints.) A
-    bare head, with no wrapper and no forward hooks, has nothing to run around the loss: the loss is then
+    bare head, with no wrapper and no hooks, has nothing to run around the loss: the loss is then
     called directly, which ``torch.compile`` can trace.
 
     The head must compute ``F.linear(hidden, head.weight, head.bias)``: an ``nn.Linear`` that does not
@@ -155,10 +155,10 @@ class FLCEHeadLoss(nn.Module):
             # a plain tuple: hooks that rebuild their outputs (FSDP, ZeRO-3) may not handle NamedTuples
             return tuple(output) if with_stats else output
 
-        if head is module and "forward" not in module.__dict__ and not _has_forward_hooks(module):
+        if head is module and "forward" not in module.__dict__ and not _has_call_hooks(module):
             output = loss_as_forward(hidden)  # nothing to run around it (and torch.compile traces it)
         else:
-            with _forward_bound_to(module, loss_as_forward):
+            with forward_bound_to(module, loss_as_forward):
                 output = head(hidden)
         if not ran:
             raise RuntimeError(
@@ -351,20 +351,24 @@ def _check_linear_head(module: nn.Module) -> None:
         )
 
 
-def _has_forward_hooks(module: nn.Module) -> bool:
+def _has_call_hooks(module: nn.Module) -> bool:
     """Whether calling ``module`` runs more than its forward: its own or global forward (pre-)hooks, which
-    sharding (FSDP2, DeepSpeed ZeRO-3) uses to gather the weight."""
+    sharding (FSDP2, DeepSpeed ZeRO-3) uses to gather the weight, or backward hooks, which the call sets up."""
     hooks = nn.modules.module
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
         or hooks._global_forward_hooks
         or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
     )
 
 
 @contextlib.contextmanager
-def _forward_bound_to(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+def forward_bound_to(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
     """Binds ``module.forward`` to ``forward`` for one call (an instance attribute shadows the class method)."""
     own = module.__dict__.get("forward")
     module.forward = forward

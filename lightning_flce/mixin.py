@@ -7,12 +7,14 @@ import math
 from typing import Any, Callable, Literal, Optional
 
 import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 
-from lightning_flce.head import FLCEHeadLoss, unwrap_head
+from lightning_flce.head import FLCEHeadLoss, forward_bound_to, unwrap_head
 from lightning_flce.parallel import VocabParallelHead, register_fsdp_step_methods
 
 _NORMALIZE_MODES = ("step", "micro_batch")
@@ -51,6 +53,14 @@ class _Float64Mean(MeanMetric):
         if not self._dtype_convert and this.dtype != torch.float64:
             this.set_dtype(torch.float64)
         return this
+
+
+class _NormalizeBeforeCallbacks(Callback):
+    """Manual optimization: the mixin's step normalization, ahead of every other callback's hook."""
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Optimizer) -> None:
+        if isinstance(pl_module, FLCEMixin):
+            pl_module._flce_finish_step(optimizer)
 
 
 class FLCEMixin:
@@ -110,7 +120,8 @@ class FLCEMixin:
             ranks, so micro-batches with few tokens weigh as much as full ones).
 
     How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses and the mixin
-    counts its non-ignored tokens. After the last backward of the step (wrapping the optimizer closure in
+    counts its non-ignored tokens when that sum is back-propagated (a ``training_step`` that returns None to
+    skip a batch adds neither its loss nor its tokens). After the last backward of the step (wrapping the optimizer closure in
     :meth:`optimizer_step`, or in :meth:`on_before_optimizer_step` if that override is bypassed; before
     gradient clipping either way) one ``all_reduce`` sums the step's loss and token count over the ranks,
     and the gradients of the optimizer's parameters are multiplied by
@@ -128,7 +139,10 @@ class FLCEMixin:
       rescaling unless ``optimizer_step`` is overridden.
     - Needs the gradients in ``param.grad`` (single device, DDP, FSDP); with DeepSpeed use ``"micro_batch"``.
     - In manual optimization call ``self.manual_backward(self.flce_loss(...))`` without dividing by the
-      number of accumulated micro-batches; the next ``optimizer.step()`` normalizes.
+      number of accumulated micro-batches. The gradients of *every* parameter are normalized at the first of:
+      ``self.clip_gradients(...)``, the first ``optimizer.step()`` of the step (ahead of the callbacks'
+      ``on_before_optimizer_step``: the mixin adds a callback at the front of the list at fit start), or
+      :meth:`flce_normalize_gradients` (call it before reading gradients in ``training_step``).
 
     Vocab-parallel head: the head (found as above) may be a :class:`~lightning_flce.parallel.VocabParallelHead`,
     whose ``[V, H]`` weight is sharded over V across its process group (the *TP group*). The loss is then its
@@ -158,9 +172,10 @@ class FLCEMixin:
     the token sum. A micro-batch whose labels are all ignored gives 0 with the graph connected, so every
     rank runs the same backward (no DDP hang).
 
-    Logs ``train/loss`` (mean over the tokens of the optimizer step, all ranks), and ``val/loss``,
-    ``val/perplexity``, ``val/token_accuracy`` (``test/...`` under ``trainer.test``) from torchmetrics
-    ``MeanMetric`` weighted by token counts. Validation uses the plain cross-entropy (no label smoothing,
+    Logs ``train/loss`` (mean over the tokens of the optimizer step, all ranks; per step and per epoch, so the
+    loggers get ``train/loss_step`` and ``train/loss_epoch``), and ``val/loss``, ``val/perplexity``,
+    ``val/token_accuracy`` (``test/...`` under ``trainer.test``) from torchmetrics ``MeanMetric`` weighted by
+    token counts; several validation dataloaders are pooled into one value of each. Validation uses the plain cross-entropy (no label smoothing,
     no z-loss) so perplexity keeps its meaning. Inference keeps the model's normal logits path
     (:meth:`flce_logits` gives the logits with the same scale/softcap as the loss).
 
@@ -276,7 +291,12 @@ class FLCEMixin:
             return mean
         if stage != "train":
             return mean
-        self._flce_add_to_step(loss_sum.detach(), num_tokens)
+        totals = torch.stack([loss_sum.detach().double(), num_tokens.double()])
+        if loss_sum.requires_grad:
+            # counted when back-propagated: a training_step that returns None (a skipped batch) adds nothing
+            loss_sum.register_hook(functools.partial(self._flce_count_backward, totals))
+        else:
+            self._flce_add_to_step(totals)
         if self.flce_normalize == "step":
             # value: the micro-batch mean; gradient: that of the token sum (normalized at the optimizer step)
             return mean.detach() + (loss_sum - loss_sum.detach())
@@ -286,8 +306,15 @@ class FLCEMixin:
         """Logits of the head on ``hidden`` with the loss's logit scale and softcap (inference path)."""
         head, logit_scale, softcap = self._flce_resolve_head()
         module = unwrap_head(head)
-        # a vocab-parallel head's own call gives this rank's columns only: all-gather the full [..., V]
-        logits = module.gather_logits(hidden) if isinstance(module, VocabParallelHead) else head(hidden)
+        if isinstance(module, VocabParallelHead):
+            # its own call gives this rank's columns only: all-gather the full [..., V]
+            logits = module.gather_logits(hidden)
+        elif isinstance(module, nn.Embedding):
+            # the tied output matrix: its own forward is a lookup; call it (hooks gather a sharded weight) as a linear
+            with forward_bound_to(module, lambda h: F.linear(h, module.weight)):
+                logits = head(hidden)
+        else:
+            logits = head(hidden)
         if logit_scale is not None:
             logits = logits * logit_scale
         if softcap is not None:
@@ -312,9 +339,21 @@ class FLCEMixin:
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
     def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        # a no-op when optimizer_step already normalized; the path for manual optimization
+        # a no-op when optimizer_step (or, in manual optimization, the callback added at fit start) normalized
         self._flce_finish_step(optimizer)
         super().on_before_optimizer_step(optimizer)
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        gradient_clip_val: Optional[float] = None,
+        gradient_clip_algorithm: Optional[str] = None,
+    ) -> None:
+        """Clips the normalized gradients: in manual optimization it normalizes first (automatic optimization
+        has normalized by then, or the next training step raises for the override that skipped it)."""
+        if not self.automatic_optimization:
+            self._flce_finish_step(optimizer)
+        super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_fit_start(self) -> None:
         # FSDP2 unshards parameters only around forward(); the loss runs in the step methods.
@@ -327,6 +366,11 @@ class FLCEMixin:
                 " buffers; use flce_normalize='micro_batch' with DeepSpeed"
             )
         self._flce_check_vocab_parallel_layout()
+        if not self.automatic_optimization:
+            # Lightning calls callbacks' on_before_optimizer_step before the module's: normalize ahead of them
+            callbacks = self.trainer.callbacks
+            if not any(isinstance(callback, _NormalizeBeforeCallbacks) for callback in callbacks):
+                callbacks.insert(0, _NormalizeBeforeCallbacks())
         super().on_fit_start()
 
     def on_validation_start(self) -> None:
@@ -452,7 +496,11 @@ class FLCEMixin:
             scale = (1.0 if scale is None else scale) / logits_scaling
         return (None if scale is None or scale == 1.0 else float(scale)), softcap
 
-    def _flce_add_to_step(self, loss_sum: Tensor, num_tokens: Tensor) -> None:
+    def _flce_count_backward(self, totals: Tensor, grad: Tensor) -> None:
+        self._flce_add_to_step(totals)
+
+    def _flce_add_to_step(self, totals: Tensor) -> None:
+        """Adds a micro-batch's [loss sum, token count] to the optimizer step's."""
         step = self.trainer.global_step
         if self._flce_step_totals is not None and self._flce_step_index != step:
             if self.flce_normalize == "step":
@@ -461,7 +509,6 @@ class FLCEMixin:
                     " `optimizer_step` or `on_before_optimizer_step` must call super() (one of the two is enough)"
                 )
             self._flce_step_totals = None
-        totals = torch.stack([loss_sum.double(), num_tokens.double()])
         if self._flce_step_totals is None:
             self._flce_step_totals, self._flce_step_index = totals, step
         else:
@@ -472,8 +519,15 @@ class FLCEMixin:
         self._flce_finish_step(optimizer)
         return result
 
-    def _flce_finish_step(self, optimizer: Optimizer) -> None:
-        """Sums the step's loss and tokens over ranks, logs ``train/loss`` and (``"step"``) rescales the grads."""
+    def flce_normalize_gradients(self) -> None:
+        """Manual optimization: normalize the step's gradients now (see the class docstring); a no-op once done.
+        Call it after the step's last ``manual_backward``, before reading gradients in ``training_step``."""
+        self._flce_finish_step(None)
+
+    def _flce_finish_step(self, optimizer: Optional[Optimizer]) -> None:
+        """Sums the step's loss and tokens over ranks, logs ``train/loss`` and (``"step"``) rescales the grads:
+        those of ``optimizer`` under automatic optimization (its only optimizer), else of every parameter
+        (manual optimization may step several optimizers, and normalizes at the first)."""
         totals = self._flce_step_totals
         if totals is None:
             return
@@ -488,9 +542,11 @@ class FLCEMixin:
         if self.flce_normalize == "step":
             accumulation = trainer.accumulate_grad_batches if self.automatic_optimization else 1
             scale = accumulation * trainer.world_size / max(num_tokens, 1.0)
-            grads = [
-                p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
-            ]
+            if self.automatic_optimization and optimizer is not None:
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+            else:
+                params = list(self.parameters())
+            grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, scale)
         self.log(

@@ -193,10 +193,66 @@ class ManualTinyGPT(TinyGPT):
 
 
 def test_manual_optimization_normalizes_at_optimizer_step():
-    # the mixin's on_before_optimizer_step normalizes here, after the callbacks' hooks: look after the step
+    # ahead of the callbacks' on_before_optimizer_step (GradCapture), which see the optimizer's gradients
     model = tiny_gpt(ManualTinyGPT)
     ref_loss, ref_grads = reference_grads(model, lambda m: token_mean_loss(m, MICRO_BATCHES))
-    trainer, _ = fit(model, MICRO_BATCHES, callbacks=[after := GradAfterStep()])
-    assert len(after.grads) == 1
+    trainer, capture = fit(model, MICRO_BATCHES, callbacks=[after := GradAfterStep()])
+    assert len(capture.grads) == len(after.grads) == 1
+    assert_grads_close(capture.grads[0], ref_grads)
     assert_grads_close(after.grads[0], ref_grads)
+    assert trainer.callback_metrics["train/loss"].item() == pytest.approx(ref_loss, rel=FP32_TOL)
+
+
+class ManualTwoOptimizers(TinyGPT):
+    """Manual optimization with two optimizers (token embedding / the rest), clipping before the steps."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.seen_by_clipping = []
+
+    def configure_optimizers(self):
+        rest = [p for p in self.parameters() if p is not self.tok_emb.weight]
+        return [torch.optim.SGD([self.tok_emb.weight], lr=0.0), torch.optim.SGD(rest, lr=0.0)]
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        if batch_idx % 2 == 0:
+            first.zero_grad()
+            second.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        if batch_idx % 2 == 1:
+            self.clip_gradients(second, gradient_clip_val=1e9, gradient_clip_algorithm="norm")  # no-op clip
+            self.seen_by_clipping.append(
+                {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
+            )
+            first.step()
+            second.step()
+
+
+def test_manual_optimization_normalizes_every_optimizers_gradients_before_clipping():
+    """The first normalization point (here clip_gradients, for the second optimizer) rescales the gradients of
+    every parameter: the first optimizer's step must not leave the second's as token sums."""
+    model = tiny_gpt(ManualTwoOptimizers)
+    _, ref_grads = reference_grads(model, lambda m: token_mean_loss(m, MICRO_BATCHES))
+    _, capture = fit(model, MICRO_BATCHES, callbacks=[after := GradAfterStep()])
+    assert len(model.seen_by_clipping) == len(after.grads) == 1 and len(capture.grads) == 2
+    for grads in (model.seen_by_clipping[0], *capture.grads, after.grads[0]):
+        assert_grads_close(grads, ref_grads)
+
+
+class SkipsSecondBatch(TinyGPT):
+    """A training_step that computes the loss, then skips the batch by returning None."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
+def test_a_skipped_micro_batch_adds_no_tokens():
+    model = tiny_gpt(SkipsSecondBatch)
+    ref_loss, ref_grads = reference_grads(model, lambda m: token_mean_loss(m, MICRO_BATCHES[:1]))
+    trainer, capture = fit(model, MICRO_BATCHES, accumulate_grad_batches=2)
+    assert len(capture.grads) == 1
+    assert_grads_close(capture.grads[0], ref_grads)
     assert trainer.callback_metrics["train/loss"].item() == pytest.approx(ref_loss, rel=FP32_TOL)

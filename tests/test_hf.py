@@ -233,3 +233,14 @@ def test_missing_transformers_raises_a_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(ImportError, match=r"lightning-flce\[hf\]"):
         HFCausalLM(config={**TINY, "model_type": "llama"})
+
+
+def test_predict_returns_the_models_logits():
+    model = tiny_hf()
+    batch = make_batch()
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    (logits,) = trainer.predict(model, DataLoader([batch], batch_size=None))
+    expected = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(logits, expected)

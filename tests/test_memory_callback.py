@@ -181,6 +181,20 @@ def test_log_every_n_steps(tmp_path, max_steps, every, accumulate):
     assert [row["step"] for row in callback.history] == expected_steps
 
 
+def test_fast_dev_run_logs_every_step():
+    """Under fast_dev_run Lightning logs every step (to a dummy logger): so does the callback."""
+    callback = FLCEMemoryCallback(verbose=False)
+    trainer = Trainer(
+        fast_dev_run=3,
+        accelerator="cpu",
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyLM())
+    assert [row["step"] for row in callback.history] == [0, 1, 2]
+
+
 def test_prog_bar(tmp_path):
     trainer = _trainer(tmp_path, FLCEMemoryCallback(prog_bar=True), max_steps=1)
     trainer.fit(TinyLM())
@@ -267,6 +281,7 @@ def _fake_trainer(tmp_path, **overrides):
     attributes = {
         "global_step": 0,
         "log_every_n_steps": 1,
+        "fast_dev_run": False,
         "should_stop": False,
         "world_size": 1,
         "global_rank": 0,

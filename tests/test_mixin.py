@@ -352,6 +352,12 @@ def test_half_true_precision_keeps_float64_metric_states(precision):
     assert got["val/loss"] == pytest.approx(want["val/loss"], rel=1e-2)  # a half-precision model, fp64 sums
 
 
+def test_bundled_optimizer_refuses_fp16_parameters():
+    """precision="16-true" would give AdamW fp16 states whose eps is 0 (NaN after a step): a clear error."""
+    with pytest.raises(ValueError, match="16-mixed"):
+        trainer(precision="16-true", max_steps=1).fit(tiny_gpt(), loader(make_batches(1)))
+
+
 def test_overridden_epoch_end_without_super_warns():
     class NoSuper(TinyGPT):
         def on_validation_epoch_end(self):
@@ -576,6 +582,28 @@ def test_head_loss_module_direct_use():
     torch.testing.assert_close(per_token, expected.view(2, 5), **FP32)  # per token, in the labels' shape
 
 
+@pytest.mark.parametrize(
+    "register", ["full_backward_hook", "full_backward_pre_hook", "global_full_backward_hook"]
+)
+def test_head_backward_hooks_fire(register):
+    """A head's backward hooks (a user's gradient-norm logging, say) are set up by the head's own call: a head
+    with any of them is called, not bypassed."""
+    head = nn.Linear(8, VOCAB)
+    fired = []
+    if register == "global_full_backward_hook":
+        handle = nn.modules.module.register_module_full_backward_hook(
+            lambda module, *grads: fired.append(module) if module is head else None
+        )
+    else:
+        handle = getattr(head, f"register_{register}")(lambda module, *grads: fired.append(module))
+    try:
+        hidden = torch.randn(2, 5, 8, requires_grad=True)
+        FLCEHeadLoss()(head, hidden, torch.randint(0, VOCAB, (2, 5))).backward()
+    finally:
+        handle.remove()
+    assert fired == [head]
+
+
 def test_head_loss_under_torch_compile():
     """A bare head (no wrapper, no hooks) gets the loss called directly: Dynamo cannot replay the forward
     binding's ``del head.forward``, and there is nothing to run around the loss."""
@@ -590,6 +618,24 @@ def test_head_loss_under_torch_compile():
     torch.testing.assert_close(loss, expected.float(), **FP32)
     assert head.weight.grad is not None and hidden.grad is not None
     assert "forward" not in head.__dict__
+
+
+def test_predict_returns_the_heads_logits():
+    model = tiny_gpt()
+    batches = make_batches(2)
+    predictions = trainer().predict(model, loader(batches))
+    for batch, logits in zip(batches, predictions):
+        hidden = model.hidden_states(batch["input_ids"])
+        torch.testing.assert_close(logits, F.linear(hidden, model.lm_head.weight, model.lm_head.bias))
+
+
+def test_flce_logits_of_an_embedding_head():
+    """An nn.Embedding head (the loss takes its weight as the output matrix) gives logits the same way."""
+    model = tiny_gpt(tie_embeddings=False, flce_head="tok_emb")
+    input_ids = make_batches(1)[0]["input_ids"]
+    hidden = model.hidden_states(input_ids)
+    torch.testing.assert_close(model(input_ids), F.linear(hidden, model.tok_emb.weight))
+    assert "forward" not in model.tok_emb.__dict__
 
 
 class SkipsNormalization(TinyGPT):

@@ -45,8 +45,8 @@ class FLCEMemoryCallback(Callback):
     r"""Logs peak and current memory per logged training step, and the logits memory the fused loss avoided.
 
     A step is logged when an optimizer step happened in the batch and ``trainer.global_step`` is a multiple of
-    ``Trainer(log_every_n_steps=...)``, the same steps at which Lightning writes ``self.log`` values to the
-    loggers. Values go through :meth:`~lightning.pytorch.core.LightningModule.log_dict`, so they reach every logger
+    ``Trainer(log_every_n_steps=...)`` (every step under ``fast_dev_run``), the same steps at which Lightning
+    writes ``self.log`` values to the loggers. Values go through :meth:`~lightning.pytorch.core.LightningModule.log_dict`, so they reach every logger
     of the Trainer (and the progress bar with ``prog_bar=True``). With several processes every rank measures its
     own memory and the logged value is the maximum over ranks.
 
@@ -317,6 +317,8 @@ class FLCEMemoryCallback(Callback):
 
     @staticmethod
     def _should_log(trainer: pl.Trainer) -> bool:
+        if trainer.fast_dev_run:  # Lightning writes every step's values then
+            return True
         if not trainer.log_every_n_steps:
             return False
         return trainer.global_step % trainer.log_every_n_steps == 0 or trainer.should_stop

@@ -127,6 +127,10 @@ class TinyGPT(FLCEMixin, pl.LightningModule):
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self.flce_loss(self.hidden_states(batch["input_ids"]), batch["labels"])
 
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Logits [B, T, vocab_size] of ``batch["input_ids"]`` (``trainer.predict``)."""
+        return self(batch["input_ids"])
+
     def configure_optimizers(self) -> dict[str, Any]:
         return adamw_with_warmup_cosine(
             self,
@@ -174,6 +178,13 @@ def adamw_with_warmup_cosine(
     optimizer step; without a known number of steps (``max_steps=-1`` on an endless loader) the rate stays
     at ``lr`` after warmup."""
     params = [p for p in module.parameters() if p.requires_grad]
+    if any(p.dtype == torch.float16 for p in params):
+        # AdamW keeps its states in the parameters' dtype: in fp16 eps=1e-8 is 0, so a parameter row without
+        # gradient (an unseen token's embedding) divides 0 by 0
+        raise ValueError(
+            "this AdamW cannot train fp16 parameters (precision='16-true'): its states would be fp16 and its eps"
+            " underflows to 0, giving NaN; use precision='16-mixed' (fp32 parameters) or 'bf16-true'"
+        )
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},

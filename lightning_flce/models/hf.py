@@ -115,6 +115,10 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self._loss(batch)
 
+    def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Logits [B, T, V] of ``batch["input_ids"]`` (and its ``attention_mask``), for ``trainer.predict``."""
+        return self(batch["input_ids"], batch.get("attention_mask"))
+
     def configure_optimizers(self) -> dict[str, Any]:
         return adamw_with_warmup_cosine(
             self,
