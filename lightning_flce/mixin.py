@@ -556,6 +556,8 @@ class FLCEMixin:
             on_epoch=True,
             prog_bar=True,
             batch_size=max(int(num_tokens), 1),
+            # the value is global already: Lightning's sync averages equal values (and does not warn)
+            sync_dist=True,
         )
 
     def _flce_check_eval_logged(self, stage: str) -> None:
@@ -590,4 +592,5 @@ class FLCEMixin:
                 f"{prefix}/token_accuracy": accuracy,
             },
             prog_bar=False,
+            sync_dist=True,  # torchmetrics synced them: equal on every rank, as above
         )
