@@ -119,12 +119,12 @@ class FLCEMixin:
             ``"micro_batch"``: the plain mean of each micro-batch (Lightning then averages micro-batches and
             ranks, so micro-batches with few tokens weigh as much as full ones).
 
-    How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses and the mixin
+    How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses, and the mixin
     counts its non-ignored tokens when that sum is back-propagated (a ``training_step`` that returns None to
-    skip a batch adds neither its loss nor its tokens). After the last backward of the step (wrapping the optimizer closure in
-    :meth:`optimizer_step`, or in :meth:`on_before_optimizer_step` if that override is bypassed; before
-    gradient clipping either way) one ``all_reduce`` sums the step's loss and token count over the ranks,
-    and the gradients of the optimizer's parameters are multiplied by
+    skip a batch adds neither its loss nor its tokens). After the last backward of the step (wrapping the
+    optimizer closure in :meth:`optimizer_step`, or in :meth:`on_before_optimizer_step` if that override is
+    bypassed; before gradient clipping either way) one ``all_reduce`` sums the step's loss and token count
+    over the ranks, and the gradients of the optimizer's parameters are multiplied by
     ``accumulate_grad_batches * world_size / tokens_of_step`` (Lightning divides each micro-batch loss by
     ``accumulate_grad_batches`` and DDP/FSDP average over ranks). Consequences:
 
@@ -175,8 +175,8 @@ class FLCEMixin:
     Logs ``train/loss`` (mean over the tokens of the optimizer step, all ranks; per step and per epoch, so the
     loggers get ``train/loss_step`` and ``train/loss_epoch``), and ``val/loss``, ``val/perplexity``,
     ``val/token_accuracy`` (``test/...`` under ``trainer.test``) from torchmetrics ``MeanMetric`` weighted by
-    token counts; several validation dataloaders are pooled into one value of each. Validation uses the plain cross-entropy (no label smoothing,
-    no z-loss) so perplexity keeps its meaning. Inference keeps the model's normal logits path
+    token counts; several validation dataloaders are pooled into one value of each. Validation uses the plain
+    cross-entropy (no label smoothing, no z-loss) so perplexity keeps its meaning. Inference keeps the model's normal logits path
     (:meth:`flce_logits` gives the logits with the same scale/softcap as the loss).
 
     After each call, ``self.flce_last_logits_shape = (N, V)`` (tokens of the call, ignored ones included, and
@@ -310,7 +310,7 @@ class FLCEMixin:
             # its own call gives this rank's columns only: all-gather the full [..., V]
             logits = module.gather_logits(hidden)
         elif isinstance(module, nn.Embedding):
-            # the tied output matrix: its own forward is a lookup; call it (hooks gather a sharded weight) as a linear
+            # the output matrix of a tied head: called (hooks gather a sharded weight) with a linear forward
             with forward_bound_to(module, lambda h: F.linear(h, module.weight)):
                 logits = head(hidden)
         else:

@@ -324,9 +324,10 @@ def run_chunks(
     With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
     the gradients kept or returned in fp16 (dX: x's dtype or ``grad_input_dtype``, which may be wider for
     a later reduction or narrower for backward to widen) pre-multiplied by the scales in :class:`GradScales`
-    (for a backward that multiplies them by grad_output anyway), otherwise every gradient is returned unscaled. ``fp16_bounds``: the
-    values of :func:`_fp16_bound_stats`, when the caller has read them already. ``grad_weight_dtype``: dW's
-    accumulator dtype, returned as it is (no cast to the weight's dtype; see :func:`saved_grad_weight_dtype`).
+    (for a backward that multiplies them by grad_output anyway), otherwise every gradient is returned
+    unscaled. ``fp16_bounds``: the values of :func:`_fp16_bound_stats`, when the caller has read them
+    already. ``grad_weight_dtype``: dW's accumulator dtype, returned as it is (no cast to the weight's
+    dtype; see :func:`saved_grad_weight_dtype`).
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
