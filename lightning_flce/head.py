@@ -1,5 +1,7 @@
 """The LM-head loss computed inside the head module's own forward call."""
 
+from __future__ import annotations
+
 import contextlib
 import math
 from collections.abc import Iterator, Mapping
@@ -308,10 +310,13 @@ def unwrap_head(head: nn.Module) -> nn.Module:
         if _is_modules_to_save_wrapper(module):
             module = _active_module_to_save(module)
             continue
-        inner = next(
-            (getattr(module, name) for name in _PASS_THROUGH_WRAPPER_ATTRIBUTES if hasattr(module, name)),
-            None,
-        )
+        inner = None
+        for (
+            name
+        ) in _PASS_THROUGH_WRAPPER_ATTRIBUTES:  # a loop, not next(generator, default): torch 2.4's Dynamo
+            if hasattr(module, name):
+                inner = getattr(module, name)
+                break
         if isinstance(inner, nn.Module):
             module = inner
             continue
