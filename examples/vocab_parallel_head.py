@@ -82,8 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     # outlive destroy_process_group and can abort gloo's worker threads at interpreter exit.
     model.lm_head = VocabParallelHead.from_linear(model.lm_head, group=None)
 
-    # Same batches in the same order on every rank (the op checks the labels agree). The shuffle needs its own
-    # generator: initializing the uneven shards left the global RNG in a different state on each rank.
+    # Same batches in the same order on every rank (the op checks the labels agree): the same seeded shuffle.
     same_order = torch.Generator().manual_seed(0)
     train_tokens = synthetic_tokens(args.vocab_size, 512, seed=1)
     train = DataLoader(train_tokens, batch_size=8, shuffle=True, generator=same_order)

@@ -110,7 +110,7 @@ _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
 _N_COLUMNS = 15
 # The ranks whose checks passed raise the failed rank's error type: the first listed that it is, else RuntimeError
 _PEER_ERROR_TYPES = (ValueError, TypeError, NotImplementedError, RuntimeError)
-_FINGERPRINT_MOD = 65521
+_FINGERPRINT_PRIME = 2**31 - 1  # the targets fingerprint (see _agreement_row)
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
@@ -210,6 +210,34 @@ def vocab_parallel_fused_linear_cross_entropy_with_stats(
     return _call(input, weight_shard, target, bias_shard, compute_stats=True, **kwargs)
 
 
+_INIT_BLOCK_ROWS = 1024
+
+
+def init_rows_like_linear(
+    weight: Tensor, bias: Optional[Tensor], vocab_start: int, vocab_size: int, seed: int
+) -> None:
+    """``nn.Linear``'s init (``kaiming_uniform(a=sqrt(5))``: uniform(+-1/sqrt(H)), the bias likewise) of the
+    rows ``[vocab_start, vocab_start + len(weight))`` of a ``vocab_size``-row head, each block of
+    ``_INIT_BLOCK_ROWS`` rows drawn from its own generator seeded by ``seed`` and the block: the shards of any
+    group size together hold the same head, and no shard draws from the global generator."""
+    rows, hidden = weight.shape
+    bound = 1.0 / hidden**0.5 if hidden else 0.0
+    generator = torch.Generator(device=weight.device)
+    first_block, last_block = vocab_start // _INIT_BLOCK_ROWS, (vocab_start + rows - 1) // _INIT_BLOCK_ROWS
+    with torch.no_grad():
+        for block in range(first_block, last_block + 1) if rows else ():
+            block_start = block * _INIT_BLOCK_ROWS
+            block_rows = min(_INIT_BLOCK_ROWS, vocab_size - block_start)
+            lo, hi = max(vocab_start, block_start), min(vocab_start + rows, block_start + block_rows)
+            for tensor, shape, stream in ((weight, (block_rows, hidden), 0), (bias, (block_rows,), 1)):
+                if tensor is None:
+                    continue
+                generator.manual_seed(seed + 2 * block + stream)
+                values = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+                values.uniform_(-bound, bound, generator=generator)
+                tensor[lo - vocab_start : hi - vocab_start] = values[lo - block_start : hi - block_start]
+
+
 class VocabParallelHead(nn.Module):
     """An LM head whose ``[V, H]`` weight is sharded over V across a process group.
 
@@ -248,14 +276,11 @@ class VocabParallelHead(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(end - start, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(end - start, **factory)) if bias else None
-        self._init_like_linear()
-
-    def _init_like_linear(self) -> None:
-        # nn.Linear's init: kaiming_uniform(a=sqrt(5)) is uniform(+-1/sqrt(H)); independent per shard.
-        bound = 1.0 / self.in_features**0.5 if self.in_features else 0.0
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        # One draw from the global generator on every rank, whatever its shard's size: the ranks' random
+        # streams stay in step (dropout masks of a body every rank must run identically).
+        seed = int(torch.randint(0, 2**62, ()))
+        if self.weight.device.type != "meta":
+            init_rows_like_linear(self.weight, self.bias, start, vocab_size, seed)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None) -> VocabParallelHead:
@@ -293,7 +318,17 @@ class VocabParallelHead(nn.Module):
 
     @torch.no_grad()
     def gather_logits(self, hidden: Tensor) -> Tensor:
-        """The full logits ``[..., V]`` on every rank (all-gather; no gradient). For inference only."""
+        """The full logits ``[..., V]`` on every rank (all-gather; no gradient). For inference only.
+        Every rank of the group must pass hidden states of the same shape (checked: ValueError on all)."""
+        # [ndim, sizes of the first 8 dims, 0-padded]; one MAX all-reduce of (row, -row) gives max and -min
+        row = [hidden.dim(), *hidden.shape[:8]] + [0] * (8 - min(hidden.dim(), 8))
+        bounds = torch.tensor(row + [-v for v in row], device=hidden.device, dtype=torch.int64)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.group)
+        if not bool((bounds[:9] == -bounds[9:]).all()):
+            raise ValueError(
+                "VocabParallelHead.gather_logits: the ranks of the head's group passed hidden states of different"
+                f" shapes (this rank: {tuple(hidden.shape)}); every rank must pass the same tokens"
+            )
         local = self.forward(hidden).contiguous()
         world_size = dist.get_world_size(self.group)
         spans = [vocab_shard_range(self.vocab_size, world_size, r) for r in range(world_size)]
@@ -303,6 +338,36 @@ class VocabParallelHead(nn.Module):
         parts = [torch.empty_like(padded) for _ in range(world_size)]
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
+
+    def get_extra_state(self) -> dict:
+        """The rows this module holds, saved with its ``state_dict``: loading them on a rank that owns other
+        rows raises instead of silently mixing the head's rows (``torch.distributed.checkpoint`` keeps one
+        copy of a key that every rank saves)."""
+        rows = self.weight.shape[0]
+        return {
+            "vocab_start": self.vocab_start,
+            "vocab_end": self.vocab_start + rows,
+            "vocab_size": self.vocab_size,
+        }
+
+    def set_extra_state(self, state: Any) -> None:
+        mine = self.get_extra_state()
+        if state != mine:
+            raise ValueError(
+                f"this VocabParallelHead state holds rows [{state.get('vocab_start')}, {state.get('vocab_end')}) of"
+                f" a {state.get('vocab_size')}-row head, but this rank's module owns rows [{mine['vocab_start']},"
+                f" {mine['vocab_end']}) of {mine['vocab_size']}: a vocab-parallel head's state is per rank (save"
+                " and load each rank's own, e.g. to a file per rank); resharding to another group size is not"
+                " supported"
+            )
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args) -> None:
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            self.set_extra_state(state_dict[key])  # before any row is copied
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, *args)
+        if key in missing_keys:  # a checkpoint from before the rows were recorded: nothing to check
+            missing_keys.remove(key)
 
     def extra_repr(self) -> str:
         rows = self.weight.shape[0]
@@ -605,8 +670,12 @@ def _agreement_row(
     big = torch.iinfo(torch.int64).max
     target_min = torch.where(valid, flat_target, big).amin() if n_tokens else flat_target.new_tensor(big)
     target_max = torch.where(valid, flat_target, -big).amax() if n_tokens else flat_target.new_tensor(-big)
-    positions = torch.arange(n_tokens, device=device) % _FINGERPRINT_MOD + 1
-    fingerprint = (flat_target * positions).sum() % (1 << 40)
+    # sum over tokens of ((target, position) mixed, squared) mod a prime: not linear in the targets, so
+    # differing targets (a permutation among positions included) change it but with chance ~1 / 2^31
+    mixed = (
+        (flat_target % _FINGERPRINT_PRIME + 1) * 65537 + torch.arange(n_tokens, device=device)
+    ) % _FINGERPRINT_PRIME
+    fingerprint = (mixed * mixed % _FINGERPRINT_PRIME).sum() % (1 << 40)
     flags = (
         int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2
     )  # must agree as well

@@ -128,10 +128,13 @@ def cases(world: int) -> dict[str, dict]:
     }
     out["stats-ties"] = {"kind": "ties"}
     out["module"] = {"kind": "module", "feature": "bias", "reduction": "mean"}
+    out["module_init_state_gather"] = {"kind": "module_state"}
     out["dtensor"] = {"kind": "dtensor", "reduction": "sum"}
     out["autocast_bf16"] = {"kind": "autocast", "feature": "all", "reduction": "mean"}
     out["error-target_out_of_range"] = {"kind": "error", "error": "target"}
     out["error-targets_differ"] = {"kind": "error", "error": "mismatch"}
+    # targets that differ on rank 1 but keep sum(t_i * (i + 1)): only a non-linear fingerprint sees it
+    out["error-targets_collide_linear"] = {"kind": "error", "error": "mismatch_linear"}
     out["error-class_weight"] = {"kind": "error", "error": "class_weight"}
     out["error-vocab_start_overlap"] = {"kind": "error", "error": "overlap"}
     out["error-chunk_size_differs"] = {"kind": "error", "error": "chunk"}
@@ -309,6 +312,25 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             logits=head.gather_logits(x.detach()),
             local_logits=head(x.detach()).detach(),
         )
+    elif kind == "module_state":
+        import torch.distributed as dist
+
+        torch.manual_seed(0)
+        head = VocabParallelHead(HIDDEN, VOCAB[world], bias=True)
+        result.update(
+            rows=(head.vocab_start, head.vocab_start + head.weight.shape[0]),
+            weight=head.weight.detach().clone(),
+            bias=head.bias.detach().clone(),
+            after_init=torch.rand(3),  # the global stream after construction
+        )
+        state = [head.state_dict() if rank == 0 else None]
+        dist.broadcast_object_list(state, src=0)
+        result["load_error"] = error_in_step(lambda: head.load_state_dict(state[0]))
+        result["unchanged"] = torch.equal(head.weight, result["weight"])
+        result["own_load_error"] = error_in_step(lambda: head.load_state_dict(head.state_dict()))
+        hidden = torch.randn(4 + rank, HIDDEN)  # a different token count on every rank
+        result["gather_error"] = error_in_step(lambda: head.gather_logits(hidden))
+        result["gather_after"] = head.gather_logits(torch.ones(2, HIDDEN))  # the group is still usable
     elif kind == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -344,6 +366,9 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         kwargs = {"chunk_size": chunk_size}
         if error == "target":
             target[5] = VOCAB[world] + 3
+        elif error == "mismatch_linear":  # [1, 3, 2, 2, ...] vs [3, 2, 2, 2, ...]: equal sum of t_i (i + 1)
+            target = target.clone()
+            target[:4] = torch.tensor([3, 2, 2, 2] if rank == 1 else [1, 3, 2, 2])
         elif error == "mismatch":
             if rank == 1:
                 index = int((target >= 0).nonzero()[0])
@@ -624,6 +649,8 @@ def test_vocab_parallel(results, world, name):
         db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], VOCAB[world])
         assert relative_error(dw, ref_grads[1]) < FP32_TOL
         assert relative_error(db, ref_grads[2]) < FP32_TOL
+    elif kind == "module_state":
+        _check_module_state(world, ranks)
     elif kind == "sp":
         _check_sequence_parallel(spec, world, ranks)
     elif kind == "dtensor":
@@ -638,6 +665,7 @@ def test_vocab_parallel(results, world, name):
         expected = {
             "target": ("ValueError", "outside [0, "),
             "mismatch": ("ValueError", "disagree on their targets"),
+            "mismatch_linear": ("ValueError", "disagree on their targets"),
             "class_weight": ("NotImplementedError", "class_weight is not supported"),
             "overlap": ("ValueError", "do not tile"),
             "chunk": ("ValueError", "disagree on their chunk_size"),
@@ -651,6 +679,29 @@ def test_vocab_parallel(results, world, name):
             assert r["error"] is not None, f"rank {rank} did not raise"
             kind_name, message = expected
             assert r["error"].startswith(kind_name) and message in r["error"], r["error"]
+
+
+def _check_module_state(world: int, ranks: list[dict]) -> None:
+    """VocabParallelHead's init draws once from the global generator on every rank (their streams stay in
+    step) and gives the same full head for any group size; its state_dict records its rows, so loading
+    another rank's state raises before any row is copied; gather_logits refuses ranks that disagree."""
+    from lightning_flce.parallel import init_rows_like_linear
+
+    vocab = VOCAB[world]
+    torch.manual_seed(0)
+    seed = int(torch.randint(0, 2**62, ()))
+    weight, bias = torch.empty(vocab, HIDDEN), torch.empty(vocab)
+    init_rows_like_linear(weight, bias, 0, vocab, seed)
+    assert torch.equal(_full_from_shards([(r["rows"], r["weight"]) for r in ranks], vocab), weight)
+    assert torch.equal(_full_from_shards([(r["rows"], r["bias"]) for r in ranks], vocab), bias)
+    assert all(torch.equal(r["after_init"], ranks[0]["after_init"]) for r in ranks)
+    assert ranks[0]["load_error"] is None
+    for r in ranks[1:]:
+        assert r["load_error"].startswith("ValueError") and "state is per rank" in r["load_error"]
+    for r in ranks:
+        assert r["unchanged"] and r["own_load_error"] is None
+        assert r["gather_error"].startswith("ValueError") and "different shapes" in r["gather_error"]
+        torch.testing.assert_close(r["gather_after"], torch.ones(2, HIDDEN) @ weight.T + bias)
 
 
 def _one_rank_error_ids():
@@ -778,6 +829,23 @@ def _check_autocast(spec, world, ranks):
     assert relative_error(db, ref_grads[2]) <= 1.5 * relative_error(single_grads[2], ref_grads[2]) + 1e-4
     # and the error is a bf16 rounding error, not a wrong term
     assert relative_error(ranks[0]["loss"], ref_loss) < 1e-2
+
+
+@pytest.mark.parametrize("world", [1, 3, 7])
+def test_head_init_is_the_same_for_any_group_size(world):
+    """Shards initialized rank by rank (blocks of rows from their own seeds, several blocks per shard here)
+    together hold the head a single rank initializes."""
+    from lightning_flce.parallel import init_rows_like_linear
+
+    vocab, hidden, seed = 3000, 8, 1234
+    full_weight, full_bias = torch.empty(vocab, hidden), torch.empty(vocab)
+    init_rows_like_linear(full_weight, full_bias, 0, vocab, seed)
+    assert full_weight.abs().max() <= hidden**-0.5 and full_weight.std() > 0.1 * hidden**-0.5
+    for rank in range(world):
+        start, end = vocab_shard_range(vocab, world, rank)
+        weight, bias = torch.empty(end - start, hidden), torch.empty(end - start)
+        init_rows_like_linear(weight, bias, start, vocab, seed)
+        assert torch.equal(weight, full_weight[start:end]) and torch.equal(bias, full_bias[start:end])
 
 
 def test_shard_ranges_tile_the_vocabulary():
