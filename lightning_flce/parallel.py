@@ -552,6 +552,7 @@ def _call(
             need_grad_input=needs[0],
             compute_stats=compute_stats,
             sequence_parallel=sequence_parallel,
+            has_bias=bias is not None,
             loss_options=(float(label_smoothing), float(lse_square_scale), float(softcap or 0.0)),
         )
     except Exception as exc:
@@ -659,6 +660,7 @@ def _agreement_row(
     need_grad_input: bool,
     compute_stats: bool,
     sequence_parallel: bool,
+    has_bias: bool = False,
     loss_options: Tuple[float, ...] = (),
 ) -> Tensor:
     """This rank's int64 row of the agreement table (see :func:`_layout`): its shard, its tokens' count and
@@ -676,13 +678,16 @@ def _agreement_row(
         (flat_target % _FINGERPRINT_PRIME + 1) * 65537 + torch.arange(n_tokens, device=device)
     ) % _FINGERPRINT_PRIME
     fingerprint = (mixed * mixed % _FINGERPRINT_PRIME).sum() % (1 << 40)
+    # must agree as well (a bias on some ranks only would leave the others' logits without it)
     flags = (
-        int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2
-    )  # must agree as well
+        int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2 | int(has_bias) << 4
+    )
     # fp16 and bf16 have one itemsize: compare the dtypes themselves (input's and the GEMMs')
     dtypes = _DTYPE_CODES.get(input.dtype, 0) * 16 + _DTYPE_CODES.get(compute_dtype, 0)
     # Python's hash of ints and floats is the same in every process (no hash randomization for numbers).
-    options = hash((ignore_index, *loss_options)) & ((1 << 62) - 1)
+    # The target's shape too (the shape of "none"'s losses), where every rank holds the same tokens.
+    shape = () if sequence_parallel else tuple(target.shape)
+    options = hash((ignore_index, *loss_options, shape)) & ((1 << 62) - 1)
     return torch.stack(
         [
             flat_target.new_tensor(0),
@@ -785,8 +790,8 @@ def _layout(
         (_C_FINGERPRINT, "targets"),
         (_C_CHUNK, "chunk_size"),
         (_C_DTYPES, "input or compute dtypes"),
-        (_C_FLAGS, "reduction, stats or input.requires_grad"),
-        (_C_OPTIONS, "ignore_index, label_smoothing, lse_square_scale or softcap"),
+        (_C_FLAGS, "reduction, stats, bias (given or not) or input.requires_grad"),
+        (_C_OPTIONS, "ignore_index, label_smoothing, lse_square_scale, softcap or target shape"),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
     ]
     tokens = column(_C_TOKENS)

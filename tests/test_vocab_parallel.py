@@ -135,6 +135,8 @@ def cases(world: int) -> dict[str, dict]:
     out["error-targets_differ"] = {"kind": "error", "error": "mismatch"}
     # targets that differ on rank 1 but keep sum(t_i * (i + 1)): only a non-linear fingerprint sees it
     out["error-targets_collide_linear"] = {"kind": "error", "error": "mismatch_linear"}
+    out["error-bias_on_rank0_only"] = {"kind": "error", "error": "bias_rank0"}
+    out["error-target_shape"] = {"kind": "error", "error": "target_shape"}
     out["error-class_weight"] = {"kind": "error", "error": "class_weight"}
     out["error-vocab_start_overlap"] = {"kind": "error", "error": "overlap"}
     out["error-chunk_size_differs"] = {"kind": "error", "error": "chunk"}
@@ -402,6 +404,12 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         elif error == "sp_uneven":
             kwargs["sequence_parallel"] = True
             x, target = x[: 5 + rank], target[: 5 + rank]  # rank 1 holds one token more
+        elif error == "bias_rank0":
+            kwargs["bias_shard"] = torch.zeros(end - start) if rank == 0 else None
+        elif error == "target_shape":  # the same tokens, [N] on rank 0 and [2, N / 2] on the others
+            x, target = x.detach()[:8], target[:8]
+            if rank > 0:
+                x, target = x.view(2, 4, -1), target.view(2, 4)
         result["error"] = error_in_step(
             lambda: vocab_parallel_fused_linear_cross_entropy(x, w_shard, target, **kwargs)
         )
@@ -666,6 +674,8 @@ def test_vocab_parallel(results, world, name):
             "target": ("ValueError", "outside [0, "),
             "mismatch": ("ValueError", "disagree on their targets"),
             "mismatch_linear": ("ValueError", "disagree on their targets"),
+            "bias_rank0": ("ValueError", "disagree on their reduction, stats, bias"),
+            "target_shape": ("ValueError", "softcap or target shape"),
             "class_weight": ("NotImplementedError", "class_weight is not supported"),
             "overlap": ("ValueError", "do not tile"),
             "chunk": ("ValueError", "disagree on their chunk_size"),
