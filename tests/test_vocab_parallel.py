@@ -333,6 +333,8 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         hidden = torch.randn(4 + rank, HIDDEN)  # a different token count on every rank
         result["gather_error"] = error_in_step(lambda: head.gather_logits(hidden))
         result["gather_after"] = head.gather_logits(torch.ones(2, HIDDEN))  # the group is still usable
+        with torch.device("meta"):  # deferred init (as under Lightning's empty_init): no values drawn
+            result["meta"] = VocabParallelHead(HIDDEN, VOCAB[world]).weight.is_meta
     elif kind == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -699,7 +701,7 @@ def _check_module_state(world: int, ranks: list[dict]) -> None:
 
     vocab = VOCAB[world]
     torch.manual_seed(0)
-    seed = int(torch.randint(0, 2**62, ()))
+    seed = int(torch.randint(0, 2**62, (), device="cpu"))
     weight, bias = torch.empty(vocab, HIDDEN), torch.empty(vocab)
     init_rows_like_linear(weight, bias, 0, vocab, seed)
     assert torch.equal(_full_from_shards([(r["rows"], r["weight"]) for r in ranks], vocab), weight)
@@ -709,7 +711,7 @@ def _check_module_state(world: int, ranks: list[dict]) -> None:
     for r in ranks[1:]:
         assert r["load_error"].startswith("ValueError") and "state is per rank" in r["load_error"]
     for r in ranks:
-        assert r["unchanged"] and r["own_load_error"] is None
+        assert r["unchanged"] and r["own_load_error"] is None and r["meta"]
         assert r["gather_error"].startswith("ValueError") and "different shapes" in r["gather_error"]
         torch.testing.assert_close(r["gather_after"], torch.ones(2, HIDDEN) @ weight.T + bias)
 
