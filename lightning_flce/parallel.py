@@ -341,6 +341,42 @@ class VocabParallelHead(nn.Module):
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
 
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """``{"weight": [V, H], "bias": [V]}`` of the whole head on every rank (all-gather; a collective every
+        rank of the group must join): the state of the equivalent ``nn.Linear``, for export or to load into a
+        group of another size (:meth:`load_full_state_dict`)."""
+        world_size = dist.get_world_size(self.group)
+        spans = [vocab_shard_range(self.vocab_size, world_size, r) for r in range(world_size)]
+        rows = max(end - start for start, end in spans)
+        full = {}
+        for name in ("weight", "bias"):
+            local = getattr(self, name)
+            if local is None:
+                continue
+            padded = local.new_zeros(rows, *local.shape[1:])
+            padded[: local.shape[0]] = local
+            parts = [torch.empty_like(padded) for _ in range(world_size)]
+            dist.all_gather(parts, padded.contiguous(), group=self.group)
+            full[name] = torch.cat([part[: end - start] for part, (start, end) in zip(parts, spans)])
+        return full
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict) -> None:
+        """Copies this rank's rows of a whole head's ``{"weight": [V, H], "bias": [V]}`` (an ``nn.Linear``'s
+        state, or :meth:`full_state_dict` of a group of any size); no collective."""
+        rows = slice(self.vocab_start, self.vocab_start + self.weight.shape[0])
+        expected = {"weight": (self.vocab_size, self.in_features)}
+        if self.bias is not None:
+            expected["bias"] = (self.vocab_size,)
+        if set(state) != set(expected) or any(
+            tuple(state[k].shape) != shape for k, shape in expected.items()
+        ):
+            got = {k: tuple(v.shape) for k, v in state.items()}
+            raise ValueError(f"load_full_state_dict expects {expected} (the whole head), got {got}")
+        for name in expected:
+            getattr(self, name).copy_(state[name][rows])
+
     def get_extra_state(self) -> dict:
         """The rows this module holds, saved with its ``state_dict``: loading them on a rank that owns other
         rows raises instead of silently mixing the head's rows (``torch.distributed.checkpoint`` keeps one
@@ -359,8 +395,8 @@ class VocabParallelHead(nn.Module):
                 f"this VocabParallelHead state holds rows [{state.get('vocab_start')}, {state.get('vocab_end')}) of"
                 f" a {state.get('vocab_size')}-row head, but this rank's module owns rows [{mine['vocab_start']},"
                 f" {mine['vocab_end']}) of {mine['vocab_size']}: a vocab-parallel head's state is per rank (save"
-                " and load each rank's own, e.g. to a file per rank); resharding to another group size is not"
-                " supported"
+                " and load each rank's own, e.g. to a file per rank); for another group size save full_state_dict()"
+                " and load it with load_full_state_dict()"
             )
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args) -> None:

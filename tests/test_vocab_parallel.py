@@ -335,6 +335,16 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         result["gather_after"] = head.gather_logits(torch.ones(2, HIDDEN))  # the group is still usable
         with torch.device("meta"):  # deferred init (as under Lightning's empty_init): no values drawn
             result["meta"] = VocabParallelHead(HIDDEN, VOCAB[world]).weight.is_meta
+        result["full_state"] = head.full_state_dict()
+        numbered = {
+            "weight": torch.arange(VOCAB[world] * HIDDEN * 1.0).view(VOCAB[world], HIDDEN),
+            "bias": torch.arange(VOCAB[world] * 1.0),
+        }
+        head.load_full_state_dict(numbered)  # e.g. a whole head saved by a group of another size
+        result.update(numbered_weight=head.weight.detach().clone(), numbered_bias=head.bias.detach().clone())
+        result["full_state_error"] = error_in_step(
+            lambda: head.load_full_state_dict({"weight": numbered["weight"]})
+        )
     elif kind == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -710,8 +720,15 @@ def _check_module_state(world: int, ranks: list[dict]) -> None:
     assert ranks[0]["load_error"] is None
     for r in ranks[1:]:
         assert r["load_error"].startswith("ValueError") and "state is per rank" in r["load_error"]
+    numbered = torch.arange(vocab * HIDDEN * 1.0).view(vocab, HIDDEN)
+    assert torch.equal(_full_from_shards([(r["rows"], r["numbered_weight"]) for r in ranks], vocab), numbered)
+    assert torch.equal(
+        _full_from_shards([(r["rows"], r["numbered_bias"]) for r in ranks], vocab), torch.arange(vocab * 1.0)
+    )
     for r in ranks:
         assert r["unchanged"] and r["own_load_error"] is None and r["meta"]
+        assert torch.equal(r["full_state"]["weight"], weight) and torch.equal(r["full_state"]["bias"], bias)
+        assert r["full_state_error"].startswith("ValueError") and "the whole head" in r["full_state_error"]
         assert r["gather_error"].startswith("ValueError") and "different shapes" in r["gather_error"]
         torch.testing.assert_close(r["gather_after"], torch.ones(2, HIDDEN) @ weight.T + bias)
 
