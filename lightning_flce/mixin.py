@@ -60,7 +60,7 @@ class _NormalizeBeforeCallbacks(Callback):
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Optimizer) -> None:
         if isinstance(pl_module, FLCEMixin):
-            pl_module._flce_finish_step(optimizer)
+            pl_module.flce_normalize_gradients()
 
 
 class FLCEMixin:

@@ -331,35 +331,30 @@ class VocabParallelHead(nn.Module):
                 "VocabParallelHead.gather_logits: the ranks of the head's group passed hidden states of different"
                 f" shapes (this rank: {tuple(hidden.shape)}); every rank must pass the same tokens"
             )
-        local = self.forward(hidden).contiguous()
-        world_size = dist.get_world_size(self.group)
-        spans = [vocab_shard_range(self.vocab_size, world_size, r) for r in range(world_size)]
-        sizes = [end - start for start, end in spans]
-        padded = local.new_zeros(*local.shape[:-1], max(sizes))
-        padded[..., : local.shape[-1]] = local
-        parts = [torch.empty_like(padded) for _ in range(world_size)]
-        dist.all_gather(parts, padded, group=self.group)
-        return torch.cat([part[..., :size] for part, size in zip(parts, sizes)], dim=-1)
+        return self._gather_over_vocab(self.forward(hidden), dim=-1)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict:
         """``{"weight": [V, H], "bias": [V]}`` of the whole head on every rank (all-gather; a collective every
         rank of the group must join): the state of the equivalent ``nn.Linear``, for export or to load into a
         group of another size (:meth:`load_full_state_dict`)."""
+        params = {"weight": self.weight, "bias": self.bias}
+        return {name: self._gather_over_vocab(p, dim=0) for name, p in params.items() if p is not None}
+
+    def _gather_over_vocab(self, local: Tensor, dim: int) -> Tensor:
+        """Every rank's shard of ``local`` along its vocabulary dimension ``dim``, concatenated in row order
+        (shards are padded to the largest for the all-gather)."""
+        local = local.movedim(dim, 0)
         world_size = dist.get_world_size(self.group)
-        spans = [vocab_shard_range(self.vocab_size, world_size, r) for r in range(world_size)]
-        rows = max(end - start for start, end in spans)
-        full = {}
-        for name in ("weight", "bias"):
-            local = getattr(self, name)
-            if local is None:
-                continue
-            padded = local.new_zeros(rows, *local.shape[1:])
-            padded[: local.shape[0]] = local
-            parts = [torch.empty_like(padded) for _ in range(world_size)]
-            dist.all_gather(parts, padded.contiguous(), group=self.group)
-            full[name] = torch.cat([part[: end - start] for part, (start, end) in zip(parts, spans)])
-        return full
+        sizes = [
+            end - start
+            for start, end in (vocab_shard_range(self.vocab_size, world_size, r) for r in range(world_size))
+        ]
+        padded = local.new_zeros(max(sizes), *local.shape[1:])
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(world_size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)]).movedim(0, dim)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
