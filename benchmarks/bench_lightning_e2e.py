@@ -117,6 +117,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument(
         "--data", choices=["counting", "random"], default="counting", help="counting: (s + t) mod V; random"
     )
+    ap.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="torch.compile each decoder layer (every provider alike; the head and its loss stay eager)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--isolation", choices=["subprocess", "inprocess"], default="subprocess")
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget for all providers")
@@ -223,6 +228,7 @@ def run_worker(args: argparse.Namespace, name: str) -> Dict[str, Any]:
         "phase_peak_mib": None,
         "loss_first": None,
         "loss_last": None,
+        "optimizer": None,
         "build_s": None,
         "fit_s": None,
         "note": None,
@@ -244,6 +250,9 @@ def run_worker(args: argparse.Namespace, name: str) -> Dict[str, Any]:
         pl.seed_everything(args.seed, verbose=False)
         module, note = _build_module(name, cfg, args, device)
         rec["note"] = note
+        if args.compile_layers:
+            for layer in module.model.model.layers:
+                layer.compile()
         rec["build_s"] = time.time() - t0
         params = list(module.parameters())  # a tied head is listed once
         rec["params"] = sum(p.numel() for p in params)
@@ -272,6 +281,9 @@ def run_worker(args: argparse.Namespace, name: str) -> Dict[str, Any]:
             trainer.fit(module, loader)
         finally:
             rec["fit_s"] = time.time() - t1
+        if trainer.optimizers:
+            fused = trainer.optimizers[0].defaults.get("fused")
+            rec["optimizer"] = f"{type(trainer.optimizers[0]).__name__} ({'fused' if fused else 'default'})"
         if name.startswith("liger") and timer.liger_output is not None:
             rec["note"] = (rec["note"] or "") + f"; forward returned {timer.liger_output}"
         if timer.stopped_early:
@@ -452,6 +464,10 @@ def markdown(records: List[Dict[str, Any]], env: Dict[str, Any], meta: Dict[str,
         f"- batch {meta['batch_size']} x seq {meta['seq_len']} = {meta['tokens_per_step']} tokens per optimizer step,"
         f" precision {meta['precision']}, data {meta['data']}, AdamW lr {meta['lr']} (cosine, no warmup),"
         f" {meta['warmup']} warm-up + {meta['steps']} timed steps, isolation {meta['isolation']}",
+        "- body: "
+        + ("every decoder layer torch.compile'd" if meta["compile_layers"] else "eager")
+        + "; the head and its loss eager; optimizer: "
+        + ", ".join(sorted({str(r.get("optimizer")) for r in records if r.get("optimizer")}) or ["-"]),
         "- step time: torch.cuda.synchronize() at on_train_batch_start and on_train_batch_end (fwd, loss, bwd,"
         " optimizer step, Lightning); tokens/s = tokens per step / median timed step; peak = max_memory_allocated"
         " over the timed steps (includes weights and AdamW states = `base`); fwd / bwd / opt: the peak within"
@@ -581,6 +597,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "warmup": args.warmup,
         "steps": args.steps,
         "isolation": args.isolation,
+        "compile_layers": args.compile_layers,
         "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "args": {k: str(v) for k, v in vars(args).items()},
         "elapsed_s": 0.0,

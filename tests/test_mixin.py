@@ -358,6 +358,15 @@ def test_bundled_optimizer_refuses_fp16_parameters():
         trainer(precision="16-true", max_steps=1).fit(tiny_gpt(), loader(make_batches(1)))
 
 
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bundled_optimizer_is_fused_on_cuda_only(accelerator):
+    """Plain CUDA parameters get the fused AdamW (one kernel a step); CPU parameters keep torch's default."""
+    model = tiny_gpt()
+    fit = trainer(accelerator=accelerator, max_steps=1)
+    fit.fit(model, loader(make_batches(1)))
+    assert fit.optimizers[0].defaults["fused"] is (True if accelerator == "cuda" else None)
+
+
 def test_overridden_epoch_end_without_super_warns():
     class NoSuper(TinyGPT):
         def on_validation_epoch_end(self):

@@ -176,7 +176,7 @@ def adamw_with_warmup_cosine(
 ) -> dict[str, Any]:
     """AdamW (decay on matrices only) with linear warmup and cosine decay to 10% of ``lr``, stepped per
     optimizer step; without a known number of steps (``max_steps=-1`` on an endless loader) the rate stays
-    at ``lr`` after warmup."""
+    at ``lr`` after warmup. AdamW is the fused implementation when every parameter is a plain CUDA tensor."""
     params = [p for p in module.parameters() if p.requires_grad]
     if any(p.dtype == torch.float16 for p in params):
         # AdamW keeps its states in the parameters' dtype: in fp16 eps=1e-8 is 0, so a parameter row without
@@ -189,7 +189,13 @@ def adamw_with_warmup_cosine(
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95))
+    # One fused kernel per step instead of foreach's dozen passes over the parameters and states (~20 ms a
+    # step at 1.2B fp32 parameters on an H200). Plain CUDA tensors only: DTensor (FSDP2) and DeepSpeed's
+    # partitioned parameters keep the default implementation.
+    fused = all(p.is_cuda and type(p.data) is torch.Tensor and not hasattr(p, "ds_id") for p in params)
+    optimizer = torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), fused=fused or None
+    )
     total_steps = module.trainer.estimated_stepping_batches
 
     def lr_factor(step: int) -> float:
