@@ -358,13 +358,27 @@ def test_bundled_optimizer_refuses_fp16_parameters():
         trainer(precision="16-true", max_steps=1).fit(tiny_gpt(), loader(make_batches(1)))
 
 
-@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_bundled_optimizer_is_fused_on_cuda_only(accelerator):
-    """Plain CUDA parameters get the fused AdamW (one kernel a step); CPU parameters keep torch's default."""
+@pytest.mark.parametrize(
+    "accelerator, options, fused",
+    [
+        ("cpu", {}, None),
+        pytest.param("cuda", {}, True, marks=pytest.mark.cuda),
+        pytest.param(
+            "cuda", {"precision": "bf16-mixed", "gradient_clip_val": 1.0}, None, marks=pytest.mark.cuda
+        ),
+        pytest.param("cuda", {"precision": "bf16-mixed"}, True, marks=pytest.mark.cuda),
+        pytest.param(
+            "cuda", {"precision": "16-mixed", "gradient_clip_val": 1.0}, None, marks=pytest.mark.cuda
+        ),
+    ],
+)
+def test_bundled_optimizer_is_fused_where_lightning_supports_it(accelerator, options, fused):
+    """CUDA parameters get the fused AdamW (one kernel a step), except where Lightning refuses to clip the
+    gradients of a fused optimizer (clipping under mixed precision); the CPU keeps torch's default."""
     model = tiny_gpt()
-    fit = trainer(accelerator=accelerator, max_steps=1)
+    fit = trainer(accelerator=accelerator, max_steps=1, **options)
     fit.fit(model, loader(make_batches(1)))
-    assert fit.optimizers[0].defaults["fused"] is (True if accelerator == "cuda" else None)
+    assert fit.optimizers[0].defaults["fused"] is fused
 
 
 def test_overridden_epoch_end_without_super_warns():
