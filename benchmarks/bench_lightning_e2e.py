@@ -51,6 +51,7 @@ import torch
 C.ensure_repo_on_path()
 
 from lightning_flce.models.gpt import adamw_with_warmup_cosine  # noqa: E402 - after the path setup
+from lightning_flce.models.hf import compile_decoder_layers  # noqa: E402
 
 PROVIDERS: Dict[str, str] = {
     "flce": "lightning_flce.models.HFCausalLM (FLCEMixin, fused linear cross-entropy)",
@@ -120,7 +121,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument(
         "--compile-layers",
         action="store_true",
-        help="torch.compile each decoder layer (every provider alike; the head and its loss stay eager)",
+        help="torch.compile each decoder layer (compile_decoder_layers; every provider alike, the head and its"
+        " loss eager)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--isolation", choices=["subprocess", "inprocess"], default="subprocess")
@@ -251,8 +253,7 @@ def run_worker(args: argparse.Namespace, name: str) -> Dict[str, Any]:
         module, note = _build_module(name, cfg, args, device)
         rec["note"] = note
         if args.compile_layers:
-            for layer in module.model.model.layers:
-                layer.compile()
+            compile_decoder_layers(module.model)
         rec["build_s"] = time.time() - t0
         params = list(module.parameters())  # a tied head is listed once
         rec["params"] = sum(p.numel() for p in params)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 pytest.importorskip("transformers")
 
-from lightning_flce.models.hf import HFCausalLM  # noqa: E402
+from lightning_flce.models.hf import HFCausalLM, compile_decoder_layers  # noqa: E402
 
 VOCAB, SEQ = 300, 10
 FP32_TOL = 1e-5
@@ -244,3 +244,35 @@ def test_predict_returns_the_models_logits():
     (logits,) = trainer.predict(model, DataLoader([batch], batch_size=None))
     expected = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(logits, expected)
+
+
+def test_compiled_decoder_layers_match_the_model_logits_path():
+    """compile_decoder_layers compiles the classes _no_split_modules names (both Llama layers here), the
+    compiled layers run (a counting backend sees their graphs) and the loss and gradients stay the float64
+    reference's."""
+    model = tiny_hf("llama_tied")
+    batch = make_batch(3)
+    ref_loss, ref_grads = reference(model, batch)
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    assert compile_decoder_layers(model.model, backend=counting_backend) == 2
+    loss = model._loss(batch)
+    loss.backward()
+    assert graphs, "the compiled layers did not run"
+    assert loss.item() == pytest.approx(ref_loss, rel=FP32_TOL)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, ref_grads)
+
+
+def test_compile_layers_option_and_a_model_without_named_layers():
+    model = tiny_hf(compile_layers=True)
+    layers = list(model.model.model.layers)
+    assert len(layers) == 2 and all(layer._compiled_call_impl is not None for layer in layers)
+    assert (
+        tiny_hf()._compiled_call_impl is None and tiny_hf().model.model.layers[0]._compiled_call_impl is None
+    )
+    with pytest.raises(ValueError, match="_no_split_modules"):
+        compile_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
