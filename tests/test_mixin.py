@@ -370,15 +370,22 @@ def test_bundled_optimizer_refuses_fp16_parameters():
         pytest.param(
             "cuda", {"precision": "16-mixed", "gradient_clip_val": 1.0}, None, marks=pytest.mark.cuda
         ),
+        pytest.param(
+            "cuda", {"precision": "16-mixed"}, True, marks=pytest.mark.cuda
+        ),  # the scaler's fused step
     ],
 )
 def test_bundled_optimizer_is_fused_where_lightning_supports_it(accelerator, options, fused):
     """CUDA parameters get the fused AdamW (one kernel a step), except where Lightning refuses to clip the
     gradients of a fused optimizer (clipping under mixed precision); the CPU keeps torch's default."""
-    model = tiny_gpt()
-    fit = trainer(accelerator=accelerator, max_steps=1, **options)
-    fit.fit(model, loader(make_batches(1)))
+    model = tiny_gpt(lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    fit = trainer(accelerator=accelerator, max_steps=2, **options)
+    fit.fit(model, loader(make_batches(2)))
     assert fit.optimizers[0].defaults["fused"] is fused
+    after = list(model.parameters())
+    assert all(p.isfinite().all() for p in after)
+    assert any(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, after))  # the step was taken
 
 
 def test_overridden_epoch_end_without_super_warns():
