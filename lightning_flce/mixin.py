@@ -138,6 +138,11 @@ class FLCEMixin:
       the next training step raises otherwise. Callbacks' ``on_before_optimizer_step`` run after the
       rescaling unless ``optimizer_step`` is overridden.
     - Needs the gradients in ``param.grad`` (single device, DDP, FSDP); with DeepSpeed use ``"micro_batch"``.
+    - Under ``precision="16-mixed"`` the back-propagated sum is ~tokens times a mean loss, so a ``GradScaler``
+      started at Lightning's 2^16 skips about ``log2(tokens per micro-batch)`` more steps while it backs off
+      (14 at 16k tokens). The mixin warns once with a first scale that avoids it
+      (:func:`loss_scale_warning`): ``plugins=[MixedPrecision("16-mixed", "cuda", GradScaler("cuda",
+      init_scale=2**16 / tokens))]``.
     - In manual optimization call ``self.manual_backward(self.flce_loss(...))`` without dividing by the
       number of accumulated micro-batches. The gradients of *every* parameter are normalized at the first of:
       ``self.clip_gradients(...)``, the first ``optimizer.step()`` of the step (ahead of the callbacks'
@@ -232,6 +237,7 @@ class FLCEMixin:
         self.flce_last_num_tokens: Optional[Tensor] = None
         # [loss sum, token count] of the optimizer step in progress, and the global step it belongs to
         self._flce_step_totals: Optional[Tensor] = None
+        self._flce_loss_scale_checked = False
         self._flce_step_index: Optional[int] = None
 
     # ------------------------------------------------------------------ loss
@@ -298,6 +304,12 @@ class FLCEMixin:
         else:
             self._flce_add_to_step(totals)
         if self.flce_normalize == "step":
+            if not self._flce_loss_scale_checked:
+                self._flce_loss_scale_checked = True
+                scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+                message = loss_scale_warning(scaler, labels.numel())
+                if message is not None:
+                    rank_zero_warn(message)
             # value: the micro-batch mean; gradient: that of the token sum (normalized at the optimizer step)
             return mean.detach() + (loss_sum - loss_sum.detach())
         return mean
@@ -360,6 +372,7 @@ class FLCEMixin:
         register_fsdp_step_methods(self)
         self._flce_step_totals = None
         self._flce_step_index = None
+        self._flce_loss_scale_checked = False
         if self.flce_normalize == "step" and "DeepSpeed" in type(self.trainer.strategy).__name__:
             raise ValueError(
                 "flce_normalize='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
@@ -594,3 +607,26 @@ class FLCEMixin:
             prog_bar=False,
             sync_dist=True,  # torchmetrics synced them: equal on every rank, as above
         )
+
+
+def loss_scale_warning(scaler: Any, tokens: int) -> Optional[str]:
+    """The warning for an fp16 ``GradScaler`` (``scaler``, or ``None``) whose first scale, applied to the token
+    sum that ``flce_normalize="step"`` back-propagates (up to ``tokens`` per micro-batch), would make the
+    scaler skip at least 3 more optimizer steps than a mean loss while it backs off; ``None`` otherwise.
+
+    Each skipped step halves the scale: the sum's gradients are ``tokens`` times the mean's, so starting at
+    the mean's usual 2^16 costs about ``log2(tokens)`` extra skipped steps (14 at 16k tokens)."""
+    if scaler is None or not scaler.is_enabled() or tokens < 2:
+        return None
+    scale = scaler.get_scale()  # the initial scale before the first step: no device sync
+    extra = math.floor(math.log2(scale * tokens / 2.0**16)) if scale * tokens > 2.0**16 else 0
+    if extra < 3:
+        return None
+    init_scale = 2.0 ** (16 - math.floor(math.log2(tokens)))
+    return (
+        f"precision='16-mixed' with flce_normalize='step': the loss back-propagated is the token sum (up to"
+        f" {tokens} tokens per micro-batch), so the GradScaler's initial scale {scale:g} overflows fp16 gradients"
+        f" and it skips about {extra} more optimizer steps than a mean loss would while it backs off. Start it"
+        " lower: Trainer(plugins=[MixedPrecision('16-mixed', 'cuda', torch.amp.GradScaler('cuda',"
+        f" init_scale={init_scale:g}))]), or use precision='bf16-mixed'."
+    )

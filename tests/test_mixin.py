@@ -7,6 +7,7 @@ comparisons use ``rtol=1e-4`` plus a small ``atol`` for gradient entries that ar
 
 import copy
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -14,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_flce.head import FLCEHeadLoss
-from lightning_flce.mixin import FLCEMixin
+from lightning_flce.mixin import FLCEMixin, loss_scale_warning
 from lightning_flce.models.gpt import TinyGPT
 
 VOCAB = 97
@@ -380,12 +382,47 @@ def test_bundled_optimizer_is_fused_where_lightning_supports_it(accelerator, opt
     gradients of a fused optimizer (clipping under mixed precision); the CPU keeps torch's default."""
     model = tiny_gpt(lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
+    if options.get("precision") == "16-mixed":
+        # a first loss scale that the token sum does not overflow (test_fp16_loss_scale_warning)
+        scaler = torch.amp.GradScaler(accelerator, init_scale=2.0**11)
+        options = {**options, "plugins": [MixedPrecision(options.pop("precision"), accelerator, scaler)]}
     fit = trainer(accelerator=accelerator, max_steps=2, **options)
     fit.fit(model, loader(make_batches(2)))
     assert fit.optimizers[0].defaults["fused"] is fused
     after = list(model.parameters())
     assert all(p.isfinite().all() for p in after)
     assert any(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, after))  # the step was taken
+
+
+def test_loss_scale_warning_cases():
+    scaler = torch.amp.GradScaler("cpu")  # init_scale 2^16, as Lightning's 16-mixed
+    message = loss_scale_warning(scaler, 16384)
+    assert "skips about 14 more optimizer steps" in message and "init_scale=4)" in message
+    assert loss_scale_warning(torch.amp.GradScaler("cpu", init_scale=4.0), 16384) is None
+    assert loss_scale_warning(scaler, 4) is None  # 2 extra halvings: not worth a warning
+    assert loss_scale_warning(None, 16384) is None  # bf16-mixed, 32-true: no scaler
+    assert loss_scale_warning(torch.amp.GradScaler("cpu", enabled=False), 16384) is None
+
+
+@pytest.mark.parametrize("init_scale", [2.0**16, 2.0**12])
+def test_fp16_loss_scale_warning(init_scale):
+    """16-mixed (on the CPU here): at Lightning's default first scale the token sum overflows fp16 gradients
+    and the scaler skips steps (the warning says so and gives a first scale); at that scale it skips none."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    model = tiny_gpt(lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    fit = trainer(max_steps=2, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.fit(model, loader(make_batches(2)))
+    messages = [str(w.message) for w in caught if "token sum" in str(w.message)]
+    if init_scale == 2.0**16:
+        assert len(messages) == 1 and "init_scale=4096)" in messages[0]  # 24 tokens a micro-batch
+        assert scaler.get_scale() < init_scale  # skipped steps halved it
+    else:
+        assert messages == []
+        assert scaler.get_scale() == init_scale  # no step skipped
+        assert all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
 
 
 def test_overridden_epoch_end_without_super_warns():
