@@ -385,7 +385,8 @@ def test_bundled_optimizer_is_fused_where_lightning_supports_it(accelerator, opt
     if options.get("precision") == "16-mixed":
         # a first loss scale that the token sum does not overflow (test_fp16_loss_scale_warning)
         scaler = torch.amp.GradScaler(accelerator, init_scale=2.0**11)
-        options = {**options, "plugins": [MixedPrecision(options.pop("precision"), accelerator, scaler)]}
+        options = {key: value for key, value in options.items() if key != "precision"}
+        options["plugins"] = [MixedPrecision("16-mixed", accelerator, scaler)]
     fit = trainer(accelerator=accelerator, max_steps=2, **options)
     fit.fit(model, loader(make_batches(2)))
     assert fit.optimizers[0].defaults["fused"] is fused
