@@ -395,6 +395,52 @@ def test_bundled_optimizer_is_fused_where_lightning_supports_it(accelerator, opt
     assert any(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, after))  # the step was taken
 
 
+def test_fused_adamw_gate():
+    """Where the bundled AdamW is fused (the CUDA cases above run it; here the rule, with stand-ins)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        SingleDeviceStrategy,
+    )
+
+    from lightning_flce.models.gpt import _can_fuse
+
+    def gate(strategy=SingleDeviceStrategy, clip=None, precision=Precision, cuda=True):
+        trainer = SimpleNamespace(
+            strategy=strategy.__new__(strategy),
+            gradient_clip_val=clip,
+            precision_plugin=precision.__new__(precision),
+        )
+        return _can_fuse(trainer, [SimpleNamespace(is_cuda=cuda)] * 2)
+
+    assert gate() is True and gate(DDPStrategy) is True
+    assert gate(clip=1.0) is True  # 32-true clips a fused optimizer's gradients fine
+    assert (
+        gate(clip=1.0, precision=MixedPrecision) is None and gate(clip=0.0, precision=MixedPrecision) is True
+    )
+    assert gate(DeepSpeedStrategy) is None and gate(FSDPStrategy) is None
+    assert gate(cuda=False) is None and _can_fuse(SimpleNamespace(), []) is None
+
+
+def test_manual_optimization_gets_the_default_adamw(monkeypatch):
+    """Manual optimization clips by itself (``self.clip_gradients``), which Lightning refuses for a fused
+    optimizer under mixed precision: the bundled AdamW is not fused there, whatever the gate says."""
+    from types import SimpleNamespace
+
+    from lightning_flce.models import gpt
+
+    monkeypatch.setattr(gpt, "_can_fuse", lambda trainer, params: True)
+    model = tiny_gpt()
+    model._trainer = SimpleNamespace(estimated_stepping_batches=10)
+    model.automatic_optimization = False
+    optimizer = gpt.adamw_with_warmup_cosine(model, lr=1e-3, weight_decay=0.1, warmup_steps=1)["optimizer"]
+    assert optimizer.defaults["fused"] is None
+
+
 def test_loss_scale_warning_cases():
     scaler = torch.amp.GradScaler("cpu")  # init_scale 2^16, as Lightning's 16-mixed
     message = loss_scale_warning(scaler, 16384)

@@ -191,9 +191,8 @@ def adamw_with_warmup_cosine(
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), fused=_can_fuse(module.trainer, params)
-    )
+    fused = _can_fuse(module.trainer, params) if module.automatic_optimization else None
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), fused=fused)
     total_steps = module.trainer.estimated_stepping_batches
 
     def lr_factor(step: int) -> float:
@@ -212,8 +211,8 @@ def _can_fuse(trainer: pl.Trainer, params: list[nn.Parameter]) -> Optional[bool]
     """``True`` (fused AdamW: one kernel a step instead of foreach's dozen passes over the parameters and
     states: 14–17 ms a step at 1.2B fp32 parameters on an H200) for CUDA parameters on one device or under DDP,
     unless gradient clipping is set under mixed precision: Lightning cannot clip for an optimizer that unscales
-    its gradients itself, as a fused one does. ``None`` (torch's default) otherwise, sharded strategies
-    included."""
+    its gradients itself, as a fused one does (manual optimization, which clips by itself, is not fused
+    either). ``None`` (torch's default) otherwise, sharded strategies included."""
     if not params or not all(p.is_cuda for p in params):
         return None
     strategy = trainer.strategy
