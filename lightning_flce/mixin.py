@@ -625,8 +625,8 @@ def loss_scale_warning(scaler: Any, tokens: int) -> Optional[str]:
     init_scale = 2.0 ** (16 - math.floor(math.log2(tokens)))
     return (
         f"precision='16-mixed' with flce_normalize='step': the loss back-propagated is the token sum (up to"
-        f" {tokens} tokens per micro-batch), so the GradScaler's initial scale {scale:g} overflows fp16 gradients"
-        f" and it skips about {extra} more optimizer steps than a mean loss would while it backs off. Start it"
+        f" {tokens} tokens per micro-batch), so the GradScaler's initial scale {scale:g} likely overflows fp16"
+        f" gradients and it skips about {extra} more optimizer steps than a mean loss would while it backs off. Start it"
         " lower: Trainer(plugins=[MixedPrecision('16-mixed', 'cuda', torch.amp.GradScaler('cuda',"
         f" init_scale={init_scale:g}))]), or use precision='bf16-mixed'."
     )

@@ -378,7 +378,7 @@ def test_bundled_optimizer_refuses_fp16_parameters():
     ],
 )
 def test_bundled_optimizer_is_fused_where_lightning_supports_it(accelerator, options, fused):
-    """CUDA parameters get the fused AdamW (one kernel a step), except where Lightning refuses to clip the
+    """CUDA parameters get the fused AdamW (one pass over parameters and states), except where Lightning refuses to clip the
     gradients of a fused optimizer (clipping under mixed precision); the CPU keeps torch's default."""
     model = tiny_gpt(lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
