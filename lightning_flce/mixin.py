@@ -138,11 +138,11 @@ class FLCEMixin:
       the next training step raises otherwise. Callbacks' ``on_before_optimizer_step`` run after the
       rescaling unless ``optimizer_step`` is overridden.
     - Needs the gradients in ``param.grad`` (single device, DDP, FSDP); with DeepSpeed use ``"micro_batch"``.
-    - Under ``precision="16-mixed"`` the back-propagated sum is ~tokens times a mean loss, so a ``GradScaler``
-      started at Lightning's 2^16 skips about ``log2(tokens per micro-batch)`` more steps while it backs off
-      (14 at 16k tokens). The mixin warns once with a first scale that avoids it
-      (:func:`loss_scale_warning`): ``plugins=[MixedPrecision("16-mixed", "cuda", GradScaler("cuda",
-      init_scale=2**16 / tokens))]``.
+    - Under ``precision="16-mixed"`` the back-propagated sum is up to tokens times a mean loss, so a
+      ``GradScaler`` started at Lightning's 2^16 can skip up to ``log2(tokens per micro-batch /
+      accumulate_grad_batches)`` more steps while it backs off (14 at 16k tokens). The mixin warns once at the
+      start of a fit with a first scale that avoids it (:func:`loss_scale_warning`):
+      ``plugins=[MixedPrecision("16-mixed", "cuda", GradScaler("cuda", init_scale=...))]``.
     - In manual optimization call ``self.manual_backward(self.flce_loss(...))`` without dividing by the
       number of accumulated micro-batches. The gradients of *every* parameter are normalized at the first of:
       ``self.clip_gradients(...)``, the first ``optimizer.step()`` of the step (ahead of the callbacks'
@@ -306,10 +306,7 @@ class FLCEMixin:
         if self.flce_normalize == "step":
             if not self._flce_loss_scale_checked:
                 self._flce_loss_scale_checked = True
-                scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-                message = loss_scale_warning(scaler, labels.numel())
-                if message is not None:
-                    rank_zero_warn(message)
+                self._flce_warn_about_loss_scale(labels.numel())
             # value: the micro-batch mean; gradient: that of the token sum (normalized at the optimizer step)
             return mean.detach() + (loss_sum - loss_sum.detach())
         return mean
@@ -509,6 +506,15 @@ class FLCEMixin:
             scale = (1.0 if scale is None else scale) / logits_scaling
         return (None if scale is None or scale == 1.0 else float(scale)), softcap
 
+    def _flce_warn_about_loss_scale(self, tokens: int) -> None:
+        trainer = self.trainer
+        if trainer.global_step > 0:
+            return  # resumed or continued: the scaler's scale is a settled one, not its first
+        accumulation = trainer.accumulate_grad_batches if self.automatic_optimization else 1
+        message = loss_scale_warning(getattr(trainer.precision_plugin, "scaler", None), tokens, accumulation)
+        if message is not None:
+            rank_zero_warn(message)
+
     def _flce_count_backward(self, totals: Tensor, grad: Tensor) -> None:
         self._flce_add_to_step(totals)
 
@@ -609,24 +615,31 @@ class FLCEMixin:
         )
 
 
-def loss_scale_warning(scaler: Any, tokens: int) -> Optional[str]:
-    """The warning for an fp16 ``GradScaler`` (``scaler``, or ``None``) whose first scale, applied to the token
-    sum that ``flce_normalize="step"`` back-propagates (up to ``tokens`` per micro-batch), would make the
-    scaler skip at least 3 more optimizer steps than a mean loss while it backs off; ``None`` otherwise.
+def loss_scale_warning(scaler: Any, tokens: int, accumulation: int = 1) -> Optional[str]:
+    """The warning for an fp16 ``GradScaler`` (``scaler``, or ``None``) at its first scale, when the token sum
+    that ``flce_normalize="step"`` back-propagates (up to ``tokens`` per micro-batch; Lightning divides each
+    micro-batch's loss by ``accumulation``) may make it skip 3 or more steps more than a mean loss would;
+    ``None`` otherwise.
 
-    Each skipped step halves the scale: the sum's gradients are ``tokens`` times the mean's, so starting at
-    the mean's usual 2^16 costs about ``log2(tokens)`` extra skipped steps (14 at 16k tokens)."""
-    if scaler is None or not scaler.is_enabled() or tokens < 2:
+    The sum's gradients are ``tokens / accumulation`` times the mean's and each skipped step halves the
+    scale, so starting at the mean's usual 2^16 costs up to ``log2(tokens / accumulation)`` extra skipped
+    steps (14 at 16k tokens; fewer where the mean's gradients had headroom)."""
+    if scaler is None or not scaler.is_enabled():
         return None
+    ratio = tokens / max(accumulation, 1)
     scale = scaler.get_scale()  # the initial scale before the first step: no device sync
-    extra = math.floor(math.log2(scale * tokens / 2.0**16)) if scale * tokens > 2.0**16 else 0
+    if ratio < 2 or scale * ratio <= 2.0**16:
+        return None
+    extra = math.floor(math.log2(scale * ratio / 2.0**16))
     if extra < 3:
         return None
-    init_scale = 2.0 ** (16 - math.floor(math.log2(tokens)))
+    init_scale = 2.0 ** (16 - math.floor(math.log2(ratio)))
+    device = getattr(scaler, "_device", "cuda")
+    per_step = f" ({accumulation} accumulated)" if accumulation > 1 else ""
     return (
         f"precision='16-mixed' with flce_normalize='step': the loss back-propagated is the token sum (up to"
-        f" {tokens} tokens per micro-batch), so the GradScaler's initial scale {scale:g} likely overflows fp16"
-        f" gradients and it skips about {extra} more optimizer steps than a mean loss would while it backs off. Start it"
-        " lower: Trainer(plugins=[MixedPrecision('16-mixed', 'cuda', torch.amp.GradScaler('cuda',"
-        f" init_scale={init_scale:g}))]), or use precision='bf16-mixed'."
+        f" {tokens} tokens per micro-batch{per_step}), so the GradScaler's first scale {scale:g} may overflow"
+        f" fp16 gradients and skip up to {extra} more optimizer steps than a mean loss would while it backs off."
+        f" Start it lower: Trainer(plugins=[MixedPrecision('16-mixed', '{device}', torch.amp.GradScaler("
+        f"'{device}', init_scale={init_scale:g}))]), or use precision='bf16-mixed'."
     )

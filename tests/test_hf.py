@@ -276,3 +276,34 @@ def test_compile_layers_option_and_a_model_without_named_layers():
     )
     with pytest.raises(ValueError, match="_no_split_modules"):
         compile_decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_compiled_layers_stay_compiled_after_inference_and_copies():
+    """forward (and predict) runs without a KV cache, whose per-layer guards would recompile each layer up
+    to Dynamo's limit and leave them eager for training too; a deep copy (as ddp_spawn's pickling) loses
+    torch.compile's wrapper and configure_model restores it."""
+    torch.manual_seed(0)
+    model = HFCausalLM(config={**TINY, "model_type": "llama", "num_hidden_layers": 10}, lr=0.0)
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compile_decoder_layers(model.model, backend=counting_backend)
+    batch = make_batch(4)
+    with torch.no_grad():
+        model.eval()
+        model(batch["input_ids"], batch["attention_mask"])
+    if getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False):  # torch >= 2.5: layers share graphs
+        assert 1 <= len(graphs) <= 2, f"{len(graphs)} graphs for one inference call of 10 layers"
+    model.train()
+    before = len(graphs)
+    model._loss(batch).backward()
+    assert len(graphs) > before, "the training step ran eager"
+
+    compiled = HFCausalLM(config={**TINY, "model_type": "llama"}, lr=0.0, compile_layers=True)
+    copied = copy.deepcopy(compiled)
+    assert all(layer._compiled_call_impl is None for layer in copied.model.model.layers)
+    copied.configure_model()
+    assert all(layer._compiled_call_impl is not None for layer in copied.model.model.layers)

@@ -372,14 +372,13 @@ def test_bundled_optimizer_refuses_fp16_parameters():
         pytest.param(
             "cuda", {"precision": "16-mixed", "gradient_clip_val": 1.0}, None, marks=pytest.mark.cuda
         ),
-        pytest.param(
-            "cuda", {"precision": "16-mixed"}, True, marks=pytest.mark.cuda
-        ),  # the scaler's fused step
+        pytest.param("cuda", {"precision": "16-mixed"}, None, marks=pytest.mark.cuda),  # a loss scaler
     ],
 )
 def test_bundled_optimizer_is_fused_where_lightning_supports_it(accelerator, options, fused):
-    """CUDA parameters get the fused AdamW (one pass over parameters and states), except where Lightning refuses to clip the
-    gradients of a fused optimizer (clipping under mixed precision); the CPU keeps torch's default."""
+    """CUDA parameters get the fused AdamW (one pass over parameters and states) unless a loss scaler or
+    clipping under mixed precision needs the gradients unscaled before the step (test_fused_adamw_gate has
+    the whole rule); every case trains; the CPU keeps torch's default."""
     model = tiny_gpt(lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
     if options.get("precision") == "16-mixed":
@@ -409,42 +408,47 @@ def test_fused_adamw_gate():
 
     from lightning_flce.models.gpt import _can_fuse
 
-    def gate(strategy=SingleDeviceStrategy, clip=None, precision=Precision, cuda=True):
+    class ClipsItself(TinyGPT):
+        def configure_gradient_clipping(
+            self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+        ):
+            self.clip_gradients(optimizer, 1.0, "norm")
+
+    def gate(
+        strategy=SingleDeviceStrategy, clip=None, precision=Precision, scaler=None, cuda=True, module=None
+    ):
+        plugin = precision.__new__(precision)
+        plugin.scaler = scaler
         trainer = SimpleNamespace(
-            strategy=strategy.__new__(strategy),
-            gradient_clip_val=clip,
-            precision_plugin=precision.__new__(precision),
+            strategy=strategy.__new__(strategy), gradient_clip_val=clip, precision_plugin=plugin
         )
-        return _can_fuse(trainer, [SimpleNamespace(is_cuda=cuda)] * 2)
+        if module is None:
+            module = SimpleNamespace(automatic_optimization=True, trainer=trainer)
+        else:
+            module._trainer = trainer
+        return _can_fuse(module, [SimpleNamespace(is_cuda=cuda)] * 2)
 
     assert gate() is True and gate(DDPStrategy) is True
     assert gate(clip=1.0) is True  # 32-true clips a fused optimizer's gradients fine
     assert (
         gate(clip=1.0, precision=MixedPrecision) is None and gate(clip=0.0, precision=MixedPrecision) is True
     )
+    assert gate(precision=MixedPrecision, scaler=torch.amp.GradScaler("cpu")) is None  # 16-mixed
+    assert gate(precision=MixedPrecision, module=ClipsItself(vocab_size=8)) is None
+    assert gate(precision=MixedPrecision, module=TinyGPT(vocab_size=8)) is True
+    manual = TinyGPT(vocab_size=8)
+    manual.automatic_optimization = False  # manual optimization clips by itself
+    assert gate(module=manual) is None
     assert gate(DeepSpeedStrategy) is None and gate(FSDPStrategy) is None
-    assert gate(cuda=False) is None and _can_fuse(SimpleNamespace(), []) is None
-
-
-def test_manual_optimization_gets_the_default_adamw(monkeypatch):
-    """Manual optimization clips by itself (``self.clip_gradients``), which Lightning refuses for a fused
-    optimizer under mixed precision: the bundled AdamW is not fused there, whatever the gate says."""
-    from types import SimpleNamespace
-
-    from lightning_flce.models import gpt
-
-    monkeypatch.setattr(gpt, "_can_fuse", lambda trainer, params: True)
-    model = tiny_gpt()
-    model._trainer = SimpleNamespace(estimated_stepping_batches=10)
-    model.automatic_optimization = False
-    optimizer = gpt.adamw_with_warmup_cosine(model, lr=1e-3, weight_decay=0.1, warmup_steps=1)["optimizer"]
-    assert optimizer.defaults["fused"] is None
+    assert gate(cuda=False) is None
 
 
 def test_loss_scale_warning_cases():
     scaler = torch.amp.GradScaler("cpu")  # init_scale 2^16, as Lightning's 16-mixed
     message = loss_scale_warning(scaler, 16384)
-    assert "skips about 14 more optimizer steps" in message and "init_scale=4)" in message
+    assert "skip up to 14 more optimizer steps" in message and "GradScaler('cpu', init_scale=4)" in message
+    message = loss_scale_warning(scaler, 16384, accumulation=8)  # Lightning divides the loss by 8 first
+    assert "skip up to 11 more" in message and "init_scale=32)" in message
     assert loss_scale_warning(torch.amp.GradScaler("cpu", init_scale=4.0), 16384) is None
     assert loss_scale_warning(scaler, 4) is None  # 2 extra halvings: not worth a warning
     assert loss_scale_warning(None, 16384) is None  # bf16-mixed, 32-true: no scaler
@@ -452,7 +456,7 @@ def test_loss_scale_warning_cases():
 
 
 @pytest.mark.parametrize("init_scale", [2.0**16, 2.0**12])
-def test_fp16_loss_scale_warning(init_scale):
+def test_fp16_loss_scale_warning(init_scale, tmp_path):
     """16-mixed (on the CPU here): at Lightning's default first scale the token sum overflows fp16 gradients
     and the scaler skips steps (the warning says so and gives a first scale); at that scale it skips none."""
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
@@ -466,6 +470,16 @@ def test_fp16_loss_scale_warning(init_scale):
     if init_scale == 2.0**16:
         assert len(messages) == 1 and "init_scale=4096)" in messages[0]  # 24 tokens a micro-batch
         assert scaler.get_scale() < init_scale  # skipped steps halved it
+        # a resumed fit starts from the scaler's settled scale: no warning then
+        checkpoint = tmp_path / "last.ckpt"
+        fit.save_checkpoint(checkpoint)
+        resumed = trainer(
+            max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed.fit(model, loader(make_batches(2)), ckpt_path=checkpoint)
+        assert not [w for w in caught if "token sum" in str(w.message)]
     else:
         assert messages == []
         assert scaler.get_scale() == init_scale  # no step skipped

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_flce.mixin import FLCEMixin
@@ -191,7 +192,7 @@ def adamw_with_warmup_cosine(
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    fused = _can_fuse(module.trainer, params) if module.automatic_optimization else None
+    fused = _can_fuse(module, params)
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=(0.9, 0.95), fused=fused)
     total_steps = module.trainer.estimated_stepping_batches
 
@@ -207,19 +208,28 @@ def adamw_with_warmup_cosine(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _can_fuse(trainer: pl.Trainer, params: list[nn.Parameter]) -> Optional[bool]:
+def _can_fuse(module: pl.LightningModule, params: list[nn.Parameter]) -> Optional[bool]:
     """``True`` (fused AdamW: one pass over the parameters and states instead of foreach's dozen: 14–17 ms
-    a step at 1.2B fp32 parameters on an H200) for CUDA parameters on one device or under DDP,
-    unless gradient clipping is set under mixed precision: Lightning cannot clip for an optimizer that unscales
-    its gradients itself, as a fused one does (manual optimization, which clips by itself, is not fused
-    either). ``None`` (torch's default) otherwise, sharded strategies included."""
-    if not params or not all(p.is_cuda for p in params):
+    a step at 1.2B fp32 parameters on an H200) for CUDA parameters on one device or under DDP, where nothing
+    Lightning does with the gradients before the step needs them unscaled by the optimizer: no loss scaler
+    (16-mixed: the hooks would see scaled gradients, and a non-fused checkpoint could not resume), no gradient
+    clipping under mixed precision (Lightning refuses to clip for a fused optimizer there), and automatic
+    optimization (manual optimization clips by itself). ``None`` (torch's default) otherwise, sharded
+    strategies included. On resume the checkpoint's choice wins (``load_state_dict`` restores ``fused``)."""
+    trainer = module.trainer
+    if not params or not all(p.is_cuda for p in params) or not module.automatic_optimization:
         return None
     strategy = trainer.strategy
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or isinstance(
         strategy, DeepSpeedStrategy
     ):
         return None
-    if trainer.gradient_clip_val and isinstance(trainer.precision_plugin, MixedPrecision):
+    precision = trainer.precision_plugin
+    if getattr(precision, "scaler", None) is not None:
+        return None
+    clips = bool(trainer.gradient_clip_val) or is_overridden(
+        "configure_gradient_clipping", module, pl.LightningModule
+    )
+    if clips and isinstance(precision, MixedPrecision):
         return None
     return True

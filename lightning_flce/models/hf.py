@@ -102,6 +102,12 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         if compile_layers:
             compile_decoder_layers(self.model)
 
+    def configure_model(self) -> None:
+        """Compiles the decoder layers again where a copy lost them (pickling drops ``torch.compile``'s
+        wrapper: ``strategy="ddp_spawn"`` workers, deep copies)."""
+        if self.hparams.get("compile_layers") and not _layers_compiled(self.model):
+            compile_decoder_layers(self.model)
+
     def hidden_states(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         """Final hidden states of the decoder [B, T, hidden_size] (what the LM head is applied to)."""
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
@@ -109,7 +115,9 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
-        """Logits [B, T, V] of the wrapped model (inference path)."""
+        """Logits [B, T, V] of the wrapped model (inference path). No KV cache unless ``use_cache=True`` is
+        passed: only the logits are returned, and a cache makes compiled layers recompile per layer."""
+        kwargs.setdefault("use_cache", False)
         return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -145,12 +153,15 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
 
 
 def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> int:
-    """``torch.compile`` (``nn.Module.compile(**compile_kwargs)``, in place) every decoder layer of a Hugging
-    Face model: the modules whose class its ``_no_split_modules`` names (the per-layer unit that FSDP wraps
-    too). Returns how many; raises ``ValueError`` for a model that names none. Layers of one class share their
-    compiled code."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [module for module in model.modules() if type(module).__name__ in names]
+    """``torch.compile`` (``nn.Module.compile(**compile_kwargs)``, in place) the modules whose class a Hugging
+    Face model's ``_no_split_modules`` names: the decoder layers of causal LMs such as Llama, Mistral, Qwen,
+    Gemma and GPT-2 (the per-layer unit that FSDP wraps too; some models name other blocks there). Returns
+    how many; raises ``ValueError`` for a model that names none. Layers of one class share their compiled code.
+
+    Generation with a KV cache (``generate``) guards on each layer's cache and recompiles per layer until
+    Dynamo's recompile limit, after which the layers run eager, training included: generate under
+    ``torch.compiler.set_stance("force_eager")`` (torch >= 2.6) or from an uncompiled copy."""
+    layers = _decoder_layers(model)
     if not layers:
         raise ValueError(
             f"{type(model).__name__} names no decoder layer class in `_no_split_modules`; compile its layers"
@@ -159,3 +170,13 @@ def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> int:
     for layer in layers:
         layer.compile(**compile_kwargs)
     return len(layers)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def _layers_compiled(model: nn.Module) -> bool:
+    # nn.Module.compile() keeps its wrapper here; pickling and deep copies drop it
+    return all(getattr(layer, "_compiled_call_impl", None) is not None for layer in _decoder_layers(model))
