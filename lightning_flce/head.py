@@ -311,9 +311,8 @@ def unwrap_head(head: nn.Module) -> nn.Module:
             module = _active_module_to_save(module)
             continue
         inner = None
-        for (
-            name
-        ) in _PASS_THROUGH_WRAPPER_ATTRIBUTES:  # a loop, not next(generator, default): torch 2.4's Dynamo
+        # a loop, not next(generator, default): torch 2.4's Dynamo cannot trace the latter
+        for name in _PASS_THROUGH_WRAPPER_ATTRIBUTES:
             if hasattr(module, name):
                 inner = getattr(module, name)
                 break

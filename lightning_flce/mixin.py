@@ -304,9 +304,7 @@ class FLCEMixin:
         else:
             self._flce_add_to_step(totals)
         if self.flce_normalize == "step":
-            if not self._flce_loss_scale_checked:
-                self._flce_loss_scale_checked = True
-                self._flce_warn_about_loss_scale(labels.numel())
+            self._flce_warn_about_loss_scale(labels.numel())
             # value: the micro-batch mean; gradient: that of the token sum (normalized at the optimizer step)
             return mean.detach() + (loss_sum - loss_sum.detach())
         return mean
@@ -507,9 +505,13 @@ class FLCEMixin:
         return (None if scale is None or scale == 1.0 else float(scale)), softcap
 
     def _flce_warn_about_loss_scale(self, tokens: int) -> None:
+        """Once per fit, at its first step (resumed or continued fits have a settled scale, not a first one)."""
+        if self._flce_loss_scale_checked:
+            return
+        self._flce_loss_scale_checked = True
         trainer = self.trainer
         if trainer.global_step > 0:
-            return  # resumed or continued: the scaler's scale is a settled one, not its first
+            return
         accumulation = trainer.accumulate_grad_batches if self.automatic_optimization else 1
         message = loss_scale_warning(getattr(trainer.precision_plugin, "scaler", None), tokens, accumulation)
         if message is not None:

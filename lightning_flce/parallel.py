@@ -276,11 +276,10 @@ class VocabParallelHead(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(end - start, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(end - start, **factory)) if bias else None
-        # One draw from the global generator on every rank, whatever its shard's size: the ranks' random
-        # streams stay in step (dropout masks of a body every rank must run identically).
-        seed = int(
-            torch.randint(0, 2**62, (), device="cpu")
-        )  # the CPU generator, also under a meta device context
+        # One draw from the global (CPU, also under a meta device context) generator on every rank, whatever
+        # its shard's size: the ranks' random streams stay in step (dropout masks of a body every rank must
+        # run identically).
+        seed = int(torch.randint(0, 2**62, (), device="cpu"))
         if self.weight.device.type != "meta":
             init_rows_like_linear(self.weight, self.bias, start, vocab_size, seed)
 
