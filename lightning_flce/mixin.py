@@ -4,7 +4,7 @@ import difflib
 import functools
 import inspect
 import math
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -119,18 +119,27 @@ class FLCEMixin:
             ``"micro_batch"``: the plain mean of each micro-batch (Lightning then averages micro-batches and
             ranks, so micro-batches with few tokens weigh as much as full ones).
 
-    How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses, and the mixin
-    counts its non-ignored tokens when that sum is back-propagated (a ``training_step`` that returns None to
-    skip a batch adds neither its loss nor its tokens). After the last backward of the step (wrapping the
-    optimizer closure in :meth:`optimizer_step`, or in :meth:`on_before_optimizer_step` if that override is
-    bypassed; before gradient clipping either way) one ``all_reduce`` sums the step's loss and token count
-    over the ranks, and the gradients of the optimizer's parameters are multiplied by
-    ``accumulate_grad_batches * world_size / tokens_of_step`` (Lightning divides each micro-batch loss by
-    ``accumulate_grad_batches`` and DDP/FSDP average over ranks). Consequences:
+    How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses divided by a
+    constant ``D`` of the step, and the mixin counts its non-ignored tokens when that sum is back-propagated (a
+    ``training_step`` that returns None to skip a batch adds neither its loss nor its tokens). After the last
+    backward of the step (wrapping the optimizer closure in :meth:`optimizer_step`, or in
+    :meth:`on_before_optimizer_step` if that override is bypassed; before gradient clipping either way) one
+    ``all_reduce`` sums the step's loss, token and micro-batch counts over the ranks, and the gradients of the
+    optimizer's parameters are multiplied by ``accumulate_grad_batches * world_size * D / tokens_of_step``
+    (Lightning divides each micro-batch loss by ``accumulate_grad_batches`` and DDP/FSDP average over ranks).
+    ``D`` is a power of two near the non-ignored tokens per micro-batch, the same on every rank: the mean over
+    the ranks' first micro-batches (one ``all_reduce`` at the first training call of a fit), then each step's
+    mean from its totals. Being a power of two it changes no rounding of fp32 or bf16 gradients; it keeps the
+    back-propagated gradients at a mean loss's magnitude, which an fp16 ``GradScaler`` (``16-mixed``) expects
+    (the token sum itself would overflow Lightning's first scale of 2^16 and skip ``log2(tokens)`` steps).
+    Consequences:
 
     - Every gradient of the optimizer is rescaled, so return the ``flce_loss`` of the training step as the
-      loss. Another loss term added to it is rescaled too: multiply it by ``self.flce_last_num_tokens`` to
-      weight it per token like the LM loss, or use ``"micro_batch"``.
+      loss. Another loss term added to it is rescaled too: multiply it (a micro-batch mean) by
+      ``self.flce_last_loss_weight`` to weight it per token like the LM loss (the weight is 1 under
+      ``"micro_batch"``).
+    - Every rank must call :meth:`flce_loss` in its first training micro-batch of a fit (the ``all_reduce``
+      above; a rank that skips its first batch before the loss would leave the others waiting).
     - Overridden hooks the mixin uses must call ``super()``: ``on_fit_start`` (step totals, FSDP2 step
       methods), ``on_validation_epoch_end`` / ``on_test_epoch_end`` (they log and reset ``val/*`` /
       ``test/*``; the mixin warns when an epoch's metrics were never logged).
@@ -138,11 +147,6 @@ class FLCEMixin:
       the next training step raises otherwise. Callbacks' ``on_before_optimizer_step`` run after the
       rescaling unless ``optimizer_step`` is overridden.
     - Needs the gradients in ``param.grad`` (single device, DDP, FSDP); with DeepSpeed use ``"micro_batch"``.
-    - Under ``precision="16-mixed"`` the back-propagated sum is up to tokens times a mean loss, so a
-      ``GradScaler`` started at Lightning's 2^16 can skip up to ``log2(tokens per micro-batch /
-      accumulate_grad_batches)`` more steps while it backs off (14 at 16k tokens). The mixin warns once at the
-      start of a fit with a first scale that avoids it (:func:`loss_scale_warning`):
-      ``plugins=[MixedPrecision("16-mixed", "cuda", GradScaler("cuda", init_scale=...))]``.
     - In manual optimization call ``self.manual_backward(self.flce_loss(...))`` without dividing by the
       number of accumulated micro-batches. The gradients of *every* parameter are normalized at the first of:
       ``self.clip_gradients(...)``, the first ``optimizer.step()`` of the step (ahead of the callbacks'
@@ -173,8 +177,8 @@ class FLCEMixin:
       world, which would average the head shards of different vocabulary rows (and assume different data
       per rank). Also refused: a world size that is not a multiple of the TP size.
 
-    :meth:`flce_loss` returns a tensor whose *value* is the micro-batch mean and whose gradient is that of
-    the token sum. A micro-batch whose labels are all ignored gives 0 with the graph connected, so every
+    :meth:`flce_loss` returns a tensor whose *value* is the micro-batch mean and whose gradient (``"step"``)
+    is that of the token sum over ``D``. A micro-batch whose labels are all ignored gives 0 with the graph connected, so every
     rank runs the same backward (no DDP hang).
 
     Logs ``train/loss`` (mean over the tokens of the optimizer step, all ranks; per step and per epoch, so the
@@ -235,9 +239,11 @@ class FLCEMixin:
         self.flce_last_logits_shape: Optional[tuple[int, int]] = None
         self.flce_last_logits_bytes: Optional[int] = None
         self.flce_last_num_tokens: Optional[Tensor] = None
-        # [loss sum, token count] of the optimizer step in progress, and the global step it belongs to
+        self.flce_last_loss_weight: Union[Tensor, float] = 1.0
+        # [loss sum, token count, micro-batches] of the optimizer step in progress, and its global step
         self._flce_step_totals: Optional[Tensor] = None
-        self._flce_loss_scale_checked = False
+        # "step": the power of two the micro-batches' token sums are divided by (D in the class docstring)
+        self._flce_grad_divisor: Optional[float] = None
         self._flce_step_index: Optional[int] = None
 
     # ------------------------------------------------------------------ loss
@@ -253,7 +259,7 @@ class FLCEMixin:
 
         Returns:
             The mean over the non-ignored tokens (0 if there are none). During ``fit`` with
-            ``flce_normalize="step"`` its gradient is that of the token sum; the mixin normalizes the
+            ``flce_normalize="step"`` its gradient is that of the token sum over ``D``; the mixin normalizes the
             gradients at the optimizer step (see the class docstring).
 
         """
@@ -287,6 +293,7 @@ class FLCEMixin:
         # the naive path builds the logits it reports: nothing avoided
         self.flce_last_logits_bytes = 0 if self.flce_naive else num_logits[0] * num_logits[1] * 4
         self.flce_last_num_tokens = num_tokens
+        self.flce_last_loss_weight = 1.0
         mean = loss_sum / num_tokens.clamp(min=1)
 
         if evaluating:
@@ -297,16 +304,21 @@ class FLCEMixin:
             return mean
         if stage != "train":
             return mean
-        totals = torch.stack([loss_sum.detach().double(), num_tokens.double()])
+        if self.flce_normalize == "step" and self._flce_grad_divisor is None:
+            self._flce_grad_divisor = self._flce_first_grad_divisor(num_tokens)
+        totals = torch.stack(
+            [loss_sum.detach().double(), num_tokens.double(), num_tokens.new_ones((), dtype=torch.float64)]
+        )
         if loss_sum.requires_grad:
             # counted when back-propagated: a training_step that returns None (a skipped batch) adds nothing
             loss_sum.register_hook(functools.partial(self._flce_count_backward, totals))
         else:
             self._flce_add_to_step(totals)
         if self.flce_normalize == "step":
-            self._flce_warn_about_loss_scale(labels.numel())
-            # value: the micro-batch mean; gradient: that of the token sum (normalized at the optimizer step)
-            return mean.detach() + (loss_sum - loss_sum.detach())
+            divisor = self._flce_grad_divisor
+            self.flce_last_loss_weight = num_tokens / divisor
+            # value: the micro-batch mean; gradient: the token sum's / divisor (normalized at the optimizer step)
+            return mean.detach() + (loss_sum - loss_sum.detach()) / divisor
         return mean
 
     def flce_logits(self, hidden: Tensor) -> Tensor:
@@ -367,7 +379,7 @@ class FLCEMixin:
         register_fsdp_step_methods(self)
         self._flce_step_totals = None
         self._flce_step_index = None
-        self._flce_loss_scale_checked = False
+        self._flce_grad_divisor = None  # agreed afresh: this fit's ranks and batches may differ
         if self.flce_normalize == "step" and "DeepSpeed" in type(self.trainer.strategy).__name__:
             raise ValueError(
                 "flce_normalize='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
@@ -504,24 +516,19 @@ class FLCEMixin:
             scale = (1.0 if scale is None else scale) / logits_scaling
         return (None if scale is None or scale == 1.0 else float(scale)), softcap
 
-    def _flce_warn_about_loss_scale(self, tokens: int) -> None:
-        """Once per fit, at its first step (resumed or continued fits have a settled scale, not a first one)."""
-        if self._flce_loss_scale_checked:
-            return
-        self._flce_loss_scale_checked = True
+    def _flce_first_grad_divisor(self, num_tokens: Tensor) -> float:
+        """The divisor of a fit's first step, from the mean of the ranks' first micro-batches' tokens."""
+        tokens = num_tokens.double()
         trainer = self.trainer
-        if trainer.global_step > 0:
-            return
-        accumulation = trainer.accumulate_grad_batches if self.automatic_optimization else 1
-        message = loss_scale_warning(getattr(trainer.precision_plugin, "scaler", None), tokens, accumulation)
-        if message is not None:
-            rank_zero_warn(message)
+        if trainer.world_size > 1:
+            tokens = trainer.strategy.reduce(tokens, reduce_op="mean")
+        return _power_of_two_at_most(tokens.item())
 
     def _flce_count_backward(self, totals: Tensor, grad: Tensor) -> None:
         self._flce_add_to_step(totals)
 
     def _flce_add_to_step(self, totals: Tensor) -> None:
-        """Adds a micro-batch's [loss sum, token count] to the optimizer step's."""
+        """Adds a micro-batch's [loss sum, token count, 1] to the optimizer step's."""
         step = self.trainer.global_step
         if self._flce_step_totals is not None and self._flce_step_index != step:
             if self.flce_normalize == "step":
@@ -559,10 +566,12 @@ class FLCEMixin:
         # With one single-device Trainer per TP rank, world_size is 1 and the local count is the step's count.
         if trainer.world_size > 1:
             totals = trainer.strategy.reduce(totals, reduce_op="sum")
-        loss_sum, num_tokens = totals.tolist()
+        loss_sum, num_tokens, micro_batches = totals.tolist()
         if self.flce_normalize == "step":
             accumulation = trainer.accumulate_grad_batches if self.automatic_optimization else 1
-            scale = accumulation * trainer.world_size / max(num_tokens, 1.0)
+            scale = accumulation * trainer.world_size * self._flce_grad_divisor / max(num_tokens, 1.0)
+            # the next step's divisor: these totals are the same on every rank
+            self._flce_grad_divisor = _power_of_two_at_most(num_tokens / max(micro_batches, 1.0))
             if self.automatic_optimization and optimizer is not None:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
             else:
@@ -617,31 +626,5 @@ class FLCEMixin:
         )
 
 
-def loss_scale_warning(scaler: Any, tokens: int, accumulation: int = 1) -> Optional[str]:
-    """The warning for an fp16 ``GradScaler`` (``scaler``, or ``None``) at its first scale, when the token sum
-    that ``flce_normalize="step"`` back-propagates (up to ``tokens`` per micro-batch; Lightning divides each
-    micro-batch's loss by ``accumulation``) may make it skip 3 or more steps more than a mean loss would;
-    ``None`` otherwise.
-
-    The sum's gradients are ``tokens / accumulation`` times the mean's and each skipped step halves the
-    scale, so starting at the mean's usual 2^16 costs up to ``log2(tokens / accumulation)`` extra skipped
-    steps (14 at 16k tokens; fewer where the mean's gradients had headroom)."""
-    if scaler is None or not scaler.is_enabled():
-        return None
-    ratio = tokens / max(accumulation, 1)
-    scale = scaler.get_scale()  # the initial scale before the first step: no device sync
-    if ratio < 2 or scale * ratio <= 2.0**16:
-        return None
-    extra = math.floor(math.log2(scale * ratio / 2.0**16))
-    if extra < 3:
-        return None
-    init_scale = 2.0 ** (16 - math.floor(math.log2(ratio)))
-    device = getattr(scaler, "_device", "cuda")
-    per_step = f" ({accumulation} accumulated)" if accumulation > 1 else ""
-    return (
-        f"precision='16-mixed' with flce_normalize='step': the loss back-propagated is the token sum (up to"
-        f" {tokens} tokens per micro-batch{per_step}), so the GradScaler's first scale {scale:g} may overflow"
-        f" fp16 gradients and skip up to {extra} more optimizer steps than a mean loss would while it backs off."
-        f" Start it lower: Trainer(plugins=[MixedPrecision('16-mixed', '{device}', torch.amp.GradScaler("
-        f"'{device}', init_scale={init_scale:g}))]), or use precision='bf16-mixed'."
-    )
+def _power_of_two_at_most(value: float) -> float:
+    return 2.0 ** math.floor(math.log2(max(value, 1.0)))

@@ -34,14 +34,15 @@ def tiny_gpt() -> TinyGPT:
 
 
 def samples() -> list[dict[str, torch.Tensor]]:
-    """Sample i ignores i labels, and samples 5 and 7 ignore all of theirs. DistributedSampler gives rank 1
-    the odd samples, so its second micro-batch ([5, 7]) has no label at all."""
+    """Sample i ignores i labels, and samples 3, 5 and 7 ignore all of theirs. DistributedSampler gives rank 1
+    the odd samples, so its second micro-batch ([5, 7]) has no label at all, and its first ([1, 3]) 7 labels
+    against rank 0's 14: the ranks must agree on one gradient divisor (8), not take 4 and 8."""
     generator = torch.Generator().manual_seed(2)
     data = []
     for index in range(NUM_SAMPLES):
         tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=generator)
         labels = tokens[1:].clone()
-        labels[: SEQ if index in (5, 7) else index] = -100
+        labels[: SEQ if index in (3, 5, 7) else index] = -100
         data.append({"input_ids": tokens[:-1], "labels": labels})
     return data
 

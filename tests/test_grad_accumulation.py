@@ -107,6 +107,31 @@ def test_step_normalization_equals_one_big_batch():
     assert trainer.callback_metrics["train/loss"].item() == pytest.approx(ref_loss, rel=FP32_TOL)
 
 
+class WithAuxiliaryTerm(TinyGPT):
+    """Adds a second loss term, a micro-batch mean (here the same cross-entropy from plain logits), weighted
+    by ``flce_last_loss_weight`` as the mixin's docstring says: every gradient must come out twice the LM's."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        logits = self(batch["input_ids"]).flatten(0, 1)
+        aux = F.cross_entropy(logits, batch["labels"].flatten())  # these micro-batches all have labels
+        return loss + aux * self.flce_last_loss_weight
+
+
+@pytest.mark.parametrize("normalize", ["step", "micro_batch"])
+def test_another_loss_term_weighted_like_the_lm_loss(normalize):
+    model = tiny_gpt(WithAuxiliaryTerm, flce_normalize=normalize)
+    if normalize == "step":
+        loss_fn = lambda m: 2 * token_mean_loss(m, MICRO_BATCHES)  # noqa: E731
+    else:
+        loss_fn = lambda m: sum(2 * token_mean_loss(m, [b]) for b in MICRO_BATCHES) / len(MICRO_BATCHES)  # noqa: E731
+    _, ref_grads = reference_grads(model, loss_fn)
+    _, capture = fit(model, MICRO_BATCHES + MICRO_BATCHES[::-1], accumulate_grad_batches=2)
+    assert len(capture.grads) == 2  # the second step's divisor is the first step's tokens per micro-batch
+    for grads in capture.grads:
+        assert_grads_close(grads, ref_grads)
+
+
 def test_micro_batch_normalization_averages_micro_batch_means():
     model = tiny_gpt(flce_normalize="micro_batch")
     ref_loss, ref_grads = reference_grads(
