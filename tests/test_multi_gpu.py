@@ -691,6 +691,40 @@ def run_op_error_case(name: str, rank: int, device: torch.device) -> dict:
     }
 
 
+def run_head_state(rank: int, device: torch.device) -> dict:
+    """A CUDA ``VocabParallelHead``'s states over NCCL: its rows, ``full_state_dict`` (an all-gather of uneven
+    shards), rank 0's ``state_dict`` loaded on every rank, and ``load_full_state_dict`` of a whole head."""
+    import torch.distributed as dist
+
+    from lightning_flce.parallel import VocabParallelHead
+
+    torch.manual_seed(0)
+    head = VocabParallelHead(OP_HIDDEN, OP_VOCAB, bias=True, device=device)
+    result = {
+        "rows": (head.vocab_start, head.vocab_start + head.weight.shape[0]),
+        "device": str(head.weight.device),
+        "weight": head.weight.detach().cpu().clone(),
+        "bias": head.bias.detach().cpu().clone(),
+    }
+    full = head.full_state_dict()
+    result["full_device"] = str(full["weight"].device)
+    result["full_state"] = {name: value.cpu() for name, value in full.items()}
+    # as saved to a file: tensors on the CPU, and the rows it holds (a dict, its extra state)
+    state = [
+        {k: v.cpu() if torch.is_tensor(v) else v for k, v in head.state_dict().items()} if rank == 0 else None
+    ]
+    dist.broadcast_object_list(state, src=0)
+    result["load_error"] = error_in_step(lambda: head.load_state_dict(state[0]))
+    result["unchanged"] = torch.equal(head.weight.cpu(), result["weight"])
+    numbered = {
+        "weight": torch.arange(OP_VOCAB * OP_HIDDEN * 1.0).view(OP_VOCAB, OP_HIDDEN),
+        "bias": torch.arange(OP_VOCAB * 1.0),
+    }
+    head.load_full_state_dict(numbered)  # CPU tensors into the CUDA shards
+    result["numbered_full"] = {name: value.cpu() for name, value in head.full_state_dict().items()}
+    return result
+
+
 def op_errors_worker(out_dir: str, device_name: str) -> None:
     import torch.distributed as dist
 
@@ -698,6 +732,7 @@ def op_errors_worker(out_dir: str, device_name: str) -> None:
 
     rank, device = _join_op_group(device_name)
     results = {name: run_op_error_case(name, rank, device) for name in OP_ERROR_CASES}
+    results["head_state"] = run_head_state(rank, device)
     x, weight, target, _, _ = _op_problem({"dtype": "fp32", "reduction": "mean"}, device)
     start, end = vocab_shard_range(OP_VOCAB, WORLD, rank)
     loss = vocab_parallel_fused_linear_cross_entropy(x, weight[start:end], target)
@@ -830,6 +865,28 @@ def test_vocab_parallel_op_one_rank_errors_nccl(suite_results, name):
             )
     for r in ranks:  # the group still works
         assert abs(r["after"]["loss"] - r["after"]["single"]) < 1e-4 * abs(r["after"]["single"]), r["after"]
+
+
+@pytest.mark.cuda
+@needs_two_gpus
+def test_vocab_parallel_head_state_nccl(suite_results):
+    """full_state_dict gathers the uneven shards in row order on every rank's GPU; a rank's state_dict
+    loads only on its own rank (the rows it records); load_full_state_dict copies each rank's rows."""
+    ranks = [r["head_state"] for r in suite_results("op_errors")]
+    half = (OP_VOCAB + 1) // 2
+    assert [r["rows"] for r in ranks] == [(0, half), (half, OP_VOCAB)]
+    weight = torch.cat([r["weight"] for r in ranks])
+    bias = torch.cat([r["bias"] for r in ranks])
+    for rank, r in enumerate(ranks):
+        assert r["device"] == r["full_device"] == f"cuda:{rank}"
+        assert torch.equal(r["full_state"]["weight"], weight) and torch.equal(r["full_state"]["bias"], bias)
+        assert torch.equal(
+            r["numbered_full"]["weight"], torch.arange(OP_VOCAB * OP_HIDDEN * 1.0).view(OP_VOCAB, -1)
+        )
+        assert torch.equal(r["numbered_full"]["bias"], torch.arange(OP_VOCAB * 1.0))
+        assert r["unchanged"]
+    assert ranks[0]["load_error"] is None
+    assert ranks[1]["load_error"].startswith("ValueError") and "state is per rank" in ranks[1]["load_error"]
 
 
 @pytest.mark.cuda
