@@ -4,7 +4,7 @@ import difflib
 import functools
 import inspect
 import math
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -119,27 +119,33 @@ class FLCEMixin:
             ``"micro_batch"``: the plain mean of each micro-batch (Lightning then averages micro-batches and
             ranks, so micro-batches with few tokens weigh as much as full ones).
 
-    How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses divided by a
-    constant ``D`` of the step, and the mixin counts its non-ignored tokens when that sum is back-propagated (a
-    ``training_step`` that returns None to skip a batch adds neither its loss nor its tokens). After the last
-    backward of the step (wrapping the optimizer closure in :meth:`optimizer_step`, or in
-    :meth:`on_before_optimizer_step` if that override is bypassed; before gradient clipping either way) one
+    How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses over a divisor ``D``
+    (1 unless the gradients are fp16, below), and the mixin counts its non-ignored tokens when that sum is
+    back-propagated (a ``training_step`` that returns None to skip a batch adds neither its loss nor its
+    tokens). After the last backward of the step (wrapping the optimizer closure in :meth:`optimizer_step`, or
+    in :meth:`on_before_optimizer_step` if that override is bypassed; before gradient clipping either way) one
     ``all_reduce`` sums the step's loss, token and micro-batch counts over the ranks, and the gradients of the
     optimizer's parameters are multiplied by ``accumulate_grad_batches * world_size * D / tokens_of_step``
     (Lightning divides each micro-batch loss by ``accumulate_grad_batches`` and DDP/FSDP average over ranks).
-    ``D`` is a power of two near the non-ignored tokens per micro-batch, the same on every rank: the mean over
-    the ranks' first micro-batches (one ``all_reduce`` at the first training call of a fit), then each step's
-    mean from its totals. Being a power of two it changes no rounding of fp32 or bf16 gradients; it keeps the
-    back-propagated gradients at a mean loss's magnitude, which an fp16 ``GradScaler`` (``16-mixed``) expects
-    (the token sum itself would overflow Lightning's first scale of 2^16 and skip ``log2(tokens)`` steps).
     Consequences:
 
     - Every gradient of the optimizer is rescaled, so return the ``flce_loss`` of the training step as the
       loss. Another loss term added to it is rescaled too: multiply it (a micro-batch mean) by
-      ``self.flce_last_loss_weight`` to weight it per token like the LM loss (the weight is 1 under
-      ``"micro_batch"``).
-    - Every rank must call :meth:`flce_loss` in its first training micro-batch of a fit (the ``all_reduce``
-      above; a rank that skips its first batch before the loss would leave the others waiting).
+      ``self.flce_last_loss_weight`` (a 0-d tensor: the tokens of the last ``flce_loss`` call over ``D``; 1
+      under ``"micro_batch"``) to weight it per token like the LM loss.
+    - fp16 gradients (``precision="16-mixed"`` or ``"16-true"``): a token sum would overflow fp16 (a
+      ``GradScaler`` started at Lightning's 2^16 would skip up to ``log2(tokens / accumulate_grad_batches)``
+      steps while it backs off; ``16-true`` has no scaler). So ``D`` is the smallest power of two at least the
+      tokens per micro-batch, the same on every rank, which keeps the back-propagated gradients at most a mean
+      loss's size:
+
+      - first, the ranks' mean label count (ignored labels included) of their first training micro-batch, by
+        one ``all_reduce`` inside that :meth:`flce_loss` call: every rank must make that call at the same point;
+      - after each step, the step's mean tokens per micro-batch where that is larger. ``D`` never falls, so a
+        short last batch of an epoch does not make the next full step overflow; a step whose micro-batches
+        outgrow ``D`` can overflow once.
+
+      Being a power of two, ``D`` changes no rounding: the final fp32 gradients equal those of ``D = 1``.
     - Overridden hooks the mixin uses must call ``super()``: ``on_fit_start`` (step totals, FSDP2 step
       methods), ``on_validation_epoch_end`` / ``on_test_epoch_end`` (they log and reset ``val/*`` /
       ``test/*``; the mixin warns when an epoch's metrics were never logged).
@@ -170,8 +176,8 @@ class FLCEMixin:
       (``ModelParallelStrategy`` with the head built on ``device_mesh["tensor_parallel"]`` and ``fully_shard``
       on ``device_mesh["data_parallel"]``). The step totals are then summed over the whole world, which
       counts each token ``tp`` times, and the scale is
-      ``accumulate_grad_batches * world_size / that sum`` = ``accumulate_grad_batches * dp / tokens``: the
-      TP factor cancels, which is what an average over the ``dp`` data-parallel ranks needs.
+      ``accumulate_grad_batches * world_size * D / that sum`` = ``accumulate_grad_batches * dp * D / tokens``:
+      the TP factor cancels, which is what an average over the ``dp`` data-parallel ranks needs.
     - Refused (``ValueError`` at the start of fit): ``DDPStrategy``, ``DeepSpeedStrategy`` and
       ``FSDPStrategy`` with a head group of more than one rank. They reduce every gradient over the whole
       world, which would average the head shards of different vocabulary rows (and assume different data
@@ -239,11 +245,12 @@ class FLCEMixin:
         self.flce_last_logits_shape: Optional[tuple[int, int]] = None
         self.flce_last_logits_bytes: Optional[int] = None
         self.flce_last_num_tokens: Optional[Tensor] = None
-        self.flce_last_loss_weight: Union[Tensor, float] = 1.0
+        self.flce_last_loss_weight: Optional[Tensor] = None
         # [loss sum, token count, micro-batches] of the optimizer step in progress, and its global step
         self._flce_step_totals: Optional[Tensor] = None
-        # "step": the power of two the micro-batches' token sums are divided by (D in the class docstring)
-        self._flce_grad_divisor: Optional[float] = None
+        # "step": the power of two the micro-batches' token sums are divided by (D in the class docstring);
+        # None until agreed over the ranks (fp16 gradients)
+        self._flce_grad_divisor: Optional[float] = 1.0
         self._flce_step_index: Optional[int] = None
 
     # ------------------------------------------------------------------ loss
@@ -293,7 +300,7 @@ class FLCEMixin:
         # the naive path builds the logits it reports: nothing avoided
         self.flce_last_logits_bytes = 0 if self.flce_naive else num_logits[0] * num_logits[1] * 4
         self.flce_last_num_tokens = num_tokens
-        self.flce_last_loss_weight = 1.0
+        self.flce_last_loss_weight = torch.ones((), device=num_tokens.device)
         mean = loss_sum / num_tokens.clamp(min=1)
 
         if evaluating:
@@ -305,7 +312,7 @@ class FLCEMixin:
         if stage != "train":
             return mean
         if self.flce_normalize == "step" and self._flce_grad_divisor is None:
-            self._flce_grad_divisor = self._flce_first_grad_divisor(num_tokens)
+            self._flce_grad_divisor = self._flce_first_grad_divisor(labels.numel(), num_tokens.device)
         totals = torch.stack(
             [loss_sum.detach().double(), num_tokens.double(), num_tokens.new_ones((), dtype=torch.float64)]
         )
@@ -316,7 +323,7 @@ class FLCEMixin:
             self._flce_add_to_step(totals)
         if self.flce_normalize == "step":
             divisor = self._flce_grad_divisor
-            self.flce_last_loss_weight = num_tokens / divisor
+            self.flce_last_loss_weight = num_tokens.float() / divisor
             # value: the micro-batch mean; gradient: the token sum's / divisor (normalized at the optimizer step)
             return mean.detach() + (loss_sum - loss_sum.detach()) / divisor
         return mean
@@ -379,7 +386,8 @@ class FLCEMixin:
         register_fsdp_step_methods(self)
         self._flce_step_totals = None
         self._flce_step_index = None
-        self._flce_grad_divisor = None  # agreed afresh: this fit's ranks and batches may differ
+        # fp16 gradients: agreed afresh at the first training call (this fit's ranks and batches may differ)
+        self._flce_grad_divisor = None if self._flce_fp16_gradients() else 1.0
         if self.flce_normalize == "step" and "DeepSpeed" in type(self.trainer.strategy).__name__:
             raise ValueError(
                 "flce_normalize='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
@@ -516,13 +524,16 @@ class FLCEMixin:
             scale = (1.0 if scale is None else scale) / logits_scaling
         return (None if scale is None or scale == 1.0 else float(scale)), softcap
 
-    def _flce_first_grad_divisor(self, num_tokens: Tensor) -> float:
-        """The divisor of a fit's first step, from the mean of the ranks' first micro-batches' tokens."""
-        tokens = num_tokens.double()
+    def _flce_fp16_gradients(self) -> bool:
+        return str(getattr(self.trainer, "precision", "")) in ("16-mixed", "16-true")
+
+    def _flce_first_grad_divisor(self, labels: int, device: torch.device) -> float:
+        """fp16: the divisor of a fit's first step, from the ranks' mean size of their first micro-batch."""
+        size = torch.tensor(float(labels), dtype=torch.float64, device=device)
         trainer = self.trainer
         if trainer.world_size > 1:
-            tokens = trainer.strategy.reduce(tokens, reduce_op="mean")
-        return _power_of_two_at_most(tokens.item())
+            size = trainer.strategy.reduce(size, reduce_op="mean")
+        return _power_of_two_at_least(size.item())
 
     def _flce_count_backward(self, totals: Tensor, grad: Tensor) -> None:
         self._flce_add_to_step(totals)
@@ -570,8 +581,10 @@ class FLCEMixin:
         if self.flce_normalize == "step":
             accumulation = trainer.accumulate_grad_batches if self.automatic_optimization else 1
             scale = accumulation * trainer.world_size * self._flce_grad_divisor / max(num_tokens, 1.0)
-            # the next step's divisor: these totals are the same on every rank
-            self._flce_grad_divisor = _power_of_two_at_most(num_tokens / max(micro_batches, 1.0))
+            if self._flce_fp16_gradients():
+                # these totals are the same on every rank, so is the next step's divisor
+                per_micro_batch = _power_of_two_at_least(num_tokens / max(micro_batches, 1.0))
+                self._flce_grad_divisor = max(self._flce_grad_divisor, per_micro_batch)
             if self.automatic_optimization and optimizer is not None:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
             else:
@@ -626,5 +639,5 @@ class FLCEMixin:
         )
 
 
-def _power_of_two_at_most(value: float) -> float:
-    return 2.0 ** math.floor(math.log2(max(value, 1.0)))
+def _power_of_two_at_least(value: float) -> float:
+    return 2.0 ** math.ceil(math.log2(max(value, 1.0)))

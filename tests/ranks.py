@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 import pytest
 import torch
 
+REPO = str(Path(__file__).resolve().parent.parent)
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -38,8 +40,10 @@ _LAUNCHER_VARIABLES = (
 
 
 def clean_env(**extra: str) -> dict:
-    """This process's environment without the launcher variables of earlier tests, plus ``extra``."""
+    """This process's environment without the launcher variables of earlier tests, with this checkout first on
+    ``PYTHONPATH`` (the workers test it, not whichever copy of the package is installed), plus ``extra``."""
     env = {key: value for key, value in os.environ.items() if key not in _LAUNCHER_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 

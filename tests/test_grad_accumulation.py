@@ -14,6 +14,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 from lightning_flce.models.gpt import TinyGPT
@@ -118,18 +119,25 @@ class WithAuxiliaryTerm(TinyGPT):
         return loss + aux * self.flce_last_loss_weight
 
 
-@pytest.mark.parametrize("normalize", ["step", "micro_batch"])
-def test_another_loss_term_weighted_like_the_lm_loss(normalize):
+@pytest.mark.parametrize(
+    "normalize, fp16",
+    [("step", False), ("micro_batch", False), ("step", True)],
+    ids=["step", "micro_batch", "step-fp16"],
+)
+def test_another_loss_term_weighted_like_the_lm_loss(normalize, fp16):
+    """fp16 (16-mixed through its plugin: Trainer(precision="16-mixed") becomes bf16 on the CPU) makes "step"
+    divide the token sums by 16 here, which the weight must carry; fp16 autocast errors are ~1e-3."""
     model = tiny_gpt(WithAuxiliaryTerm, flce_normalize=normalize)
     if normalize == "step":
         loss_fn = lambda m: 2 * token_mean_loss(m, MICRO_BATCHES)  # noqa: E731
     else:
         loss_fn = lambda m: sum(2 * token_mean_loss(m, [b]) for b in MICRO_BATCHES) / len(MICRO_BATCHES)  # noqa: E731
     _, ref_grads = reference_grads(model, loss_fn)
-    _, capture = fit(model, MICRO_BATCHES + MICRO_BATCHES[::-1], accumulate_grad_batches=2)
-    assert len(capture.grads) == 2  # the second step's divisor is the first step's tokens per micro-batch
+    plugins = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))] if fp16 else []
+    _, capture = fit(model, MICRO_BATCHES + MICRO_BATCHES[::-1], accumulate_grad_batches=2, plugins=plugins)
+    assert len(capture.grads) == 2
     for grads in capture.grads:
-        assert_grads_close(grads, ref_grads)
+        assert_grads_close(grads, ref_grads, tol=1e-2 if fp16 else FP32_TOL)
 
 
 def test_micro_batch_normalization_averages_micro_batch_means():

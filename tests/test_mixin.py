@@ -440,8 +440,8 @@ def test_fused_adamw_gate():
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_fp16_loss_scaler_skips_no_step(accumulation):
     """16-mixed (on the CPU here) at Lightning's first scale, 2^16: "step" back-propagates the token sums over a
-    power of two near the tokens per micro-batch, so the fp16 gradients have a mean loss's size and the
-    GradScaler skips no step (the sums themselves, 24 tokens a micro-batch, overflowed at this scale)."""
+    power of two at least the tokens per micro-batch, so the fp16 gradients are at most a mean loss's size and
+    the GradScaler skips no step (the sums themselves, 24 tokens a micro-batch, overflowed at this scale)."""
     scaler = torch.amp.GradScaler("cpu")
     model = tiny_gpt(lr=1e-3)
     before = [p.detach().clone() for p in model.parameters()]
@@ -452,6 +452,21 @@ def test_fp16_loss_scaler_skips_no_step(accumulation):
     assert fit.global_step == 2
     assert scaler.get_scale() == 2.0**16  # a skipped step would have halved it
     assert all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+
+
+# samples per micro-batch, one micro-batch a step; "short": the divisor does not fall after the short step, so
+# the next full one does not overflow; "growing": 256x the tokens, the step where they grow overflows, none after
+@pytest.mark.parametrize(
+    "batch_sizes, most_skipped",
+    [pytest.param([32, 1, 32, 32], 0, id="short"), pytest.param([1, 256, 256, 256], 1, id="growing")],
+)
+def test_fp16_divisor_follows_the_batch_size(batch_sizes, most_skipped):
+    scaler = torch.amp.GradScaler("cpu")
+    batches = [make_batches(1, batch_size=size, seed=index)[0] for index, size in enumerate(batch_sizes)]
+    fit = trainer(max_steps=len(batches), plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    fit.fit(tiny_gpt(lr=1e-3), loader(batches))
+    skipped = round(math.log2(2.0**16 / scaler.get_scale()))  # each skipped step halved the scale
+    assert skipped <= most_skipped
 
 
 def test_overridden_epoch_end_without_super_warns():

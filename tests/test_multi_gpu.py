@@ -799,7 +799,6 @@ def launch(suite: str, out_dir: Path, device: str = "cuda", only: list[str] | No
     command = [HERE, "--worker", suite, out_dir, "--device", device]
     if only:
         command += ["--only", ",".join(only)]
-    pythonpath = os.pathsep.join(filter(None, [str(HERE.parent.parent), os.environ.get("PYTHONPATH")]))
 
     def env(rank: int) -> dict:
         threads = "1" if device == "cpu" else os.environ.get("OMP_NUM_THREADS", "4")
@@ -809,7 +808,6 @@ def launch(suite: str, out_dir: Path, device: str = "cuda", only: list[str] | No
             port,
             OMP_NUM_THREADS=threads,
             TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
-            PYTHONPATH=pythonpath,
             **NO_MULTICAST,
         )
 
