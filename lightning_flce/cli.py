@@ -5,18 +5,25 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
+# imported so that their classes are listed in --help and found by short name (--model TinyGPT)
+import lightning_flce.data  # noqa: F401
+import lightning_flce.models  # noqa: F401
+
 
 class FLCELightningCLI(LightningCLI):
     """``LightningCLI`` whose model and data are chosen by ``class_path``, with the vocabulary size linked.
 
     The data module's ``vocab_size`` attribute (the real tokenizer size, known only once the data module
-    exists) is passed to the model's ``vocab_size`` init argument, so the two never disagree. A model without
-    a ``vocab_size`` argument is left alone. The subcommands are ``fit``, ``validate`` and ``test``.
+    exists) is passed to the model's ``vocab_size`` init argument, so the two never disagree: a
+    ``model.init_args.vocab_size`` given on the command line or in YAML is replaced by it (set
+    ``data.init_args.vocab_size`` instead). A model without a ``vocab_size`` argument is left alone. The
+    subcommands are ``fit``, ``validate`` and ``test``.
 
     Example (shell)::
 
         lightning-flce fit --config configs/default.yaml
         lightning-flce fit --config configs/default.yaml --trainer.max_steps 100 --print_config
+        lightning-flce fit --model.help TinyGPT        # the model's options, FLCEMixin's flce_* included
 
     Example (YAML passed with ``--config``)::
 

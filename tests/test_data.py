@@ -211,3 +211,39 @@ def test_token_block_dataset():
         TokenBlockDataset(tokens.view(2, 5), seq_len=3)
     with pytest.raises(ValueError, match="label_format"):
         TokenBlockDataset(tokens, seq_len=3, label_format="x")
+
+
+@pytest.mark.parametrize("model_format", ["shifted", "hf"])
+@pytest.mark.parametrize("data_format", ["shifted", "hf"])
+def test_models_refuse_the_other_label_format(cache_dir, model_format, data_format):
+    """TinyGPT reads "shifted" labels, HFCausalLM "hf" ones (it shifts them): with the other format a run would
+    train on the wrong targets without an error (copying its input, or predicting two tokens ahead)."""
+    import lightning.pytorch as pl
+
+    from lightning_flce.models import TinyGPT
+
+    dm = PythonStdlibDataModule(**SMALL, label_format=data_format, cache_dir=str(cache_dir))
+    if model_format == "shifted":
+        model = TinyGPT(vocab_size=SMALL["vocab_size"], d_model=16, n_layers=1, n_heads=2, max_seq_len=32)
+    else:
+        pytest.importorskip("transformers")
+        from lightning_flce.models import HFCausalLM
+
+        config = {"model_type": "llama", "vocab_size": SMALL["vocab_size"], "hidden_size": 16}
+        config.update(intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+        model = HFCausalLM(config=config)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if model_format == data_format:
+        trainer.fit(model, datamodule=dm)
+        assert trainer.global_step == 1
+    else:
+        with pytest.raises(ValueError, match=f"label_format='{model_format}'"):
+            trainer.fit(model, datamodule=dm)

@@ -157,12 +157,25 @@ def test_bad_logits_shape_raises(shape):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"snapshot_steps": [2, -1]}, "snapshot_steps"), ({"snapshot_max_entries": 0}, "snapshot_max_entries")],
+    ("kwargs", "error", "match"),
+    [
+        ({"snapshot_steps": [2, -1]}, ValueError, "snapshot_steps"),
+        ({"snapshot_steps": [1.5]}, ValueError, "snapshot_steps"),
+        ({"snapshot_steps": "10"}, ValueError, "snapshot_steps"),
+        ({"snapshot_max_entries": 0}, ValueError, "snapshot_max_entries"),
+        ({"snapshot_max_entries": 1.5}, ValueError, "snapshot_max_entries"),
+        ({"plot": "no"}, TypeError, "`plot` must be a bool"),  # a truthy string would switch the plot on
+        ({"verbose": 0}, TypeError, "`verbose` must be a bool"),
+    ],
 )
-def test_bad_arguments_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
         FLCEMemoryCallback(**kwargs)
+
+
+def test_one_snapshot_step_may_be_an_int():
+    assert FLCEMemoryCallback(snapshot_steps=5).snapshot_steps == [5]
+    assert FLCEMemoryCallback(snapshot_steps=[7, 3, 7]).snapshot_steps == [3, 7]
 
 
 @pytest.mark.parametrize(("max_steps", "every", "accumulate"), [(7, 3, 1), (4, 2, 2)])

@@ -13,7 +13,7 @@ import os
 import statistics
 import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -93,7 +93,7 @@ class FLCEMemoryCallback(Callback):
             progress bar.
         plot: At the end of training write ``memory.png``, the metrics per logged step, to the Trainer's log
             directory (``trainer.log_dir``). Needs ``matplotlib``.
-        snapshot_steps: Optimizer steps (0-based, as in ``trainer.global_step`` when the step starts, the logger's
+        snapshot_steps: An optimizer step or a list of them (0-based, as in ``trainer.global_step`` when the step starts, the logger's
             ``step`` column) for which to dump a CUDA memory snapshot. Ignored off CUDA.
         snapshot_dir: Where snapshots go; ``None`` means the Trainer's log directory.
         record_on_oom: Record allocator history from the start of fit and dump it on a CUDA out-of-memory error.
@@ -135,7 +135,7 @@ class FLCEMemoryCallback(Callback):
         self,
         prog_bar: bool = False,
         plot: bool = False,
-        snapshot_steps: Optional[list[int]] = None,
+        snapshot_steps: Optional[Union[int, list[int]]] = None,
         snapshot_dir: Optional[str] = None,
         record_on_oom: bool = False,
         snapshot_max_entries: int = 100_000,
@@ -145,11 +145,30 @@ class FLCEMemoryCallback(Callback):
             raise ModuleNotFoundError(
                 f"`FLCEMemoryCallback(plot=True)` needs matplotlib: `pip install matplotlib`. {_MATPLOTLIB_AVAILABLE}"
             )
-        snapshot_steps = sorted(set(snapshot_steps or []))
-        if any(step < 0 for step in snapshot_steps):
-            raise ValueError(f"`snapshot_steps` must be steps >= 0, got {snapshot_steps}.")
-        if snapshot_max_entries <= 0:
-            raise ValueError(f"`snapshot_max_entries` must be positive, got {snapshot_max_entries}.")
+        for name, value in {
+            "prog_bar": prog_bar,
+            "plot": plot,
+            "record_on_oom": record_on_oom,
+            "verbose": verbose,
+        }.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, got {value!r}.")
+        if isinstance(snapshot_steps, int) and not isinstance(snapshot_steps, bool):
+            snapshot_steps = [snapshot_steps]
+        snapshot_steps = list(snapshot_steps or [])
+        if not all(
+            isinstance(step, int) and not isinstance(step, bool) and step >= 0 for step in snapshot_steps
+        ):
+            raise ValueError(
+                f"`snapshot_steps` must be a step or a list of steps (ints >= 0), got {snapshot_steps}."
+            )
+        snapshot_steps = sorted(set(snapshot_steps))
+        if (
+            not isinstance(snapshot_max_entries, int)
+            or isinstance(snapshot_max_entries, bool)
+            or snapshot_max_entries <= 0
+        ):
+            raise ValueError(f"`snapshot_max_entries` must be a positive int, got {snapshot_max_entries!r}.")
         self.prog_bar = prog_bar
         self.plot = plot
         self.snapshot_steps = snapshot_steps

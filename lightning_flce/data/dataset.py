@@ -1,9 +1,26 @@
 """Fixed-length language-modelling blocks cut from one long stream of token ids."""
 
+from typing import Any
+
 import torch
 from torch.utils.data import Dataset
 
 LABEL_FORMATS = ("shifted", "hf")
+
+
+def check_label_format(model: Any, expected: str) -> None:
+    """Raises when the data module of ``model``'s trainer makes batches in another ``label_format`` than the
+    model reads (a mismatch would train silently on the wrong targets: copying the input, or shifting twice).
+    Data modules without a ``label_format`` attribute, and dataloaders passed directly, are not checked."""
+    trainer = getattr(model, "_trainer", None)
+    datamodule = getattr(trainer, "datamodule", None)
+    actual = getattr(datamodule, "label_format", None)
+    if actual is not None and actual != expected:
+        raise ValueError(
+            f"{type(model).__name__} reads labels in the {expected!r} format, but the data module"
+            f" {type(datamodule).__name__} makes label_format={actual!r} batches: set the data module's"
+            f" label_format={expected!r} (YAML: data.init_args.label_format: {expected})"
+        )
 
 
 class TokenBlockDataset(Dataset):

@@ -10,6 +10,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
@@ -215,6 +216,10 @@ class PythonStdlibDataModule(pl.LightningDataModule):
         # Record the size in use: the model gets the real size through the CLI link, and the Trainer refuses
         # to log a model and a data module whose shared hyperparameters differ.
         if self.hparams["vocab_size"] != tokenizer.get_vocab_size():
+            rank_zero_info(
+                f"PythonStdlibDataModule: the BPE tokenizer has {tokenizer.get_vocab_size()} tokens, fewer than the"
+                f" {self.requested_vocab_size} requested (too little text: raise max_chars for more)"
+            )
             self.save_hyperparameters({**self.hparams, "vocab_size": tokenizer.get_vocab_size()})
 
     def _load_or_train_tokenizer(self, train_texts: Optional[list[str]] = None) -> Tokenizer:

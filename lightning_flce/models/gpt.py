@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
+from lightning_flce.data.dataset import check_label_format
 from lightning_flce.mixin import FLCEMixin
 
 
@@ -94,6 +95,10 @@ class TinyGPT(FLCEMixin, pl.LightningModule):
                 nn.init.normal_(param, std=0.02 / math.sqrt(2 * n_layers))
         if tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+
+    def setup(self, stage: str) -> None:
+        check_label_format(self, "shifted")
+        super().setup(stage)
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (FSDP2): shard each block, an untied head, then the root."""

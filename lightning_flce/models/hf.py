@@ -5,6 +5,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from torch import Tensor, nn
 
+from lightning_flce.data.dataset import check_label_format
 from lightning_flce.mixin import _NARROW_INT_DTYPES, FLCEMixin
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 
@@ -101,6 +102,10 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
                 raise ValueError(f"vocab_size={vocab_size} exceeds the {rows} rows of the pretrained LM head")
         if compile_layers:
             compile_decoder_layers(self.model)
+
+    def setup(self, stage: str) -> None:
+        check_label_format(self, "hf")
+        super().setup(stage)
 
     def configure_model(self) -> None:
         """Compiles the decoder layers again where a copy lost them (pickling drops ``torch.compile``'s
