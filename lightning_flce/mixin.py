@@ -228,15 +228,18 @@ class FLCEMixin:
         self.flce_softcap = flce_softcap
         self.flce_naive = flce_naive
         self.flce_normalize = flce_normalize
-        self.flce_head_loss = FLCEHeadLoss(
-            ignore_index=flce_ignore_index,
-            label_smoothing=flce_label_smoothing,
-            z_loss=flce_z_loss,
-            accum_fp32=flce_accum_fp32,
-            chunk_size=flce_chunk_size,
-            impl=flce_impl,
-            naive=flce_naive,
-        )
+        try:
+            self.flce_head_loss = FLCEHeadLoss(
+                ignore_index=flce_ignore_index,
+                label_smoothing=flce_label_smoothing,
+                z_loss=flce_z_loss,
+                accum_fp32=flce_accum_fp32,
+                chunk_size=flce_chunk_size,
+                impl=flce_impl,
+                naive=flce_naive,
+            )
+        except ValueError as error:  # FLCEHeadLoss names its arguments without the mixin's prefix
+            raise ValueError(f"flce_{error}") from None
         # token-weighted means; their states are not persistent, so checkpoints do not change
         self.flce_eval_loss = _Float64Mean()
         self.flce_eval_accuracy = _Float64Mean()

@@ -762,3 +762,12 @@ def test_overrides_that_skip_the_normalization_raise():
     model = SkipsNormalization(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, max_seq_len=SEQ)
     with pytest.raises(RuntimeError, match="super"):
         trainer(max_steps=2, limit_val_batches=0).fit(model, loader(make_batches(2)))
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("flce_z_loss", -1.0), ("flce_label_smoothing", 2.0), ("flce_chunk_size", 0), ("flce_impl", "cuda")],
+)
+def test_bad_options_are_named_as_the_user_wrote_them(option, value):
+    with pytest.raises(ValueError, match=f"^{option} must"):
+        tiny_gpt(**{option: value})
