@@ -6,9 +6,11 @@ the implementation, and call the custom op of :mod:`lightning_flce.op`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import operator
-from typing import NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -126,6 +128,30 @@ def fused_linear_cross_entropy(
     ).loss
 
 
+def takes_options_of(loss_function: Callable) -> Callable[[Callable], Callable]:
+    """Decorator of a ``*_with_stats`` function that forwards ``**kwargs`` to the op: it takes the keyword
+    options of ``loss_function``, which ``help()`` and ``inspect.signature`` then show, and a misspelled one
+    raises a ``TypeError`` that names the public function (not the internal one it forwards to)."""
+    signature = inspect.signature(loss_function)
+    options = sorted(name for name, param in signature.parameters.items() if param.kind is param.KEYWORD_ONLY)
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def checked(*args, **kwargs):
+            unknown = sorted(set(kwargs) - set(options))
+            if unknown:
+                raise TypeError(
+                    f"{function.__name__}() got unexpected keyword arguments {unknown}; options: {options}"
+                )
+            return function(*args, **kwargs)
+
+        checked.__signature__ = signature.replace(return_annotation="FLCEOutput")
+        return checked
+
+    return decorate
+
+
+@takes_options_of(fused_linear_cross_entropy)
 def fused_linear_cross_entropy_with_stats(
     input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, **kwargs
 ) -> FLCEOutput:

@@ -57,6 +57,7 @@ from lightning_flce.functional import (
     _class_indices,
     _resolve_impl,
     _shaped_like_target,
+    takes_options_of,
 )
 from lightning_flce.kernels import (
     ChunkOutputs,
@@ -200,6 +201,7 @@ def vocab_parallel_fused_linear_cross_entropy(
     ).loss
 
 
+@takes_options_of(vocab_parallel_fused_linear_cross_entropy)
 def vocab_parallel_fused_linear_cross_entropy_with_stats(
     input: Tensor, weight_shard: Tensor, target: Tensor, bias_shard: Optional[Tensor] = None, **kwargs
 ) -> FLCEOutput:

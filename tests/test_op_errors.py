@@ -232,3 +232,26 @@ def test_empty_partitioned_weight_is_explained():
 def test_triton_impl_on_cpu_without_interpreter_is_refused():
     with pytest.raises(RuntimeError, match="impl='triton'"):
         _call({"impl": "triton"})
+
+
+def test_stats_variants_show_and_check_the_loss_options():
+    """help() of the ``*_with_stats`` functions lists the loss's options, and a misspelled one names them."""
+    import inspect
+
+    from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
+    from lightning_flce.parallel import (
+        vocab_parallel_fused_linear_cross_entropy,
+        vocab_parallel_fused_linear_cross_entropy_with_stats,
+    )
+
+    for loss, with_stats in [
+        (fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats),
+        (vocab_parallel_fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy_with_stats),
+    ]:
+        assert inspect.signature(with_stats).parameters == inspect.signature(loss).parameters
+    x, w, t = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    with pytest.raises(
+        TypeError, match=r"fused_linear_cross_entropy_with_stats\(\) got unexpected .*\['chunk'\]"
+    ):
+        fused_linear_cross_entropy_with_stats(x, w, t, chunk=2)
+    assert fused_linear_cross_entropy_with_stats(x, w, t, chunk_size=2).lse.shape == (4,)
