@@ -30,6 +30,18 @@ def test_lightning_exports_resolve_lazily_and_by_class_path():
     )
     callback = parser.instantiate_classes(config).callback
     assert type(callback) is FLCEMemoryCallback
+    # and the README's whole YAML example, every option of it
+    import json
+    import pathlib
+
+    import yaml
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("## FLCEMemoryCallback", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    (entry,) = yaml.safe_load(example)["trainer"]["callbacks"]
+    callback = parser.instantiate_classes(parser.parse_args([f"--callback={json.dumps(entry)}"])).callback
+    assert type(callback) is FLCEMemoryCallback
+    assert {name: getattr(callback, name) for name in entry["init_args"]} == entry["init_args"]
     assert set(lightning_flce.__all__) <= set(dir(lightning_flce))
     try:
         lightning_flce.not_a_name  # noqa: B018
