@@ -184,8 +184,8 @@ class FLCEMixin:
       per rank). Also refused: a world size that is not a multiple of the TP size.
 
     :meth:`flce_loss` returns a tensor whose *value* is the micro-batch mean and whose gradient (``"step"``)
-    is that of the token sum over ``D``. A micro-batch whose labels are all ignored gives 0 with the graph connected, so every
-    rank runs the same backward (no DDP hang).
+    is that of the token sum over ``D``. A micro-batch whose labels are all ignored gives 0 with the graph
+    connected, so every rank runs the same backward (no DDP hang).
 
     Logs ``train/loss`` (mean over the tokens of the optimizer step, all ranks; per step and per epoch, so the
     loggers get ``train/loss_step`` and ``train/loss_epoch``), and ``val/loss``, ``val/perplexity``,
@@ -269,8 +269,8 @@ class FLCEMixin:
 
         Returns:
             The mean over the non-ignored tokens (0 if there are none). During ``fit`` with
-            ``flce_normalize="step"`` its gradient is that of the token sum over ``D``; the mixin normalizes the
-            gradients at the optimizer step (see the class docstring).
+            ``flce_normalize="step"`` its gradient is that of the token sum over ``D``; the mixin normalizes
+            the gradients at the optimizer step (see the class docstring).
 
         """
         if not isinstance(hidden, Tensor) or not isinstance(labels, Tensor):

@@ -93,8 +93,8 @@ class FLCEMemoryCallback(Callback):
             progress bar.
         plot: At the end of training write ``memory.png``, the metrics per logged step, to the Trainer's log
             directory (``trainer.log_dir``). Needs ``matplotlib``.
-        snapshot_steps: An optimizer step or a list of them (0-based, as in ``trainer.global_step`` when the step starts, the logger's
-            ``step`` column) for which to dump a CUDA memory snapshot. Ignored off CUDA.
+        snapshot_steps: An optimizer step or a list of them (0-based, as in ``trainer.global_step`` when the step
+            starts, the logger's ``step`` column) for which to dump a CUDA memory snapshot. Ignored off CUDA.
         snapshot_dir: Where snapshots go; ``None`` means the Trainer's log directory.
         record_on_oom: Record allocator history from the start of fit and dump it on a CUDA out-of-memory error.
             Ignored off CUDA.
