@@ -133,15 +133,16 @@ def takes_options_of(loss_function: Callable) -> Callable[[Callable], Callable]:
     options of ``loss_function``, which ``help()`` and ``inspect.signature`` then show, and a misspelled one
     raises a ``TypeError`` that names the public function (not the internal one it forwards to)."""
     signature = inspect.signature(loss_function)
-    options = sorted(name for name, param in signature.parameters.items() if param.kind is param.KEYWORD_ONLY)
+    options = {name for name, param in signature.parameters.items() if param.kind is param.KEYWORD_ONLY}
 
     def decorate(function: Callable) -> Callable:
         @functools.wraps(function)
         def checked(*args, **kwargs):
-            unknown = sorted(set(kwargs) - set(options))
+            unknown = kwargs.keys() - options
             if unknown:
                 raise TypeError(
-                    f"{function.__name__}() got unexpected keyword arguments {unknown}; options: {options}"
+                    f"{function.__name__}() got unexpected keyword arguments {sorted(unknown)};"
+                    f" options: {sorted(options)}"
                 )
             return function(*args, **kwargs)
 

@@ -303,7 +303,9 @@ class FLCEMixin:
         # the naive path builds the logits it reports: nothing avoided
         self.flce_last_logits_bytes = 0 if self.flce_naive else num_logits[0] * num_logits[1] * 4
         self.flce_last_num_tokens = num_tokens
-        self.flce_last_loss_weight = torch.ones((), device=num_tokens.device)
+        step_normalized = stage == "train" and self.flce_normalize == "step"
+        if not step_normalized:
+            self.flce_last_loss_weight = torch.ones((), device=num_tokens.device)
         mean = loss_sum / num_tokens.clamp(min=1)
 
         if evaluating:
@@ -314,7 +316,7 @@ class FLCEMixin:
             return mean
         if stage != "train":
             return mean
-        if self.flce_normalize == "step" and self._flce_grad_divisor is None:
+        if step_normalized and self._flce_grad_divisor is None:
             self._flce_grad_divisor = self._flce_first_grad_divisor(labels.numel(), num_tokens.device)
         totals = torch.stack(
             [loss_sum.detach().double(), num_tokens.double(), num_tokens.new_ones((), dtype=torch.float64)]
@@ -324,7 +326,7 @@ class FLCEMixin:
             loss_sum.register_hook(functools.partial(self._flce_count_backward, totals))
         else:
             self._flce_add_to_step(totals)
-        if self.flce_normalize == "step":
+        if step_normalized:
             divisor = self._flce_grad_divisor
             self.flce_last_loss_weight = num_tokens.float() / divisor
             # value: the micro-batch mean; gradient: the token sum's / divisor (normalized at the optimizer step)
