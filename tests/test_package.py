@@ -49,3 +49,20 @@ def test_lightning_exports_resolve_lazily_and_by_class_path():
         assert "not_a_name" in str(err)
     else:
         raise AssertionError("unknown attributes must raise AttributeError")
+
+
+def test_paths_named_in_the_docs_exist():
+    # The README and docs/ name files by path in backticks; a moved or renamed file must not leave a dangling
+    # reference. Globs (results folders) and paths inside other trees (site-packages) are skipped.
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    prefixes = ("lightning_flce/", "tests/", "examples/", "configs/", "benchmarks/", "docs/", ".ci/")
+    missing = []
+    for doc in docs:
+        for path in re.findall(r"`([\w./-]+)`", doc.read_text()):
+            if path.startswith(prefixes) and "*" not in path and not (root / path).exists():
+                missing.append(f"{doc.name}: {path}")
+    assert not missing, missing
