@@ -132,7 +132,8 @@ class FLCEMixin:
     - Every gradient of the optimizer is rescaled, so return the ``flce_loss`` of the training step as the
       loss. Another loss term added to it is rescaled too: multiply it (a micro-batch mean) by
       ``self.flce_last_loss_weight`` (a 0-d tensor: the tokens of the last ``flce_loss`` call over ``D``; 1
-      under ``"micro_batch"``) to weight it per token like the LM loss.
+      under ``"micro_batch"``) to weight it per token like the LM loss. The mixin warns once when the
+      back-propagated loss has other terms and the step did not read ``flce_last_loss_weight``.
     - fp16 gradients (``precision="16-mixed"`` or ``"16-true"``): a token sum would overflow fp16 (a
       ``GradScaler`` started at Lightning's 2^16 would skip up to ``log2(tokens / accumulate_grad_batches)``
       steps while it backs off; ``16-true`` has no scaler). So ``D`` is the smallest power of two at least the
@@ -248,7 +249,12 @@ class FLCEMixin:
         self.flce_last_logits_shape: Optional[tuple[int, int]] = None
         self.flce_last_logits_bytes: Optional[int] = None
         self.flce_last_num_tokens: Optional[Tensor] = None
-        self.flce_last_loss_weight: Optional[Tensor] = None
+        self._flce_last_loss_weight: Optional[Tensor] = None
+        # "step": the autograd nodes of this micro-batch's flce_loss outputs, and whether the step read
+        # flce_last_loss_weight (see on_before_backward)
+        self._flce_loss_nodes: list = []
+        self._flce_loss_weight_read = False
+        self._flce_warned_unweighted_term = False
         # [loss sum, token count, micro-batches] of the optimizer step in progress, and its global step
         self._flce_step_totals: Optional[Tensor] = None
         # "step": the power of two the micro-batches' token sums are divided by (D in the class docstring);
@@ -305,7 +311,7 @@ class FLCEMixin:
         self.flce_last_num_tokens = num_tokens
         step_normalized = stage == "train" and self.flce_normalize == "step"
         if not step_normalized:
-            self.flce_last_loss_weight = torch.ones((), device=num_tokens.device)
+            self._flce_last_loss_weight = torch.ones((), device=num_tokens.device)
         mean = loss_sum / num_tokens.clamp(min=1)
 
         if evaluating:
@@ -328,10 +334,21 @@ class FLCEMixin:
             self._flce_add_to_step(totals)
         if step_normalized:
             divisor = self._flce_grad_divisor
-            self.flce_last_loss_weight = num_tokens.float() / divisor
+            self._flce_last_loss_weight = num_tokens.float() / divisor
             # value: the micro-batch mean; gradient: the token sum's / divisor (normalized at the optimizer step)
-            return mean.detach() + (loss_sum - loss_sum.detach()) / divisor
+            loss = mean.detach() + (loss_sum - loss_sum.detach()) / divisor
+            if loss.grad_fn is not None:  # bounded: hooks overridden without super() never clear the list
+                self._flce_loss_nodes = [*self._flce_loss_nodes[-15:], loss.grad_fn]
+            return loss
         return mean
+
+    @property
+    def flce_last_loss_weight(self) -> Optional[Tensor]:
+        """Weight that makes another loss term (a micro-batch mean) count per token like the last ``flce_loss``
+        output: its tokens over ``D`` under ``flce_normalize="step"`` in training, else 1 (a 0-d tensor; None
+        before the first call). See the class docstring."""
+        self._flce_loss_weight_read = True
+        return self._flce_last_loss_weight
 
     def flce_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the head on ``hidden`` with the loss's logit scale and softcap (inference path)."""
@@ -405,6 +422,32 @@ class FLCEMixin:
             if not any(isinstance(callback, _NormalizeBeforeCallbacks) for callback in callbacks):
                 callbacks.insert(0, _NormalizeBeforeCallbacks())
         super().on_fit_start()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
+        self._flce_loss_nodes = []  # a skipped backward leaves its nodes (and their graph) behind
+        self._flce_loss_weight_read = False
+        return super().on_train_batch_start(batch, batch_idx)
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        # "step" rescales every gradient at the optimizer step for the LM loss's token sum, so a term added to
+        # flce_loss's output without flce_last_loss_weight is silently weighted ~1 / tokens: warn once.
+        nodes, self._flce_loss_nodes = self._flce_loss_nodes, []
+        weight_read, self._flce_loss_weight_read = self._flce_loss_weight_read, False
+        if (
+            nodes
+            and not weight_read
+            and not self._flce_warned_unweighted_term
+            and _has_other_terms(loss, nodes)
+        ):
+            self._flce_warned_unweighted_term = True
+            rank_zero_warn(
+                "FLCEMixin: the loss back-propagated in this training step has terms besides flce_loss's output."
+                " With flce_normalize='step' every gradient is rescaled at the optimizer step for the LM loss's"
+                " token sum, so another term (a micro-batch mean) keeps its weight only when multiplied by"
+                " self.flce_last_loss_weight, e.g. `return self.flce_loss(hidden, labels) + aux *"
+                " self.flce_last_loss_weight`; or use flce_normalize='micro_batch'. (Warned once.)"
+            )
+        super().on_before_backward(loss)
 
     def on_validation_start(self) -> None:
         register_fsdp_step_methods(self)
@@ -646,3 +689,24 @@ class FLCEMixin:
 
 def _power_of_two_at_least(value: float) -> float:
     return 2.0 ** math.ceil(math.log2(max(value, 1.0)))
+
+
+# Scalar arithmetic a loss goes through between flce_loss and backward (Lightning divides by
+# accumulate_grad_batches; users scale or add flce_loss outputs, e.g. two heads).
+_ARITHMETIC_NODES = frozenset(
+    {"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0", "NegBackward0"}
+)
+
+
+def _has_other_terms(loss: Tensor, flce_nodes: list) -> bool:
+    """Whether ``loss``'s graph, followed through arithmetic only, reaches anything but ``flce_nodes`` (the
+    ``grad_fn`` of this micro-batch's ``flce_loss`` outputs) and constants."""
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or any(node is flce_node for flce_node in flce_nodes):
+            continue
+        if type(node).__name__ not in _ARITHMETIC_NODES:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False

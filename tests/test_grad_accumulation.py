@@ -289,3 +289,56 @@ def test_a_skipped_micro_batch_adds_no_tokens():
     assert len(capture.grads) == 1
     assert_grads_close(capture.grads[0], ref_grads)
     assert trainer.callback_metrics["train/loss"].item() == pytest.approx(ref_loss, rel=FP32_TOL)
+
+
+class WithUnweightedTerm(TinyGPT):
+    """The mistake the mixin warns about under "step": a micro-batch-mean term added without the weight."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0.1 * self(batch["input_ids"]).float().pow(2).mean()
+
+
+class TwoLMLosses(TinyGPT):
+    """Two flce_loss outputs summed and scaled (two heads, say): all normalized by the mixin, nothing to warn."""
+
+    def training_step(self, batch, batch_idx):
+        hidden = self.hidden_states(batch["input_ids"])
+        return (self.flce_loss(hidden, batch["labels"]) + self.flce_loss(hidden, batch["labels"])) / 2
+
+
+@pytest.mark.parametrize(
+    "cls, normalize, accumulate, fp16, warns",
+    [
+        (WithUnweightedTerm, "step", 1, False, True),
+        (WithUnweightedTerm, "step", 2, False, True),
+        (WithUnweightedTerm, "step", 2, True, True),
+        (WithUnweightedTerm, "micro_batch", 1, False, False),
+        (WithAuxiliaryTerm, "step", 2, False, False),
+        (WithAuxiliaryTerm, "step", 2, True, False),
+        (TinyGPT, "step", 2, False, False),
+        (TwoLMLosses, "step", 2, False, False),
+    ],
+    ids=[
+        "unweighted",
+        "unweighted-accumulated",
+        "unweighted-fp16",
+        "unweighted-micro_batch",
+        "weighted",
+        "weighted-fp16",
+        "lm-only",
+        "two-lm-losses",
+    ],
+)
+def test_warns_once_about_a_term_without_the_loss_weight(cls, normalize, accumulate, fp16, warns):
+    """Lightning hands on_before_backward the loss divided by accumulate_grad_batches, and under 16-mixed
+    multiplied by the GradScaler's scale: both are arithmetic the check follows."""
+    import warnings
+
+    model = tiny_gpt(cls, flce_normalize=normalize)
+    plugins = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))] if fp16 else []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(model, MICRO_BATCHES * 2, accumulate_grad_batches=accumulate, plugins=plugins)
+    messages = [str(w.message) for w in caught if "flce_last_loss_weight" in str(w.message)]
+    assert len(messages) == (1 if warns else 0), messages
