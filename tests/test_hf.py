@@ -307,3 +307,45 @@ def test_compiled_layers_stay_compiled_after_inference_and_copies():
     assert all(layer._compiled_call_impl is None for layer in copied.model.model.layers)
     copied.configure_model()
     assert all(layer._compiled_call_impl is not None for layer in copied.model.model.layers)
+
+
+def test_other_batch_keys_reach_the_decoder():
+    """Packed sequences: position_ids restart per document. The loss must be the model's own on the same inputs
+    without a KV cache, as HFCausalLM runs it (before, the key was dropped: one long sequence's loss). Recent
+    transformers versions also keep the documents apart in attention then (no cache, no attention mask)."""
+    model = tiny_hf()
+    batch = make_batch(7)
+    del batch["attention_mask"]
+    batch["position_ids"] = torch.cat([torch.arange(5), torch.arange(SEQ - 5)]).expand_as(batch["input_ids"])
+    ref = copy.deepcopy(model.model).double()
+
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+
+    def shifted_loss(logits):  # float64 (the model's own loss upcasts to fp32 only)
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten()).item()
+
+    expected = shifted_loss(ref(**inputs, use_cache=False).logits)
+    without = shifted_loss(ref(input_ids=batch["input_ids"], use_cache=False).logits)
+    assert abs(expected - without) > 10 * FP32_TOL * abs(without)  # the key matters here
+    assert model._loss(batch).item() == pytest.approx(expected, rel=FP32_TOL)
+    predicted = model.predict_step(batch, 0)
+    assert torch.allclose(predicted.double(), ref(**inputs, use_cache=False).logits, rtol=1e-4, atol=1e-3)
+
+
+def test_a_model_instance_and_model_kwargs():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{**TINY, "model_type": "llama"})
+    instance = AutoModelForCausalLM.from_config(config)
+    wrapped = HFCausalLM(model=instance, flce_chunk_size=8)
+    assert wrapped.model is instance and "model" not in wrapped.hparams
+    with pytest.raises(ValueError, match="exceeds"):
+        HFCausalLM(model=instance, vocab_size=VOCAB + 1)
+    eager = HFCausalLM(config={**TINY, "model_type": "llama"}, model_kwargs={"attn_implementation": "eager"})
+    assert eager.model.config._attn_implementation == "eager"
+    with pytest.raises(ValueError, match="exactly one"):
+        HFCausalLM(config={**TINY, "model_type": "llama"}, model=instance)
+    with pytest.raises(ValueError, match="model_kwargs"):
+        HFCausalLM(model=instance, model_kwargs={"attn_implementation": "eager"})
+    with pytest.raises(TypeError, match="model_kwargs"):
+        HFCausalLM(config={**TINY, "model_type": "llama"}, torch_dtype=torch.bfloat16)

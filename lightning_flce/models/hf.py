@@ -19,7 +19,9 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
 
     Batches follow the Hugging Face convention: ``{"input_ids", "attention_mask", "labels"}`` with
     ``labels`` a copy of ``input_ids`` (the model shifts them); positions with ``attention_mask == 0``
-    and labels equal to ``flce_ignore_index`` are ignored. ``labels`` defaults to ``input_ids``.
+    and labels equal to ``flce_ignore_index`` are ignored. ``labels`` defaults to ``input_ids``. Every other
+    key of the batch goes to the decoder as a keyword (``position_ids`` of packed sequences, say), as
+    ``model(**batch)`` would pass it (Hugging Face decoders take extra keywords without checking them).
 
     Args:
         config: keyword arguments of ``transformers.AutoConfig.for_model`` including ``model_type``, e.g.
@@ -27,8 +29,13 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
             weights is built from it (no download).
         pretrained: local directory for ``AutoModelForCausalLM.from_pretrained`` (``local_files_only``),
             instead of ``config``.
+        model: a causal LM instance to train as it is (already loaded, resized or PEFT-wrapped), instead of
+            ``config`` and ``pretrained``. It is not saved in the hyperparameters: pass it again to
+            ``load_from_checkpoint``.
+        model_kwargs: keyword arguments of ``from_config`` / ``from_pretrained``, e.g.
+            ``{"torch_dtype": "bfloat16", "attn_implementation": "sdpa"}``.
         vocab_size: overrides ``config["vocab_size"]`` (``FLCELightningCLI`` links it to the data module's
-            tokenizer). With ``pretrained`` it must not exceed the model's vocabulary.
+            tokenizer). With ``pretrained`` or ``model`` it must not exceed the model's vocabulary.
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay of the matrices; biases and norms get none.
         warmup_steps: linear warmup steps, then cosine decay to 10% of ``lr``.
@@ -67,6 +74,8 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         self,
         config: Optional[dict[str, Any]] = None,
         pretrained: Optional[str] = None,
+        model: Optional[nn.Module] = None,
+        model_kwargs: Optional[dict[str, Any]] = None,
         vocab_size: Optional[int] = None,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
@@ -74,14 +83,24 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         compile_layers: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        if (config is None) == (pretrained is None):
-            raise ValueError(
-                "Pass exactly one of `config` (a dict with `model_type`) and `pretrained` (a local path)"
+        unknown = sorted(name for name in kwargs if not name.startswith("flce_"))
+        if unknown:
+            raise TypeError(
+                f"HFCausalLM got unexpected keyword arguments {unknown}: it takes config, pretrained, model,"
+                " model_kwargs, vocab_size, lr, weight_decay, warmup_steps, compile_layers and the flce_* options;"
+                " from_config / from_pretrained options (torch_dtype, attn_implementation, ...) go in model_kwargs"
             )
+        super().__init__(**kwargs)
+        if sum(source is not None for source in (config, pretrained, model)) != 1:
+            raise ValueError(
+                "Pass exactly one of `config` (a dict with `model_type`), `pretrained` (a local path) and `model`"
+                " (a causal LM instance)"
+            )
+        if model is not None and model_kwargs is not None:
+            raise ValueError("model_kwargs apply to `config` and `pretrained`, not to a `model` instance")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["model"])
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError as err:
@@ -94,9 +113,15 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
                 raise ValueError("`config` must contain `model_type`, e.g. {'model_type': 'llama', ...}")
             if vocab_size is not None:
                 config["vocab_size"] = vocab_size
-            self.model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+            self.model = AutoModelForCausalLM.from_config(
+                AutoConfig.for_model(model_type, **config), **(model_kwargs or {})
+            )
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+            if model is None:
+                model = AutoModelForCausalLM.from_pretrained(
+                    pretrained, **{"local_files_only": True, **(model_kwargs or {})}
+                )
+            self.model = model
             rows = self.model.get_output_embeddings().weight.shape[0]
             if vocab_size is not None and vocab_size > rows:
                 raise ValueError(f"vocab_size={vocab_size} exceeds the {rows} rows of the pretrained LM head")
@@ -113,10 +138,14 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         if self.hparams.get("compile_layers") and not _layers_compiled(self.model):
             compile_decoder_layers(self.model)
 
-    def hidden_states(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        """Final hidden states of the decoder [B, T, hidden_size] (what the LM head is applied to)."""
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, **decoder_kwargs: Any
+    ) -> Tensor:
+        """Final hidden states of the decoder [B, T, hidden_size] (what the LM head is applied to);
+        ``decoder_kwargs`` (``position_ids``, ...) go to the decoder."""
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.base_model
-        output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        decoder_kwargs.setdefault("use_cache", False)
+        output = decoder(input_ids=input_ids, attention_mask=attention_mask, **decoder_kwargs)
         return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, **kwargs: Any) -> Tensor:
@@ -135,8 +164,10 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         return self._loss(batch)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Logits [B, T, V] of ``batch["input_ids"]`` (and its ``attention_mask``), for ``trainer.predict``."""
-        return self(batch["input_ids"], batch.get("attention_mask"))
+        """Logits [B, T, V] of ``batch["input_ids"]`` (its ``attention_mask`` and other keys but ``labels`` go to
+        the model), for ``trainer.predict``."""
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        return self(**inputs)
 
     def configure_optimizers(self) -> dict[str, Any]:
         return adamw_with_warmup_cosine(
@@ -147,14 +178,16 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         )
 
     def _loss(self, batch: dict[str, Tensor]) -> Tensor:
-        input_ids = batch["input_ids"]
-        attention_mask = batch.get("attention_mask")
-        labels = batch.get("labels", input_ids)
+        batch = dict(batch)
+        input_ids = batch.pop("input_ids")
+        attention_mask = batch.pop("attention_mask", None)
+        labels = batch.pop("labels", input_ids)
         if labels.dtype in _NARROW_INT_DTYPES:
             labels = labels.long()  # the -100 written below must fit (uint8 ids)
         if attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, self.flce_ignore_index)
-        return self.flce_loss(self.hidden_states(input_ids, attention_mask), labels, shift=True)
+        hidden = self.hidden_states(input_ids, attention_mask, **batch)  # position_ids, ...
+        return self.flce_loss(hidden, labels, shift=True)
 
 
 def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> int:
