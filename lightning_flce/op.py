@@ -946,6 +946,18 @@ def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
 flce_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _refuse_double_backward(ctx, *grads):
+    # Reached only by differentiating reduction="none"'s gradients (create_graph=True, then a second backward).
+    raise RuntimeError(
+        "fused linear cross-entropy does not support double backward: its reduction='none' backward recomputes"
+        " the chunks without a graph. Compute a gradient penalty on the unfused loss"
+        " (F.cross_entropy(F.linear(x, W), t)) for the steps that need it"
+    )
+
+
+flce_backward.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 # ----------------------------------------------------------------------------------------------
 # FLOP counts (model FLOPs: a recompute in backward is not counted, as with activation checkpointing)
 # ----------------------------------------------------------------------------------------------

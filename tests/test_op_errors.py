@@ -209,7 +209,8 @@ def test_second_backward_through_mean_or_sum_is_refused():
 def test_double_backward_is_refused(dtype):
     """create_graph=True (a gradient penalty through the head) would get "mean"/"sum" gradients that carry
     no graph, and the penalty's term through the head would vanish silently: refused with a clear error.
-    ("none" recomputes in a custom op without a double-backward formula: torch refuses that one.)"""
+    ("none" recomputes in backward: its gradients can be taken with create_graph=True, and differentiating
+    them again raises the same error.)"""
     x = torch.randn(N, H, dtype=dtype, requires_grad=True)
     weight = torch.randn(V, H, dtype=dtype, requires_grad=True)
     target = torch.randint(0, V, (N,))
@@ -219,7 +220,7 @@ def test_double_backward_is_refused(dtype):
             torch.autograd.grad(loss, weight, create_graph=True)
     loss = fused_linear_cross_entropy(x, weight, target, reduction="none").sum()
     (grad_weight,) = torch.autograd.grad(loss, weight, create_graph=True)
-    with pytest.raises(RuntimeError, match="no autograd formula"):
+    with pytest.raises(RuntimeError, match="does not support double backward"):
         grad_weight.square().sum().backward()
 
 
@@ -255,3 +256,16 @@ def test_stats_variants_show_and_check_the_loss_options():
     ):
         fused_linear_cross_entropy_with_stats(x, w, t, chunk=2)
     assert fused_linear_cross_entropy_with_stats(x, w, t, chunk_size=2).lse.shape == (4,)
+
+
+def test_torch_func_transforms_as_documented():
+    """docs/op.md: torch.func's autograd transforms raise (torch's error for a custom op's autograd), vmap runs
+    one call per sample (torch's fallback) and gives each sample's loss."""
+    x = torch.randn(3, N, H, dtype=torch.float64)
+    weight = torch.randn(V, H, dtype=torch.float64)
+    target = torch.randint(0, V, (N,))
+    with pytest.raises(RuntimeError):
+        torch.func.grad(lambda w: fused_linear_cross_entropy(x[0], w, target))(weight)
+    losses = torch.vmap(lambda xs: fused_linear_cross_entropy(xs, weight, target))(x)
+    expected = torch.stack([torch.nn.functional.cross_entropy(xs @ weight.T, target) for xs in x])
+    torch.testing.assert_close(losses, expected)
