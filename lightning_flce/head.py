@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
 
@@ -96,6 +98,7 @@ class FLCEHeadLoss(nn.Module):
         self.naive = naive
         #: (tokens, vocab) of the logits of the last call; read inside the head call, so never a shard size.
         self.last_logits_shape: Optional[tuple[int, int]] = None
+        self._warned_output_hooks = False
 
     def forward(
         self,
@@ -160,6 +163,8 @@ class FLCEHeadLoss(nn.Module):
         if head is module and "forward" not in module.__dict__ and not _has_call_hooks(module):
             output = loss_as_forward(hidden)  # nothing to run around it (and torch.compile traces it)
         else:
+            if not self._warned_output_hooks:
+                self._warn_about_output_hooks(head, module)
             with forward_bound_to(module, loss_as_forward):
                 output = head(hidden)
         if not ran:
@@ -168,6 +173,24 @@ class FLCEHeadLoss(nn.Module):
                 " was not computed; pass the module that holds the output weight as the head"
             )
         return FLCEOutput(*output) if with_stats else output
+
+    def _warn_about_output_hooks(self, *modules: nn.Module) -> None:
+        # Forward hooks that are not torch's or DeepSpeed's own (sharding) ones may rewrite the head's output,
+        # which is the loss here: say so once, since a rewritten loss would be silently wrong.
+        hooks = [
+            getattr(hook, "__qualname__", repr(hook))
+            for module in dict.fromkeys(modules)
+            for hook in map(_unwrap_partial, module._forward_hooks.values())
+            if not (getattr(hook, "__module__", None) or "").startswith(("torch.", "deepspeed."))
+        ]
+        if hooks:
+            self._warned_output_hooks = True
+            warnings.warn(
+                f"the LM head has forward hooks ({', '.join(hooks)}) that run around the fused loss: they see the"
+                " loss, not the logits, as the head's output, and an output they return replaces the loss."
+                " (Warned once.)",
+                stacklevel=3,
+            )
 
     def _loss_of(
         self,
@@ -353,6 +376,12 @@ def _check_linear_head(module: nn.Module) -> None:
             " nn.Linear.forward, an nn.Embedding used as the tied output matrix, or a"
             f" lightning_flce.parallel.VocabParallelHead; got {type(module).__name__}"
         )
+
+
+def _unwrap_partial(function: Callable) -> Callable:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return function
 
 
 def _has_call_hooks(module: nn.Module) -> bool:

@@ -6,7 +6,9 @@ comparisons use ``rtol=1e-4`` plus a small ``atol`` for gradient entries that ar
 """
 
 import copy
+import functools
 import math
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -771,3 +773,37 @@ def test_overrides_that_skip_the_normalization_raise():
 def test_bad_options_are_named_as_the_user_wrote_them(option, value):
     with pytest.raises(ValueError, match=f"^{option} must"):
         tiny_gpt(**{option: value})
+
+
+def test_a_head_forward_hook_that_could_rewrite_the_loss_warns_once():
+    """A user's forward hook on the head gets the loss as the head's output (its return value replaces it):
+    warned once. torch's own hooks (FSDP2's, say) are not named."""
+    model = HeadLM(flce_head="decoder.out")
+    head = model.decoder.out
+    batch = make_batches(1, batch_size=2)[0]
+    hidden = model.hidden_states(batch["input_ids"])
+
+    def doubled(module, args, output):
+        return output * 2
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unhooked = model.flce_loss(hidden, batch["labels"])
+        handle = head.register_forward_hook(functools.partial(doubled))
+        hooked = model.flce_loss(hidden, batch["labels"])
+        model.flce_loss(hidden, batch["labels"])
+    named = [str(w.message) for w in caught if "forward hooks" in str(w.message)]
+    assert len(named) == 1 and "doubled" in named[0]
+    torch.testing.assert_close(hooked, 2 * unhooked)  # what the warning is about
+    handle.remove()
+
+    def post_forward(module, args, output):  # stands for FSDP2's post-forward hook (a method defined there)
+        return output
+
+    post_forward.__module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+    model = HeadLM(flce_head="decoder.out")
+    model.decoder.out.register_forward_hook(post_forward)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.flce_loss(hidden, batch["labels"])
+    assert not [w for w in caught if "forward hooks" in str(w.message)]
