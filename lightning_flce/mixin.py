@@ -337,7 +337,8 @@ class FLCEMixin:
             self._flce_last_loss_weight = num_tokens.float() / divisor
             # value: the micro-batch mean; gradient: the token sum's / divisor (normalized at the optimizer step)
             loss = mean.detach() + (loss_sum - loss_sum.detach()) / divisor
-            if loss.grad_fn is not None:  # bounded: hooks overridden without super() never clear the list
+            if loss.grad_fn is not None and not torch.compiler.is_compiling():
+                # bounded: hooks overridden without super() never clear the list
                 self._flce_loss_nodes = [*self._flce_loss_nodes[-15:], loss.grad_fn]
             return loss
         return mean
@@ -699,14 +700,19 @@ _ARITHMETIC_NODES = frozenset(
 
 
 def _has_other_terms(loss: Tensor, flce_nodes: list) -> bool:
-    """Whether ``loss``'s graph, followed through arithmetic only, reaches anything but ``flce_nodes`` (the
-    ``grad_fn`` of this micro-batch's ``flce_loss`` outputs) and constants."""
+    """Whether ``loss``'s graph, followed through arithmetic only, reaches one of ``flce_nodes`` (the ``grad_fn``
+    of this micro-batch's ``flce_loss`` outputs) and something else but constants. A graph the walk cannot see
+    into (a compiled region, say) counts as no: the warning is for the plain case, never a false alarm."""
+    found_flce = found_other = False
     stack = [loss.grad_fn]
     while stack:
         node = stack.pop()
-        if node is None or any(node is flce_node for flce_node in flce_nodes):
+        if node is None:
             continue
-        if type(node).__name__ not in _ARITHMETIC_NODES:
-            return True
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
+        if any(node is flce_node for flce_node in flce_nodes):
+            found_flce = True
+        elif type(node).__name__ in _ARITHMETIC_NODES:
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        else:
+            found_other = True
+    return found_flce and found_other
