@@ -33,7 +33,7 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
             ``config`` and ``pretrained``. It is not saved in the hyperparameters: pass it again to
             ``load_from_checkpoint``.
         model_kwargs: keyword arguments of ``from_config`` / ``from_pretrained``, e.g.
-            ``{"torch_dtype": "bfloat16", "attn_implementation": "sdpa"}``.
+            ``{"attn_implementation": "eager"}``, or the dtype keyword of the installed transformers.
         vocab_size: overrides ``config["vocab_size"]`` (``FLCELightningCLI`` links it to the data module's
             tokenizer). With ``pretrained`` or ``model`` it must not exceed the model's vocabulary.
         lr: peak learning rate of AdamW.
