@@ -337,7 +337,8 @@ class FLCEMixin:
             self._flce_last_loss_weight = num_tokens.float() / divisor
             # value: the micro-batch mean; gradient: the token sum's / divisor (normalized at the optimizer step)
             loss = mean.detach() + (loss_sum - loss_sum.detach()) / divisor
-            if loss.grad_fn is not None and not torch.compiler.is_compiling():
+            watch = not self._flce_warned_unweighted_term and not torch.compiler.is_compiling()
+            if watch and loss.grad_fn is not None:
                 # bounded: hooks overridden without super() never clear the list
                 self._flce_loss_nodes = [*self._flce_loss_nodes[-15:], loss.grad_fn]
             return loss

@@ -897,6 +897,14 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.save_for_backward(*output[4:])
 
 
+def _double_backward_error(why: str) -> str:
+    return (
+        f"fused linear cross-entropy does not support double backward (create_graph=True): {why} without a"
+        " graph. Compute a gradient penalty on the unfused loss (F.cross_entropy(F.linear(x, W), t)) for the"
+        " steps that need it"
+    )
+
+
 def check_single_backward(ctx) -> None:
     """ "mean"/"sum" hand out the gradients computed in forward, scaled in place by grad_output: a second
     backward through the same graph (``retain_graph=True``, repeated ``autograd.grad``) cannot reuse them,
@@ -904,9 +912,7 @@ def check_single_backward(ctx) -> None:
     them (it would silently drop the penalty's term through the head)."""
     if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
         raise RuntimeError(
-            "fused linear cross-entropy does not support double backward (create_graph=True): with reduction"
-            " 'mean'/'sum' its gradients are computed in forward without a graph. Compute a gradient penalty"
-            " on the unfused loss (F.cross_entropy(F.linear(x, W), t)) for the steps that need it"
+            _double_backward_error("with reduction 'mean'/'sum' its gradients are computed in forward")
         )
     if getattr(ctx, "grads_handed_out", False):
         raise RuntimeError(
@@ -948,11 +954,7 @@ flce_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def _refuse_double_backward(ctx, *grads):
     # Reached only by differentiating reduction="none"'s gradients (create_graph=True, then a second backward).
-    raise RuntimeError(
-        "fused linear cross-entropy does not support double backward: its reduction='none' backward recomputes"
-        " the chunks without a graph. Compute a gradient penalty on the unfused loss"
-        " (F.cross_entropy(F.linear(x, W), t)) for the steps that need it"
-    )
+    raise RuntimeError(_double_backward_error("its reduction='none' backward recomputes the chunks"))
 
 
 flce_backward.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)

@@ -153,21 +153,15 @@ class FLCEMemoryCallback(Callback):
         }.items():
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}.")
-        if isinstance(snapshot_steps, int) and not isinstance(snapshot_steps, bool):
+        if _is_int(snapshot_steps):
             snapshot_steps = [snapshot_steps]
         snapshot_steps = list(snapshot_steps or [])
-        if not all(
-            isinstance(step, int) and not isinstance(step, bool) and step >= 0 for step in snapshot_steps
-        ):
+        if not all(_is_int(step) and step >= 0 for step in snapshot_steps):
             raise ValueError(
                 f"`snapshot_steps` must be a step or a list of steps (ints >= 0), got {snapshot_steps}."
             )
         snapshot_steps = sorted(set(snapshot_steps))
-        if (
-            not isinstance(snapshot_max_entries, int)
-            or isinstance(snapshot_max_entries, bool)
-            or snapshot_max_entries <= 0
-        ):
+        if not _is_int(snapshot_max_entries) or snapshot_max_entries <= 0:
             raise ValueError(f"`snapshot_max_entries` must be a positive int, got {snapshot_max_entries!r}.")
         self.prog_bar = prog_bar
         self.plot = plot
@@ -483,3 +477,7 @@ def _current_rss_bytes() -> Optional[int]:
     except (OSError, IndexError, ValueError):
         return None
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # bool is an int subclass

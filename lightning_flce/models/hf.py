@@ -1,5 +1,6 @@
 """HFCausalLM: a Hugging Face causal LM trained with :class:`~lightning_flce.mixin.FLCEMixin`."""
 
+import inspect
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -85,10 +86,15 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
     ) -> None:
         unknown = sorted(name for name in kwargs if not name.startswith("flce_"))
         if unknown:
+            own = [
+                name
+                for name in inspect.signature(HFCausalLM.__init__).parameters
+                if name not in ("self", "kwargs")
+            ]
             raise TypeError(
-                f"HFCausalLM got unexpected keyword arguments {unknown}: it takes config, pretrained, model,"
-                " model_kwargs, vocab_size, lr, weight_decay, warmup_steps, compile_layers and the flce_* options;"
-                " from_config / from_pretrained options (torch_dtype, attn_implementation, ...) go in model_kwargs"
+                f"HFCausalLM got unexpected keyword arguments {unknown}: it takes {', '.join(own)} and the flce_*"
+                " options; from_config / from_pretrained options (torch_dtype, attn_implementation, ...) go in"
+                " model_kwargs"
             )
         super().__init__(**kwargs)
         if sum(source is not None for source in (config, pretrained, model)) != 1:
