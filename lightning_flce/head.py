@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Union
@@ -13,13 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_flce.functional import (
-    FLCEOutput,
-    check_chunk_size,
-    fused_linear_cross_entropy,
-    fused_linear_cross_entropy_with_stats,
-)
+from lightning_flce.functional import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import softmax_dtype
+from lightning_flce.options import FLCEOptions
+from lightning_flce.outputs import FLCEOutput
 from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_cross_entropy_with_stats
 
 # Wrappers that keep the real module under one attribute and pass their inputs on to it unchanged (FSDP1).
@@ -82,13 +78,15 @@ class FLCEHeadLoss(nn.Module):
         naive: bool = False,
     ) -> None:
         super().__init__()
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-        if not 0.0 <= z_loss < math.inf:
-            raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
-        check_chunk_size(chunk_size)
-        if impl not in ("auto", "triton", "torch"):
-            raise ValueError(f"impl must be one of 'auto', 'triton', 'torch', got {impl!r}")
+        # validated once, by the options record (its errors name this module's arguments)
+        self.options = FLCEOptions.named(
+            {"lse_square_scale": "z_loss"},
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            lse_square_scale=z_loss,
+            chunk_size=chunk_size,
+            impl=impl,
+        )
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss

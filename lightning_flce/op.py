@@ -1,150 +1,171 @@
-"""The fused linear cross-entropy op: the chunk loop, and its registration as ``torch.library`` custom ops.
+"""The single-device op: the chunk engine on the whole vocabulary, registered as ``torch.library`` custom ops.
 
-Forward (``lightning_flce::flce_forward``), per chunk of C tokens::
-
-    logits = x_c @ W.T (+ b)                      # [C, V] in the compute dtype, one reused buffer
-    kernel(logits) -> loss rows, LSE; logits := d loss / d logits
-    dX_c = logits @ W                              # written into grad_input
-    dW (+)= logits.T @ x_c                         # lightning_flce.accumulate, no [V, H] temporary
-    db += logits.sum(0)
-
-so for "mean"/"sum" the gradients exist when forward returns, and backward only multiplies them by
-grad_output (``lightning_flce::flce_scale_grads_``, skipped on the device when it is 1), except dW when
-its accumulator is wider than the weight: forward keeps the accumulator and backward's cast to the
-weight's dtype takes grad_output in the same pass (``lightning_flce::flce_cast_grad``), as does dX's
-widening when it was kept in the GEMM's narrower dtype (fp32 hidden states under autocast). For
-"none" each token has its own grad_output, which dW cannot absorb after the fact: forward computes only
-the loss, and backward (``lightning_flce::flce_backward``) recomputes the chunks with the per-token
-scales.
+Forward (``lightning_flce::flce_forward``) runs :func:`lightning_flce.engine.run_chunks` with a backend's
+chunk kernel, so for "mean"/"sum" the gradients exist when forward returns, and backward only multiplies
+them by grad_output (:func:`lightning_flce.engine.finish_saved_grads`: in place, or folded into the cast of
+dW's wider accumulator / dX's narrower GEMM dtype). For "none" each token has its own grad_output, which dW
+cannot absorb after the fact: forward computes only the loss, and backward
+(``lightning_flce::flce_backward``) recomputes the chunks with the per-token scales.
 
 Rows whose target is ``ignore_index`` are dropped before the GEMMs (they cost nothing but a gather).
 Targets are validated and counted with one host sync per call, before any kernel runs; the mean's
 normalizer stays on the device.
 
-Being custom ops with fake implementations, the op is a single opaque node under ``torch.compile``
-and has FLOP formulas for ``torch.utils.flop_counter`` (Lightning's ``measure_flops``).
+The ops' arguments are declared once, in :data:`FORWARD_ARGS` (name and schema type): the schemas, the
+implementations, the fake implementations, ``setup_context``, backward and the FLOP formulas all read them by
+name through :class:`ForwardArgs` / :class:`BackwardArgs`. Being custom ops with fake implementations, the op
+is a single opaque node under ``torch.compile`` and has FLOP formulas for ``torch.utils.flop_counter``
+(Lightning's ``measure_flops``).
 """
 
 from __future__ import annotations
 
-import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from collections import namedtuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from lightning_flce._compat import resolved_annotations, triton_usable
-from lightning_flce.accumulate import accumulate_grad_weight, choose_path
-from lightning_flce.kernels import LossOptions, chunk_kernels_use_triton, cross_entropy_chunk, softmax_dtype
-from lightning_flce.kernels.scale import scale_, scale_into
+from lightning_flce.engine import (
+    check_single_backward,
+    check_targets,
+    chunk_rows,
+    double_backward_error,
+    finish_saved_grads,
+    fp16_bound_stats,
+    inverse_scales,
+    kernel_options,
+    loss_scales,
+    run_chunks,
+    saved_grad_input_dtype,
+    saved_grad_weight_dtype,
+    valid_rows,
+)
+from lightning_flce.kernels import BACKENDS, softmax_dtype
+from lightning_flce.options import FLCEOptions
 
-_MiB = 1 << 20
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-# A chunk's logits may take a quarter of the memory floor (dX + dW), within these bounds.
-_MIN_CHUNK_BYTES = 32 * _MiB
-_MAX_CHUNK_BYTES = 2048 * _MiB
-_CHUNK_ALIGN = 64
-# On the GPU a chunk has at least this many rows (memory permitting, see default_chunk_size): every chunk
-# reads and writes the whole dW accumulator (8 V H bytes in fp32), which costs about 760 / rows of the
-# chunk's dW GEMM on an H100/H200 (2 rows H V FLOP at ~800 TFLOP/s vs ~4.2 TB/s); the profile of the
-# quarter-floor rule showed it as the largest loss (results/*_run8_*: dW 30% over its FLOP floor).
-_MIN_TRITON_CHUNK_ROWS = 4096
-_FLOOR_LIMITED_ALIGN = 256
-# The PyTorch path works on about three copies of a chunk in the softmax dtype (fp32, or fp64), and needs
-# larger chunks than the GPU to keep its GEMMs efficient (CPU, 4096x1024x32000 fp32: 64-row chunks run 1.4x
-# slower than 320-row ones).
-_TORCH_PATH_COPIES = 3
-_TORCH_PATH_MIN_CHUNK_BYTES = 128 * _MiB
-# fp16 logit gradients. d loss / d logit is ~ p / N for "mean": below fp16's smallest subnormal (6e-8)
-# once N V > 2^24, so it would flush to zero, and torch's GradScaler cannot help (its scale reaches only
-# backward, after the gradients computed in forward were rounded). The chunk loop scales the logit
-# gradient by a power of two so its largest possible element is _FP16_LOGIT_GRAD_MAX (64x headroom
-# below fp16's 65504), and takes the factor back out in the GEMM epilogues (alpha, in fp32).
-_FP16_LOGIT_GRAD_MAX = 2.0**10
-# fp16 gradients returned through backward are stored pre-multiplied by a power of two (backward divides
-# it out while it multiplies by grad_output), sized so their bound stays at or below this.
-_FP16_STORED_GRAD_MAX = 2.0**14
-# The z-loss gradient 2 lam lse p is bounded assuming |lse| <= this (the headroom covers far more).
-_Z_LOSS_LSE_BOUND = 64.0
-
-
-def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, use_triton: bool) -> int:
-    """Tokens per chunk.
-
-    The chunk's logits get a quarter of the memory floor (dX + dW). On the GPU (Triton path) a chunk gets at
-    least ``_MIN_TRITON_CHUNK_ROWS`` rows as long as its logits stay within the floor itself, so the per-chunk
-    dW accumulator traffic stays small next to the GEMMs; peak extra memory is then at most about the
-    floor for the logits plus the accumulator (see ``accum_dtype``).
-    """
-    floor_bytes = (n_rows + vocab) * hidden * itemsize
-    min_bytes = _MIN_CHUNK_BYTES if use_triton else _TORCH_PATH_MIN_CHUNK_BYTES
-    budget = max(floor_bytes // 4, min_bytes)
-    bytes_per_row = vocab * (itemsize if use_triton else _TORCH_PATH_COPIES * max(itemsize, 4))
-    align = _CHUNK_ALIGN
-    wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row
-    if use_triton and wanted > budget:
-        if wanted <= floor_bytes:
-            budget = wanted
-        elif floor_bytes > budget:
-            # Limited by the floor: whole multiples of 256 rows. cuBLAS's fp16 dX GEMM came out 1.3x less
-            # accurate than naive's at 576 rows (4096 x 512 x 32003, sum/none); 512 and 768 rows matched it.
-            budget, align = floor_bytes, _FLOOR_LIMITED_ALIGN
-    budget = min(budget, _MAX_CHUNK_BYTES)
-    rows = max(_CHUNK_ALIGN, budget // bytes_per_row // align * align)
-    return int(min(rows, max(n_rows, 1)))
+# The arguments of lightning_flce::flce_forward, in schema order: (name, schema type). The loss options are
+# FLCEOptions' fields as the kernels take them (softcap 0.0 = off, chunk_size 0 = automatic, "backend": the
+# resolved impl); the rest say what to compute. lightning_flce::flce_backward takes grad_loss, then these.
+FORWARD_ARGS: Tuple[Tuple[str, str], ...] = (
+    ("x", "Tensor"),
+    ("weight", "Tensor"),
+    ("target", "Tensor"),
+    ("bias", "Tensor?"),
+    ("class_weight", "Tensor?"),
+    ("token_weight", "Tensor?"),
+    ("ignore_index", "int"),
+    ("reduction", "str"),
+    ("label_smoothing", "float"),
+    ("lse_square_scale", "float"),
+    ("softcap", "float"),
+    ("logits_precision", "str"),
+    ("compute_dtype", "ScalarType"),
+    ("accum_dtype", "ScalarType?"),
+    ("chunk_size", "int"),
+    ("backend", "str"),
+    ("need_grad_input", "bool"),
+    ("need_grad_weight", "bool"),
+    ("need_grad_bias", "bool"),
+    ("compute_stats", "bool"),
+)
+BACKWARD_ARGS: Tuple[Tuple[str, str], ...] = (("grad_loss", "Tensor"), *FORWARD_ARGS)
+#: FLCEOptions fields that reach the op under another name (resolved on the way).
+OPTION_ARG_NAMES = {"impl": "backend"}
+ForwardArgs = namedtuple("ForwardArgs", [name for name, _ in FORWARD_ARGS])
+BackwardArgs = namedtuple("BackwardArgs", [name for name, _ in BACKWARD_ARGS])
+_TENSOR_ARGS = tuple(name for name, kind in FORWARD_ARGS if kind.startswith("Tensor"))
 
 
-def _check_targets(
-    target: Tensor, valid: Tensor, vocab: int, ignore_index: int, extra: Sequence[Tensor] = ()
-) -> Tuple[int, List[float]]:
-    """Raise on targets outside [0, V) other than ignore_index; return the number of valid rows and the
-    values of the 0-d tensors ``extra``.
-
-    One host sync for all of them.
-    """
-    out_of_range = valid & ((target < 0) | (target >= vocab))
-    values = torch.stack([out_of_range.sum().double(), valid.sum().double(), *(v.double() for v in extra)])
-    n_bad, n_valid, *extra_values = values.tolist()
-    if n_bad:
-        bad = target[out_of_range][:5].tolist()
-        raise ValueError(
-            f"{int(n_bad)} target(s) outside [0, {vocab}) and not ignore_index={ignore_index}, e.g. {bad}"
-        )
-    return int(n_valid), extra_values
+def _schema(args: Tuple[Tuple[str, str], ...], returns: int) -> str:
+    return (
+        "("
+        + ", ".join(f"{kind} {name}" for name, kind in args)
+        + ") -> ("
+        + ", ".join(["Tensor"] * returns)
+        + ")"
+    )
 
 
-def _chunk_loop(
+def forward_args(
+    options: FLCEOptions,
     x: Tensor,
     weight: Tensor,
     target: Tensor,
     bias: Optional[Tensor],
-    options: LossOptions,
+    *,
+    compute_dtype: torch.dtype,
+    backend: str,
+    compute_stats: bool,
+) -> ForwardArgs:
+    """The op's arguments for a validated call: the options by name, and what autograd will need."""
+    grad_enabled = torch.is_grad_enabled()
+    return ForwardArgs(
+        x=x,
+        weight=weight,
+        target=target,
+        bias=bias,
+        class_weight=options.class_weight,
+        token_weight=options.token_weight,
+        ignore_index=options.ignore_index,
+        reduction=options.reduction,
+        label_smoothing=options.label_smoothing,
+        lse_square_scale=options.lse_square_scale,
+        softcap=options.softcap if options.softcap is not None else 0.0,
+        logits_precision=options.logits_precision,
+        compute_dtype=compute_dtype,
+        accum_dtype=options.accum_dtype,
+        chunk_size=options.chunk_size or 0,
+        backend=backend,
+        need_grad_input=grad_enabled and x.requires_grad,
+        need_grad_weight=grad_enabled and weight.requires_grad,
+        need_grad_bias=grad_enabled and bias is not None and bias.requires_grad,
+        compute_stats=compute_stats,
+    )
+
+
+def _large_chunks(args) -> bool:
+    return BACKENDS[args.backend].large_chunks
+
+
+def _n_rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _chunk_loop(
+    args,
     *,
     ce_scale: Tensor,
     z_scale: Tensor,
-    compute_dtype: torch.dtype,
     need_grad_input: bool,
     need_grad_weight: bool,
     need_grad_bias: bool,
     compute_stats: bool,
-    accum: str,
-    chunk_size: int,
-    impl: str,
     keep_scaled: bool = False,
     grad_input_dtype: Optional[torch.dtype] = None,
     grad_weight_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, ...]:
-    """The op's loop: validate targets, drop ignored rows, :func:`run_chunks` with the local kernel.
+    """The op's loop: validate targets, drop ignored rows, :func:`~lightning_flce.engine.run_chunks` with the
+    backend's chunk kernel on the whole vocabulary.
 
-    Returns per-token loss/LSE/stats [N], the gradients, and :func:`_inverse_scales` (see
-    ``keep_scaled``, ``grad_input_dtype`` (default: x's) and ``grad_weight_dtype`` in :func:`run_chunks`);
+    Returns per-token loss/LSE/stats [N], the gradients, and :func:`~lightning_flce.engine.inverse_scales`
+    (``keep_scaled``, ``grad_input_dtype`` (default: x's) and ``grad_weight_dtype`` as in ``run_chunks``);
     unused outputs are distinct empty tensors (custom-op outputs may not alias each other).
     """
-    target = target.reshape(-1)
+    x, weight, compute_dtype = args.x, args.weight, args.compute_dtype
+    options = kernel_options(
+        args.ignore_index,
+        args.label_smoothing,
+        args.lse_square_scale,
+        args.softcap,
+        args.class_weight,
+        compute_dtype,
+    )
+    target = args.target.reshape(-1)
     valid = target != options.ignore_index
     fp16_stats = []
     if compute_dtype == torch.float16 and (need_grad_input or need_grad_weight or need_grad_bias):
-        fp16_stats = _fp16_bound_stats(
+        fp16_stats = fp16_bound_stats(
             x.reshape(-1, x.shape[-1]),
             options,
             ce_scale,
@@ -152,12 +173,14 @@ def _chunk_loop(
             keep_scaled=keep_scaled,
             weight_dtype=weight.dtype,
         )
-    n_valid, fp16_bounds = _check_targets(target, valid, weight.shape[0], options.ignore_index, fp16_stats)
-    use_triton = chunk_kernels_use_triton(impl, compute_dtype)
-    chunk_size = _resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, n_valid)
+    n_valid, fp16_bounds = check_targets(target, valid, weight.shape[0], options.ignore_index, fp16_stats)
+    large_chunks = _large_chunks(args)
+    vocab, hidden = weight.shape
+    chunk_size = chunk_rows(args.chunk_size, _n_rows(x), n_valid, vocab, hidden, compute_dtype, large_chunks)
+    kernels = BACKENDS[args.backend].kernels()
 
     def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
-        return cross_entropy_chunk(
+        return kernels.cross_entropy_chunk(
             logits,
             chunk_target,
             options,
@@ -165,14 +188,13 @@ def _chunk_loop(
             z_scale=chunk_z_scale,
             compute_grad=compute_grad,
             compute_stats=compute_stats,
-            use_triton=use_triton,
         )
 
     *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
         x,
         weight,
         target,
-        bias,
+        args.bias,
         chunk_cross_entropy,
         options,
         rows=valid_rows(valid, n_valid),
@@ -181,11 +203,12 @@ def _chunk_loop(
         ce_scale=ce_scale,
         z_scale=z_scale,
         compute_dtype=compute_dtype,
+        logits_precision=args.logits_precision,
         need_grad_input=need_grad_input,
         need_grad_weight=need_grad_weight,
         need_grad_bias=need_grad_bias,
         compute_stats=compute_stats,
-        accum=accum,
+        accum_dtype=args.accum_dtype,
         grad_input_dtype=grad_input_dtype or x.dtype,
         keep_scaled=keep_scaled,
         fp16_bounds=fp16_bounds if fp16_stats else None,
@@ -194,419 +217,21 @@ def _chunk_loop(
     if grad_input is not None:
         grad_input = grad_input.view(x.shape)
     grads = [g if g is not None else x.new_empty(0) for g in (grad_input, grad_weight, grad_bias)]
-    return (*per_token, *grads, _inverse_scales(scales, compute_dtype, x.device))
+    return (*per_token, *grads, inverse_scales(scales, compute_dtype, x.device))
 
 
-def _inverse_scales(scales: GradScales, compute_dtype: torch.dtype, device: torch.device) -> Tensor:
-    """fp32 [3]: 1 / the factors the fp16 dX, dW, d bias carry (empty for other dtypes), for backward."""
-    if compute_dtype != torch.float16:
-        return torch.empty(0, dtype=torch.float32, device=device)
-    inverse = torch.empty(3, dtype=torch.float32, device=device)
-    for i, factor in enumerate(scales[1:]):
-        inverse[i].fill_(1.0 / factor)  # a fill kernel each: no host-to-device copy to wait for
-    return inverse
-
-
-def valid_rows(valid: Tensor, n_valid: int) -> Optional[Tensor]:
-    """Indices of the rows that carry a loss (None when all do), without a host sync."""
-    if n_valid == valid.numel():
-        return None
-    return torch.argsort(valid.to(torch.int8), descending=True, stable=True)[:n_valid]
-
-
-class GradScales(NamedTuple):
-    """Powers of two of the fp16 gradient scaling (all 1 elsewhere): ``logits`` multiplies the logit
-    gradient inside the chunk loop; the others are what the returned dX, dW and d bias are multiplied by
-    (the caller divides them out)."""
-
-    logits: float = 1.0
-    grad_input: float = 1.0
-    grad_weight: float = 1.0
-    grad_bias: float = 1.0
-
-
-def _pow2_at_most(value: float) -> float:
-    if not (value > 0 and math.isfinite(value)):
-        return 1.0
-    return 2.0 ** max(-60, min(60, math.floor(math.log2(value))))
-
-
-def _fp16_bound_stats(
-    x2: Tensor,
-    options: LossOptions,
-    ce_scale: Tensor,
-    z_scale: Tensor,
-    *,
-    keep_scaled: bool,
-    weight_dtype: torch.dtype,
-) -> List[Tensor]:
-    """The device-side inputs of :func:`_fp16_grad_scales` (0-d fp32): the largest per-token bound ``b``,
-    the sum of the per-token bounds (for a shared scale: ``b`` once), and max|x| when dW is stored scaled
-    (``keep_scaled`` with an fp16 weight).
-
-    Per token, every logit-gradient element is at most ``b = |ce_scale| w_max + |z_scale| 2 lam L`` and a
-    row's elements sum to at most ``2 b`` (softmax minus one-hot).
-    """
-    w_max = options.class_weight.abs().max() if options.class_weight is not None else 1.0
-    z_bound = 2.0 * options.lse_square_scale * _Z_LOSS_LSE_BOUND
-    token_bound = (ce_scale.abs() * w_max + z_scale.abs() * z_bound).float()
-    if token_bound.numel() == 0:  # per-token scales of an empty batch ("none" backward)
-        token_bound = token_bound.new_zeros(1)
-    stats = [token_bound.max(), token_bound.sum()]
-    if keep_scaled and weight_dtype == torch.float16:
-        stats.append(x2.abs().amax().float() if x2.numel() else torch.zeros((), device=x2.device))
-    return stats
-
-
-def _fp16_grad_scales(
-    bounds: Sequence[float],
-    n_valid: int,
-    per_row_scale: bool,
-    *,
-    keep_scaled: bool,
-    grad_input_fp16: bool,
-    bias_dtype: Optional[torch.dtype],
-) -> GradScales:
-    """:class:`GradScales` for fp16 GEMMs from :func:`_fp16_bound_stats`' values: the stored dX row is at
-    most ``2 b max|W|``, a dW row at most ``sum(b) max|x|`` (max|x| is there when dW is stored scaled),
-    and d bias at most ``sum(b)``. ``grad_input_fp16``: an fp16 dX is returned or kept for backward."""
-    bound, bound_sum, *x_max = bounds
-    total = bound_sum if per_row_scale else bound_sum * max(n_valid, 1)
-    logits_scale = _pow2_at_most(_FP16_LOGIT_GRAD_MAX / bound) if bound > 0 else 1.0
-    # dX: 2 b max|W| * (logits_scale / 64) = 32 max|W| at most (fp16 weights never come near 2000).
-    stored_input = logits_scale / 64 if keep_scaled and grad_input_fp16 else 1.0
-    # A zero bound (no valid rows, all-zero hidden states, zero weights) means zero gradients: any scale does.
-    weight_bound = total * x_max[0] if x_max else 0.0
-    stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / weight_bound) if weight_bound > 0 else 1.0
-    stored_bias = (
-        _pow2_at_most(_FP16_STORED_GRAD_MAX / total)
-        if keep_scaled and bias_dtype == torch.float16 and total > 0
-        else 1.0
+def _saved_dtypes(args) -> Tuple[torch.dtype, torch.dtype]:
+    """(dX, dW) dtypes that "mean"/"sum" forward keeps for backward (see the engine's ``saved_grad_*``)."""
+    grad_weight_dtype = saved_grad_weight_dtype(
+        args.x, args.weight, args.compute_dtype, args.accum_dtype, args.chunk_size, _large_chunks(args)
     )
-    return GradScales(logits_scale, stored_input, stored_weight, stored_bias)
+    return saved_grad_input_dtype(args.x, args.compute_dtype, grad_weight_dtype), grad_weight_dtype
 
 
-def run_chunks(
-    x: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Optional[Tensor],
-    chunk_cross_entropy,
-    options: LossOptions,
-    *,
-    rows: Optional[Tensor],
-    n_valid: int,
-    chunk_size: int,
-    ce_scale: Tensor,
-    z_scale: Tensor,
-    compute_dtype: torch.dtype,
-    need_grad_input: bool,
-    need_grad_weight: bool,
-    need_grad_bias: bool,
-    compute_stats: bool,
-    accum: str,
-    grad_input_dtype: torch.dtype,
-    keep_scaled: bool = False,
-    fp16_bounds: Optional[Sequence[float]] = None,
-    grad_weight_dtype: Optional[torch.dtype] = None,
-) -> Tuple[Optional[Tensor], ...]:
-    """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
-
-    Over chunks of the ``rows`` that carry a loss (all rows when None): logits GEMM into one reused
-    buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad) -> ChunkOutputs``
-    (which overwrites the logits with their gradient), then dX rows, the dW accumulation and d bias.
-
-    Returns per-token loss/LSE/stats [N] (0 for ignored rows), the gradients: dX [N, H] in
-    ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for, and their
-    :class:`GradScales`. Per-token results are in :func:`~lightning_flce.kernels.softmax_dtype` of
-    ``compute_dtype``, and so are ``ce_scale``/``z_scale``: [1] (shared) or [N] (per token). ``accum`` is
-    "fp32", "fp64", "param" (accumulate dW in the weight's dtype) or "auto" (see :func:`_accumulator_dtype`).
-    With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
-    the gradients kept or returned in fp16 (dX: x's dtype or ``grad_input_dtype``, which may be wider for
-    a later reduction or narrower for backward to widen) pre-multiplied by the scales in :class:`GradScales`
-    (for a backward that multiplies them by grad_output anyway), otherwise every gradient is returned
-    unscaled. ``fp16_bounds``: the values of :func:`_fp16_bound_stats`, when the caller has read them
-    already. ``grad_weight_dtype``: dW's accumulator dtype, returned as it is (no cast to the weight's
-    dtype; see :func:`saved_grad_weight_dtype`).
-    """
-    hidden = x.shape[-1]
-    vocab = weight.shape[0]
-    x2 = x.reshape(-1, hidden)
-    target = target.reshape(-1)
-    n_rows = x2.shape[0]
-    device = x.device
-
-    weight_c = weight.to(compute_dtype)
-    bias_c = bias.to(compute_dtype) if bias is not None else None
-    per_row_scale = ce_scale.numel() > 1
-
-    loss_dtype = softmax_dtype(compute_dtype)
-    loss = torch.zeros(n_rows, dtype=loss_dtype, device=device)
-    lse = torch.zeros(n_rows, dtype=loss_dtype, device=device)
-    correct = torch.zeros(n_rows if compute_stats else 0, dtype=torch.bool, device=device)
-    entropy = torch.zeros(n_rows if compute_stats else 0, dtype=loss_dtype, device=device)
-    compute_grad = need_grad_input or need_grad_weight or need_grad_bias
-    scales = GradScales()
-    if compute_grad and compute_dtype == torch.float16:
-        if fp16_bounds is None:  # one host sync (the op passes them in, read with its target check)
-            stats = _fp16_bound_stats(
-                x2, options, ce_scale, z_scale, keep_scaled=keep_scaled, weight_dtype=weight.dtype
-            )
-            fp16_bounds = torch.stack(stats).tolist()
-        scales = _fp16_grad_scales(
-            fp16_bounds,
-            n_valid,
-            per_row_scale,
-            keep_scaled=keep_scaled,
-            grad_input_fp16=torch.float16 in (x.dtype, grad_input_dtype),
-            bias_dtype=bias.dtype if bias is not None else None,
-        )
-    if scales.logits != 1.0:
-        ce_scale = ce_scale * scales.logits
-        z_scale = z_scale * scales.logits
-
-    grad_input = grad_weight = grad_bias = accum_path = None
-    if need_grad_input:
-        # Ignored rows keep a zero gradient; when every row is valid the chunks fill it all.
-        grad_input = (torch.empty if rows is None else torch.zeros)(
-            n_rows, hidden, dtype=grad_input_dtype, device=device
-        )
-    accum_dtype = grad_weight_dtype or _accumulator_dtype(
-        accum, weight, compute_dtype, n_chunks=-(-n_valid // chunk_size)
-    )
-    # With an fp64 accumulator (fp32 weights), dX's long reduction over V runs in fp64 too: cuBLAS's
-    # fp32 accuracy over K = V varies with the chunk's shape, fp64 makes it a non-issue.
-    weight_for_grad_input = (
-        weight_c.double() if need_grad_input and accum_dtype == torch.float64 else weight_c
-    )
-    if need_grad_weight:
-        grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
-        accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
-    if need_grad_bias:  # summed in the loss dtype: fp32, or fp64 for fp64 GEMMs
-        grad_bias = torch.zeros(vocab, dtype=loss_dtype, device=device)
-
-    logits_buffer = None
-    for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
-        end = min(start + chunk_size, n_valid)
-        if rows is None:
-            x_c, t_c, scale_rows = x2[start:end], target[start:end], slice(start, end)
-        else:
-            scale_rows = rows[start:end]
-            x_c, t_c = x2.index_select(0, scale_rows), target.index_select(0, scale_rows)
-        x_c = x_c.to(compute_dtype)
-        if logits_buffer is None:
-            logits_buffer = torch.empty(min(chunk_size, n_valid), vocab, dtype=compute_dtype, device=device)
-        logits = logits_buffer[: end - start]
-        if bias_c is not None:
-            torch.addmm(bias_c, x_c, weight_c.t(), out=logits)
-        else:
-            torch.mm(x_c, weight_c.t(), out=logits)
-
-        out = chunk_cross_entropy(
-            logits,
-            t_c,
-            ce_scale[scale_rows] if per_row_scale else ce_scale,
-            z_scale[scale_rows] if per_row_scale else z_scale,
-            compute_grad,
-        )
-        _write_rows(loss, scale_rows, out.loss if scales.logits == 1.0 else out.loss / scales.logits)
-        _write_rows(lse, scale_rows, out.lse)
-        if compute_stats:
-            _write_rows(correct, scale_rows, out.correct)
-            _write_rows(entropy, scale_rows, out.entropy)
-
-        if need_grad_input:
-            _write_grad_input(grad_input, scale_rows, logits, weight_for_grad_input, scales)
-        if need_grad_weight:
-            accumulate_grad_weight(
-                grad_weight,
-                logits,
-                x_c,
-                first=chunk_index == 0,
-                path=accum_path,
-                alpha=scales.grad_weight / scales.logits,
-            )
-        if need_grad_bias:
-            grad_bias.add_(logits.sum(dim=0, dtype=loss_dtype), alpha=scales.grad_bias / scales.logits)
-        x_c = None  # before the next chunk's row gather (and its cast) allocates
-
-    # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
-    # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
-    logits_buffer = logits = x_c = weight_c = weight_for_grad_input = bias_c = None
-    if need_grad_weight:
-        if n_valid == 0:
-            grad_weight.zero_()
-        if grad_weight_dtype is None:
-            grad_weight = grad_weight.to(weight.dtype)
-    if need_grad_bias:
-        grad_bias = grad_bias.to(bias.dtype)
-    return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, scales
-
-
-def _scaled_mm(a: Tensor, b: Tensor, alpha: float, out: Optional[Tensor] = None) -> Tensor:
-    """``alpha * a @ b`` with alpha in the GEMM's epilogue (before rounding to the output dtype)."""
-    if alpha == 1.0:
-        return torch.mm(a, b, out=out)
-    if out is None:
-        out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
-    return torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
-
-
-def _write_grad_input(grad_input: Tensor, rows, logits: Tensor, weight: Tensor, scales: GradScales) -> None:
-    """dX rows = d loss / d logits @ W, times ``scales.grad_input``."""
-    if grad_input.dtype == weight.dtype:
-        alpha = scales.grad_input / scales.logits
-        if isinstance(rows, slice):
-            _scaled_mm(logits, weight, alpha, out=grad_input[rows])
-        else:
-            _write_rows(grad_input, rows, _scaled_mm(logits, weight, alpha))
-        return
-    # A wider grad_input (fp32 x, fp16 GEMMs): the product stays scaled in fp16 (by logits / 64, in range:
-    # see _fp16_grad_scales) and is unscaled after widening, so small rows do not underflow.
-    product_scale = scales.logits / 64 if scales.logits != 1.0 else 1.0
-    product = _scaled_mm(logits.to(weight.dtype), weight, product_scale / scales.logits).to(grad_input.dtype)
-    if scales.grad_input != product_scale:
-        product.mul_(scales.grad_input / product_scale)
-    _write_rows(grad_input, rows, product)
-
-
-def _accumulator_dtype(accum: str, weight: Tensor, compute_dtype: torch.dtype, n_chunks: int) -> torch.dtype:
-    """The dW accumulator's dtype. "auto" widens only where rounding the running sum once per chunk
-    would make dW less accurate than one unchunked GEMM. It follows the GEMMs' operand dtype, not the
-    weight's storage: fp16/bf16 GEMMs (also an fp32 weight under autocast) accumulate in fp32, and fp32
-    GEMMs in fp64 on GPUs with full-rate fp64 (there an fp64 GEMM is as fast as a non-TF32 fp32 one;
-    dX's GEMM then runs in fp64 as well)."""
-    if accum in ("fp32", "fp64"):
-        return torch.float32 if accum == "fp32" else torch.float64
-    if accum == "auto" and n_chunks > 1:
-        if compute_dtype in _LOW_PRECISION and weight.dtype in _LOW_PRECISION + (torch.float32,):
-            return torch.float32
-        if compute_dtype == weight.dtype == torch.float32 and _has_full_rate_fp64(weight.device):
-            return torch.float64
-    return weight.dtype
-
-
-def saved_grad_weight_dtype(
-    x: Tensor, weight: Tensor, compute_dtype: torch.dtype, accum: str, chunk_size: int, impl: str
-) -> torch.dtype:
-    """The dtype of the dW that "mean"/"sum" forward keeps for backward: its accumulator's, uncast.
-
-    Backward casts it to the weight's dtype with grad_output folded into the same pass, instead of a cast
-    in forward and a scaling pass in backward (fp16, whose grad_output is a loss scale, and any loss
-    scaled before backward, e.g. gradient accumulation). The dtype follows the chunk count of the shape
-    (every row valid), which the fake implementation knows; masked rows only lower the real count.
-    """
-    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    rows = _resolve_chunk_size(chunk_size, x, weight, compute_dtype, impl, n_rows)
-    return _accumulator_dtype(accum, weight, compute_dtype, n_chunks=-(-n_rows // rows))
-
-
-def saved_grad_input_dtype(
-    x: Tensor, compute_dtype: torch.dtype, grad_weight_dtype: torch.dtype
-) -> torch.dtype:
-    """The dtype of the dX that "mean"/"sum" forward keeps for backward: the dX GEMM's output dtype when x is
-    wider (fp32 hidden states under fp16/bf16 autocast), since dX holds that dtype's values anyway; backward
-    widens it with grad_output folded in. Forward's peak (the training step's, as the head runs last) is then
-    N H (x's itemsize - the GEMM's) bytes lower, and no chunk of dX needs a widened temporary.
-    With an fp64 accumulator dX's GEMM runs in fp64 (see :func:`run_chunks`): it is kept in x's dtype."""
-    if (
-        compute_dtype in _LOW_PRECISION
-        and grad_weight_dtype != torch.float64
-        and x.dtype.itemsize > compute_dtype.itemsize
-    ):
-        return compute_dtype
-    return x.dtype
-
-
-def _has_full_rate_fp64(device: torch.device) -> bool:
-    # P100, V100, A100, H100/H200, B200: fp64 at half the fp32 rate or better (others: 1/32 to 1/64).
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) in (
-        (6, 0),
-        (7, 0),
-        (8, 0),
-        (9, 0),
-        (10, 0),
-    )
-
-
-def _write_rows(dest: Tensor, rows, values: Tensor) -> None:
-    if isinstance(rows, slice):
-        dest[rows] = values.to(dest.dtype)
-    else:
-        dest.index_copy_(0, rows, values.to(dest.dtype))
-
-
-def _loss_scales(
-    target: Tensor, reduction: str, options: LossOptions, device: torch.device, dtype: torch.dtype
-) -> Tuple[Tensor, Tensor]:
-    """[1] multipliers of the CE and z-loss terms in ``dtype`` (the softmax dtype), computed on the device
-    (no host sync).
-
-    "mean" divides CE by the summed class weight of the valid targets (the count without weights), as
-    ``F.cross_entropy`` does, and the z-loss by the count; an all-ignored batch (or a zero total weight) gets
-    0, not NaN.
-    """
-    one = torch.ones(1, dtype=dtype, device=device)
-    if reduction != "mean":
-        return one, one
-    target = target.reshape(-1)
-    valid = target != options.ignore_index
-    count = valid.sum(dtype=dtype).reshape(1)
-    if options.class_weight is not None:
-        safe = torch.where(valid, target, 0)
-        ce_norm = (options.class_weight[safe] * valid).sum().reshape(1)
-    else:
-        ce_norm = count
-    # A zero total weight gives 0 (F.cross_entropy gives NaN); a negative one is a valid, if odd, normalizer.
-    ce_scale = torch.where(ce_norm != 0, 1.0 / ce_norm, 0.0)
-    z_scale = torch.where(count > 0, 1.0 / count, 0.0)
-    return ce_scale, z_scale
-
-
-def _options(
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    class_weight: Optional[Tensor],
-    compute_dtype: torch.dtype,
-) -> LossOptions:
-    class_weight_sum = None
-    if class_weight is not None:
-        class_weight = class_weight.to(softmax_dtype(compute_dtype)).contiguous()
-        class_weight_sum = class_weight.sum().reshape(1)
-    return LossOptions(
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale,
-        softcap=softcap,
-        class_weight=class_weight,
-        class_weight_sum=class_weight_sum,
-    )
-
-
-def _resolve_chunk_size(
-    chunk_size: int, x: Tensor, weight: Tensor, compute_dtype: torch.dtype, impl: str, n_valid: int
-) -> int:
-    """A user's chunk size as given; the default one balanced over the ``n_valid`` rows that run."""
-    if chunk_size > 0:
-        return chunk_size
-    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    use_triton = chunk_kernels_use_triton(impl, compute_dtype)
-    max_rows = default_chunk_size(n_rows, weight.shape[0], weight.shape[1], itemsize, use_triton)
-    return balanced_chunk_rows(n_valid, max_rows, _FLOOR_LIMITED_ALIGN if use_triton else _CHUNK_ALIGN)
-
-
-def balanced_chunk_rows(n_rows: int, max_rows: int, align: int) -> int:
-    """Rows per chunk for as few chunks as ``max_rows`` allows, of about equal size (in ``align`` steps,
-    never above ``max_rows``): 8192 rows at most 2304 apiece run as 4 x 2048, not 3 x 2304 + 1280 (same
-    number of dW accumulator passes, less memory, no small last GEMM)."""
-    if n_rows <= max_rows:
-        return max(max_rows if n_rows == 0 else n_rows, 1)
-    n_chunks = -(-n_rows // max_rows)
-    rows = -(-n_rows // n_chunks)
-    return min(max_rows, -(-rows // align) * align)
+def _token_scales(args, reduction: str) -> Tuple[Tensor, Tensor]:
+    options = kernel_options(args.ignore_index, 0.0, 0.0, 0.0, args.class_weight, args.compute_dtype)
+    dtype = softmax_dtype(args.compute_dtype)
+    return loss_scales(args.target, reduction, options, args.token_weight, args.x.device, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -614,339 +239,146 @@ def balanced_chunk_rows(n_rows: int, max_rows: int, align: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("lightning_flce::flce_forward", mutates_args=())
-@resolved_annotations
-def flce_forward(
-    x: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Optional[Tensor],
-    class_weight: Optional[Tensor],
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    compute_dtype: torch.dtype,
-    accum: str,
-    chunk_size: int,
-    impl: str,
-    need_grad_input: bool,
-    need_grad_weight: bool,
-    need_grad_bias: bool,
-    compute_stats: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _forward(*values) -> Tuple[Tensor, ...]:
     """Returns (loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, inverse_scales); unused
     ones are empty. loss, lse and entropy are in :func:`~lightning_flce.kernels.softmax_dtype` of
     ``compute_dtype`` (fp32; fp64 for fp64 GEMMs). ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients
-    only) undoes the powers of two the fp16 gradients carry, see :func:`run_chunks`. ``grad_input`` is in
-    :func:`saved_grad_input_dtype` and ``grad_weight`` is dW's accumulator, in :func:`saved_grad_weight_dtype`
-    (backward casts them).
+    only) undoes the powers of two the fp16 gradients carry. ``grad_input`` and ``grad_weight`` are in the
+    dtypes of :func:`_saved_dtypes` (backward casts them).
 
     For "none" no gradient is computed here (backward recomputes); the need_grad_* flags then only
     say what backward will produce.
     """
-    options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight, compute_dtype)
-    grads_now = reduction != "none"
-    grad_weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
-    grad_input_dtype = saved_grad_input_dtype(x, compute_dtype, grad_weight_dtype)
-    with torch.autocast(x.device.type, enabled=False):
-        ce_scale, z_scale = _loss_scales(target, reduction, options, x.device, softmax_dtype(compute_dtype))
-        loss, lse, correct, entropy, gx, gw, gb, inverse_scales = _chunk_loop(
-            x,
-            weight,
-            target,
-            bias,
-            options,
+    args = ForwardArgs(*values)
+    grads_now = args.reduction != "none"
+    grad_input_dtype, grad_weight_dtype = _saved_dtypes(args)
+    with torch.autocast(args.x.device.type, enabled=False):
+        ce_scale, z_scale = _token_scales(args, args.reduction)
+        loss, lse, correct, entropy, gx, gw, gb, inverse = _chunk_loop(
+            args,
             ce_scale=ce_scale,
             z_scale=z_scale,
-            compute_dtype=compute_dtype,
-            need_grad_input=need_grad_input and grads_now,
-            need_grad_weight=need_grad_weight and grads_now,
-            need_grad_bias=need_grad_bias and grads_now,
-            compute_stats=compute_stats,
-            accum=accum,
-            chunk_size=chunk_size,
-            impl=impl,
+            need_grad_input=args.need_grad_input and grads_now,
+            need_grad_weight=args.need_grad_weight and grads_now,
+            need_grad_bias=args.need_grad_bias and grads_now,
+            compute_stats=args.compute_stats,
             keep_scaled=True,
             grad_input_dtype=grad_input_dtype,
             grad_weight_dtype=grad_weight_dtype,
         )
-    if reduction != "none":
+    if grads_now:
         loss = loss.sum()
-    if not compute_stats:
+    if not args.compute_stats:
         lse = lse.new_empty(0)
-    if not (grads_now and (need_grad_input or need_grad_weight or need_grad_bias)):
-        inverse_scales = inverse_scales.new_empty(0)
-    return loss, lse, correct, entropy, gx, gw, gb, inverse_scales
+    if not (grads_now and (args.need_grad_input or args.need_grad_weight or args.need_grad_bias)):
+        inverse = inverse.new_empty(0)
+    return loss, lse, correct, entropy, gx, gw, gb, inverse
 
 
-@flce_forward.register_fake
-def _(
-    x,
-    weight,
-    target,
-    bias,
-    class_weight,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    lse_square_scale,
-    softcap,
-    compute_dtype,
-    accum,
-    chunk_size,
-    impl,
-    need_grad_input,
-    need_grad_weight,
-    need_grad_bias,
-    compute_stats,
-):
-    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    grads_now = reduction != "none"
-    fp32 = torch.float32
-    loss_dtype = softmax_dtype(compute_dtype)
-    scaled = (
-        compute_dtype == torch.float16
-        and grads_now
-        and (need_grad_input or need_grad_weight or need_grad_bias)
-    )
-    loss = x.new_empty((n_rows,) if reduction == "none" else (), dtype=loss_dtype)
-    n_stats = n_rows if compute_stats else 0
+def _forward_fake(*values) -> Tuple[Tensor, ...]:
+    args = ForwardArgs(*values)
+    x, weight, bias = args.x, args.weight, args.bias
+    n_rows = _n_rows(x)
+    grads_now = args.reduction != "none"
+    needs_any = args.need_grad_input or args.need_grad_weight or args.need_grad_bias
+    loss_dtype = softmax_dtype(args.compute_dtype)
+    scaled = args.compute_dtype == torch.float16 and grads_now and needs_any
+    n_stats = n_rows if args.compute_stats else 0
+    grad_input_dtype, grad_weight_dtype = _saved_dtypes(args)
     # Gradients are contiguous, as the chunk loop allocates them (not empty_like: a permuted x or weight).
-    grad_weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum, chunk_size, impl)
     return (
-        loss,
+        x.new_empty((n_rows,) if args.reduction == "none" else (), dtype=loss_dtype),
         x.new_empty(n_stats, dtype=loss_dtype),
         x.new_empty(n_stats, dtype=torch.bool),
         x.new_empty(n_stats, dtype=loss_dtype),
-        (
-            x.new_empty(x.shape, dtype=saved_grad_input_dtype(x, compute_dtype, grad_weight_dtype))
-            if need_grad_input and grads_now
-            else x.new_empty(0)
-        ),
-        weight.new_empty(weight.shape, dtype=grad_weight_dtype)
-        if need_grad_weight and grads_now
+        x.new_empty(x.shape, dtype=grad_input_dtype)
+        if args.need_grad_input and grads_now
         else x.new_empty(0),
-        bias.new_empty(bias.shape) if need_grad_bias and grads_now else x.new_empty(0),
-        x.new_empty(3 if scaled else 0, dtype=fp32),
+        weight.new_empty(weight.shape, dtype=grad_weight_dtype)
+        if args.need_grad_weight and grads_now
+        else x.new_empty(0),
+        bias.new_empty(bias.shape) if args.need_grad_bias and grads_now else x.new_empty(0),
+        x.new_empty(3 if scaled else 0, dtype=torch.float32),
     )
 
 
-@torch.library.custom_op(
-    "lightning_flce::flce_scale_grads_", mutates_args=("grad_input", "grad_weight", "grad_bias")
-)
-@resolved_annotations
-def flce_scale_grads_(
-    grad_input: Tensor, grad_weight: Tensor, grad_bias: Tensor, scale: Tensor, inverse_scales: Tensor
-) -> None:
-    """Multiply the gradients computed in forward by grad_output (a no-op when it is 1), and by their
-    ``inverse_scales`` where forward gave some (fp16)."""
-    for i, grad in enumerate((grad_input, grad_weight, grad_bias)):
-        if inverse_scales.numel():
-            scale_(grad, scale.reshape(1).float() * inverse_scales[i])
-        else:
-            scale_(grad, scale)
-
-
-@flce_scale_grads_.register_fake
-def _(grad_input, grad_weight, grad_bias, scale, inverse_scales):
-    return None
-
-
-@torch.library.custom_op("lightning_flce::flce_cast_grad", mutates_args=())
-@resolved_annotations
-def flce_cast_grad(
-    saved: Tensor, scale: Tensor, inverse_scales: Tensor, index: int, dtype: torch.dtype
-) -> Tensor:
-    """A gradient in ``dtype`` from forward's copy in another dtype (dX from the GEMM's narrower dtype, dW
-    from a wider accumulator): ``saved * grad_output`` (and the fp16 inverse scale ``inverse_scales[index]``)
-    in one pass, rounded once."""
-    factor = scale.reshape(1).float()
-    if inverse_scales.numel():
-        factor = factor * inverse_scales[index]
-    return scale_into(saved.new_empty(saved.shape, dtype=dtype), saved, factor)
-
-
-@flce_cast_grad.register_fake
-def _(saved, scale, inverse_scales, index, dtype):
-    return saved.new_empty(saved.shape, dtype=dtype)
-
-
-@torch.library.custom_op("lightning_flce::flce_backward", mutates_args=())
-@resolved_annotations
-def flce_backward(
-    grad_loss: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Optional[Tensor],
-    class_weight: Optional[Tensor],
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    compute_dtype: torch.dtype,
-    accum: str,
-    chunk_size: int,
-    impl: str,
-    need_grad_input: bool,
-    need_grad_weight: bool,
-    need_grad_bias: bool,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Backward of reduction="none": recompute each chunk with the per-token grad_output as its scale."""
-    options = _options(ignore_index, label_smoothing, lse_square_scale, softcap, class_weight, compute_dtype)
-    scale = grad_loss.reshape(-1).to(softmax_dtype(compute_dtype))
-    with torch.autocast(x.device.type, enabled=False):
+def _backward_recompute(*values) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward of reduction="none": recompute each chunk with the per-token grad_output as its scale (times
+    the token's weight)."""
+    grad_loss, *forward = values
+    args = ForwardArgs(*forward)
+    with torch.autocast(args.x.device.type, enabled=False):
+        weight_scale, _ = _token_scales(args, "sum")  # [1] ones, or the token weights [N]
+        scale = grad_loss.reshape(-1).to(weight_scale.dtype) * weight_scale
         *_, gx, gw, gb, _ = _chunk_loop(
-            x,
-            weight,
-            target,
-            bias,
-            options,
+            args,
             ce_scale=scale,
             z_scale=scale,
-            compute_dtype=compute_dtype,
-            need_grad_input=need_grad_input,
-            need_grad_weight=need_grad_weight,
-            need_grad_bias=need_grad_bias,
+            need_grad_input=args.need_grad_input,
+            need_grad_weight=args.need_grad_weight,
+            need_grad_bias=args.need_grad_bias,
             compute_stats=False,
-            accum=accum,
-            chunk_size=chunk_size,
-            impl=impl,
         )
     return gx, gw, gb
 
 
-@flce_backward.register_fake
-def _(
-    grad_loss,
-    x,
-    weight,
-    target,
-    bias,
-    class_weight,
-    ignore_index,
-    label_smoothing,
-    lse_square_scale,
-    softcap,
-    compute_dtype,
-    accum,
-    chunk_size,
-    impl,
-    need_grad_input,
-    need_grad_weight,
-    need_grad_bias,
-):
+def _backward_recompute_fake(*values) -> Tuple[Tensor, Tensor, Tensor]:
+    _, *forward = values
+    args = ForwardArgs(*forward)
+    x, weight, bias = args.x, args.weight, args.bias
     return (
-        x.new_empty(x.shape) if need_grad_input else x.new_empty(0),
-        weight.new_empty(weight.shape) if need_grad_weight else x.new_empty(0),
-        bias.new_empty(bias.shape) if need_grad_bias else x.new_empty(0),
+        x.new_empty(x.shape) if args.need_grad_input else x.new_empty(0),
+        weight.new_empty(weight.shape) if args.need_grad_weight else x.new_empty(0),
+        bias.new_empty(bias.shape) if args.need_grad_bias else x.new_empty(0),
     )
+
+
+flce_forward = torch.library.custom_op(
+    "lightning_flce::flce_forward", _forward, mutates_args=(), schema=_schema(FORWARD_ARGS, 8)
+)
+flce_forward.register_fake(_forward_fake)
+flce_backward = torch.library.custom_op(
+    "lightning_flce::flce_backward", _backward_recompute, mutates_args=(), schema=_schema(BACKWARD_ARGS, 3)
+)
+flce_backward.register_fake(_backward_recompute_fake)
 
 
 # ----------------------------------------------------------------------------------------------
 # Autograd
 # ----------------------------------------------------------------------------------------------
 
-# Positions of flce_forward's arguments, for setup_context.
-_X, _WEIGHT, _TARGET, _BIAS, _CLASS_WEIGHT = range(5)
-
 
 def _setup_context(ctx, inputs, output) -> None:
-    (
-        x,
-        weight,
-        target,
-        bias,
-        class_weight,
-        ignore_index,
-        reduction,
-        label_smoothing,
-        lse_square_scale,
-        softcap,
-        compute_dtype,
-        accum,
-        chunk_size,
-        impl,
-        need_grad_input,
-        need_grad_weight,
-        need_grad_bias,
-        _,
-    ) = inputs
-    ctx.reduction = reduction
-    ctx.needs = (need_grad_input, need_grad_weight, need_grad_bias)
-    ctx.final_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+    args = ForwardArgs(*inputs)
+    ctx.reduction = args.reduction
+    ctx.needs = (args.need_grad_input, args.need_grad_weight, args.need_grad_bias)
+    ctx.final_dtypes = (args.x.dtype, args.weight.dtype, None if args.bias is None else args.bias.dtype)
     # Only the loss is differentiable. Without this, autograd would hand backward zero-filled
     # [N, H] and [V, H] "gradients" for the saved-gradient outputs: a full dX + dW of memory.
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*output[1:])
-    if reduction == "none":
-        ctx.save_for_backward(x, weight, target, bias, class_weight)
-        ctx.options = (
-            ignore_index,
-            label_smoothing,
-            lse_square_scale,
-            softcap,
-            compute_dtype,
-            accum,
-            chunk_size,
-            impl,
-        )
+    if args.reduction == "none":
+        ctx.save_for_backward(*(getattr(args, name) for name in _TENSOR_ARGS))
+        ctx.args = args._replace(**dict.fromkeys(_TENSOR_ARGS))  # the tensors live in saved_tensors
     else:
         ctx.save_for_backward(*output[4:])
 
 
-def _double_backward_error(why: str) -> str:
-    return (
-        f"fused linear cross-entropy does not support double backward (create_graph=True): {why} without a"
-        " graph. Compute a gradient penalty on the unfused loss (F.cross_entropy(F.linear(x, W), t)) for the"
-        " steps that need it"
-    )
-
-
-def check_single_backward(ctx) -> None:
-    """ "mean"/"sum" hand out the gradients computed in forward, scaled in place by grad_output: a second
-    backward through the same graph (``retain_graph=True``, repeated ``autograd.grad``) cannot reuse them,
-    and they carry no graph of their own, so ``create_graph=True`` (a gradient penalty) cannot differentiate
-    them (it would silently drop the penalty's term through the head)."""
-    if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
-        raise RuntimeError(
-            _double_backward_error("with reduction 'mean'/'sum' its gradients are computed in forward")
-        )
-    if getattr(ctx, "grads_handed_out", False):
-        raise RuntimeError(
-            "backward ran twice through the same fused linear cross-entropy call: with reduction 'mean'/'sum' it"
-            " computes the gradients in forward and hands them out once (scaled in place). Use reduction='none'"
-            " (it recomputes in backward; take .sum()/.mean() of its output) for retain_graph or repeated"
-            " autograd.grad, or call the loss again"
-        )
-    ctx.grads_handed_out = True
-
-
 def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
-    grads: List[Optional[Tensor]] = [None] * 18
-    if grad_loss is None:
-        return tuple(grads)
-    need_grad_input, need_grad_weight, need_grad_bias = ctx.needs
-    if ctx.reduction == "none":
-        x, weight, target, bias, class_weight = ctx.saved_tensors
-        gx, gw, gb = flce_backward(grad_loss, x, weight, target, bias, class_weight, *ctx.options, *ctx.needs)
-    else:
-        check_single_backward(ctx)
-        *saved, inverse_scales = ctx.saved_tensors
-        # Kept in their final dtype: scaled in place; in another: cast with the scale in the same pass.
-        in_place = list(saved)
-        for i, dtype in enumerate(ctx.final_dtypes):
-            if saved[i].numel() and saved[i].dtype != dtype:
-                saved[i] = flce_cast_grad(saved[i], grad_loss, inverse_scales, i, dtype)
-                in_place[i] = saved[i].new_empty(0)
-        flce_scale_grads_(*in_place, grad_loss, inverse_scales)
-        gx, gw, gb = saved
-    grads[_X] = gx if need_grad_input else None
-    grads[_WEIGHT] = gw if need_grad_weight else None
-    grads[_BIAS] = gb if need_grad_bias else None
-    return tuple(grads)
+    grads = dict.fromkeys(ForwardArgs._fields)
+    if grad_loss is not None:
+        if ctx.reduction == "none":
+            args = ctx.args._replace(**dict(zip(_TENSOR_ARGS, ctx.saved_tensors)))
+            gx, gw, gb = flce_backward(grad_loss, *args)
+        else:
+            check_single_backward(ctx)
+            *saved, inverse = ctx.saved_tensors
+            gx, gw, gb = finish_saved_grads(saved, ctx.final_dtypes, grad_loss, inverse)
+        need_grad_input, need_grad_weight, need_grad_bias = ctx.needs
+        grads["x"] = gx if need_grad_input else None
+        grads["weight"] = gw if need_grad_weight else None
+        grads["bias"] = gb if need_grad_bias else None
+    return tuple(grads.values())
 
 
 flce_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -954,7 +386,7 @@ flce_forward.register_autograd(_backward, setup_context=_setup_context)
 
 def _refuse_double_backward(ctx, *grads):
     # Reached only by differentiating reduction="none"'s gradients (create_graph=True, then a second backward).
-    raise RuntimeError(_double_backward_error("its reduction='none' backward recomputes the chunks"))
+    raise RuntimeError(double_backward_error("its reduction='none' backward recomputes the chunks"))
 
 
 flce_backward.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
@@ -979,19 +411,19 @@ def _register_flop_formulas() -> None:
     except ImportError:  # pragma: no cover - older torch
         return
 
+    # The counter passes the arguments in schema order, tensors replaced by their shapes.
     @register_flop_formula(torch.ops.lightning_flce.flce_forward)
-    def _forward_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-        reduction = args[4]
-        need_grad_input, need_grad_weight = args[12], args[13]
-        flops = _gemm_flops(x_shape, weight_shape)
-        if reduction != "none":
-            flops *= 1 + int(need_grad_input) + int(need_grad_weight)
+    def _forward_flops(*values, out_shape=None, **kwargs) -> int:
+        args = ForwardArgs(*values)
+        flops = _gemm_flops(args.x, args.weight)
+        if args.reduction != "none":
+            flops *= 1 + int(args.need_grad_input) + int(args.need_grad_weight)
         return flops
 
     @register_flop_formula(torch.ops.lightning_flce.flce_backward)
-    def _backward_flops(grad_shape, x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-        need_grad_input, need_grad_weight = args[11], args[12]
-        return _gemm_flops(x_shape, weight_shape) * (int(need_grad_input) + int(need_grad_weight))
+    def _backward_flops(*values, out_shape=None, **kwargs) -> int:
+        args = BackwardArgs(*values)
+        return _gemm_flops(args.x, args.weight) * (int(args.need_grad_input) + int(args.need_grad_weight))
 
     # torch 2.4 files custom ops' formulas under their .default overload but looks ops up by packet.
     from torch.utils import flop_counter
@@ -1003,8 +435,3 @@ def _register_flop_formulas() -> None:
 
 
 _register_flop_formulas()
-
-
-def flce_op_available_on(device: torch.device) -> str:
-    """The implementation "auto" picks for ``device``."""
-    return "triton" if device.type == "cuda" and triton_usable(device) else "torch"

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from reference import assert_matches_reference, grads_of, reference_loss, relative_error, unfused_loss
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
-from lightning_flce.kernels import chunk_kernels_use_triton
-from lightning_flce.op import default_chunk_size
+from lightning_flce.engine import default_chunk_size
+from lightning_flce.op import BackwardArgs, ForwardArgs
+from lightning_flce.kernels import BACKENDS, backend_for
 
 FP32_TOL = 1e-5
 # fp64 rounding is 1.1e-16 per operation; grown over these reductions (logsumexp over V <= 1000, GEMMs over
@@ -42,6 +43,34 @@ FEATURES = {
     },
 }
 
+
+
+def op_args(x, weight, target, bias, **overrides) -> ForwardArgs:
+    """flce_forward's arguments by name: defaults of a plain "mean" call on the torch backend, all grads."""
+    args = {
+        "x": x,
+        "weight": weight,
+        "target": target,
+        "bias": bias,
+        "class_weight": None,
+        "token_weight": None,
+        "ignore_index": -100,
+        "reduction": "mean",
+        "label_smoothing": 0.0,
+        "lse_square_scale": 0.0,
+        "softcap": 0.0,
+        "logits_precision": "input",
+        "compute_dtype": x.dtype,
+        "accum_dtype": None,
+        "chunk_size": 0,
+        "backend": "torch",
+        "need_grad_input": True,
+        "need_grad_weight": True,
+        "need_grad_bias": bias is not None,
+        "compute_stats": False,
+    }
+    args.update(overrides)
+    return ForwardArgs(**args)
 
 def make_problem(n_rows, hidden, vocab, *, dtype=torch.float32, ignore_frac=0.2, seed=0, lead_shape=None):
     gen = torch.Generator().manual_seed(seed)
@@ -277,6 +306,9 @@ def test_float64_gradcheck(reduction, feature_name):
 
 def test_float64_runs_the_torch_softmax_also_for_triton():
     """The Triton kernels compute in fp32: fp64 GEMMs take the PyTorch twin whatever the impl (on CUDA too)."""
+    def chunk_kernels_use_triton(impl, dtype):
+        return backend_for(BACKENDS[impl], dtype).name == "triton"
+
     assert not chunk_kernels_use_triton("triton", torch.float64)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert chunk_kernels_use_triton("triton", dtype)
@@ -420,28 +452,28 @@ def test_chunk_size_does_not_change_result():
 
 
 def test_default_chunk_size_follows_budget():
-    from lightning_flce.op import _MIN_TRITON_CHUNK_ROWS
+    from lightning_flce.engine import _MIN_TRITON_CHUNK_ROWS
 
     floor = lambda n, v, h, b: (n + v) * h * b  # noqa: E731 - dX + dW bytes
     # GPU: at least _MIN_TRITON_CHUNK_ROWS rows while the chunk's logits fit in the floor (dX + dW) ...
-    assert default_chunk_size(16384, 32000, 4096, 2, use_triton=True) == _MIN_TRITON_CHUNK_ROWS
-    assert default_chunk_size(16384, 128256, 4096, 2, use_triton=True) == _MIN_TRITON_CHUNK_ROWS
+    assert default_chunk_size(16384, 32000, 4096, 2, large_chunks=True) == _MIN_TRITON_CHUNK_ROWS
+    assert default_chunk_size(16384, 128256, 4096, 2, large_chunks=True) == _MIN_TRITON_CHUNK_ROWS
     # ... else as many whole 256-row blocks as fit in it: 8192 x 2304 x 256000 bf16 -> 2304 rows of 512000 B
-    rows = default_chunk_size(8192, 256000, 2304, 2, use_triton=True)
+    rows = default_chunk_size(8192, 256000, 2304, 2, large_chunks=True)
     assert rows % 256 == 0 and rows * 256000 * 2 <= floor(8192, 256000, 2304, 2) < (rows + 256) * 256000 * 2
     # the CUDA tests' shapes: 512 and 768 rows (see _FLOOR_LIMITED_ALIGN)
-    assert default_chunk_size(4096, 32003, 512, 2, use_triton=True) == 512
-    assert default_chunk_size(3000, 50257, 768, 2, use_triton=True) == 768
+    assert default_chunk_size(4096, 32003, 512, 2, large_chunks=True) == 512
+    assert default_chunk_size(3000, 50257, 768, 2, large_chunks=True) == 768
     # a quarter of the floor when that is more (many tokens, small vocabulary)
-    rows = default_chunk_size(65536, 4000, 8192, 2, use_triton=True)
+    rows = default_chunk_size(65536, 4000, 8192, 2, large_chunks=True)
     assert rows * 4000 * 2 <= floor(65536, 4000, 8192, 2) // 4 < (rows + 64) * 4000 * 2
     # CPU (PyTorch path): a quarter of the floor at 12 bytes per logit, at least 128 MiB
-    rows = default_chunk_size(16384, 32000, 4096, 4, use_triton=False)
+    rows = default_chunk_size(16384, 32000, 4096, 4, large_chunks=False)
     assert rows * 32000 * 12 <= floor(16384, 32000, 4096, 4) // 4 < (rows + 64) * 32000 * 12
     # tiny problems keep the 32 MiB minimum: 32 MiB / (1000 x 4 B) rows, capped at N
-    assert default_chunk_size(100000, 1000, 8, 4, use_triton=True) == 32 * 2**20 // 4000 // 64 * 64
-    assert default_chunk_size(10, 32000, 4096, 2, use_triton=True) == 10  # never beyond N
-    assert default_chunk_size(0, 32000, 64, 4, use_triton=False) == 1
+    assert default_chunk_size(100000, 1000, 8, 4, large_chunks=True) == 32 * 2**20 // 4000 // 64 * 64
+    assert default_chunk_size(10, 32000, 4096, 2, large_chunks=True) == 10  # never beyond N
+    assert default_chunk_size(0, 32000, 64, 4, large_chunks=False) == 1
 
 
 def test_stats_match_reference():
@@ -561,11 +593,9 @@ def test_autocast_fp32_hidden_states_keep_grad_input_in_gemm_dtype(autocast_dtyp
     it with grad_output. (An fp64 accumulator, which the public API refuses for these GEMMs, would run dX's
     GEMM in fp64: there dX is kept in fp32.)"""
     x, weight, target, bias, _ = make_problem(64, 32, 200, seed=10)
-    args = (x, weight, target, bias, None, -100, "mean", 0.0, 0.0, 0.0, autocast_dtype)
-    for accum, saved_dtype in (("auto", autocast_dtype), ("fp64", torch.float32)):
-        saved_dx = torch.ops.lightning_flce.flce_forward.default(
-            *args, accum, 16, "torch", True, True, True, False
-        )[4]
+    for accum, saved_dtype in ((None, autocast_dtype), (torch.float64, torch.float32)):
+        args = op_args(x, weight, target, bias, compute_dtype=autocast_dtype, accum_dtype=accum, chunk_size=16)
+        saved_dx = torch.ops.lightning_flce.flce_forward.default(*args)[4]
         assert saved_dx.dtype == saved_dtype
 
     def op(hidden, w, b):
@@ -591,7 +621,7 @@ def test_auto_accumulator_follows_gemm_dtype(monkeypatch, autocast):
     """The "auto" accumulator: from the GEMMs' dtype, not the weight's storage: an fp32 weight under
     bf16 autocast accumulates in fp32 (fp64 there would run every dW/dX GEMM in fp64: 10x slower on an
     H100); without autocast, fp32 GEMMs get fp64 on GPUs with full-rate fp64 (forced here on the CPU)."""
-    import lightning_flce.op as op
+    import lightning_flce.engine as op
 
     accumulator_dtypes = set()
 
@@ -719,7 +749,7 @@ def test_torch_compile_dynamic_shapes_match_eager():
 
 
 def test_default_chunks_are_balanced_over_the_valid_rows():
-    from lightning_flce.op import balanced_chunk_rows
+    from lightning_flce.engine import balanced_chunk_rows
 
     # 8192 rows at most 2304 apiece: 4 x 2048 (3 x 2304 + 1280 before)
     assert balanced_chunk_rows(8192, 2304, 256) == 2048
@@ -738,7 +768,7 @@ def test_default_chunks_are_balanced_over_the_valid_rows():
 def test_default_chunk_size_is_balanced_in_the_op(monkeypatch):
     """The op runs the balanced size: 3000 rows under a 1088-row maximum -> 1024, 1024, 952 (CPU: 64-row
     steps), not 1088, 1088, 824."""
-    import lightning_flce.op as op
+    import lightning_flce.engine as op
 
     monkeypatch.setattr(op, "default_chunk_size", lambda *args, **kwargs: 1088)
     seen = []
@@ -804,24 +834,7 @@ def test_wide_dw_accumulator_is_cast_once_in_backward(dtype, masked_to_one_chunk
     if masked_to_one_chunk:
         target[32:] = -100
     forward = torch.ops.lightning_flce.flce_forward(
-        x,
-        weight,
-        target,
-        None,
-        None,
-        -100,
-        "mean",
-        0.0,
-        0.0,
-        0.0,
-        dtype,
-        "auto",
-        32,
-        "torch",
-        True,
-        True,
-        False,
-        False,
+        *op_args(x, weight, target, None, compute_dtype=dtype, chunk_size=32, need_grad_bias=False)
     )
     assert forward[5].dtype == torch.float32
 
@@ -849,33 +862,31 @@ def test_custom_ops_fake_implementations_match(dtype, reduction, needs, chunk_si
     x, weight, target, bias, _ = make_problem(32, 16, 64, seed=10, dtype=dtype)
     target[8:] = -100  # the valid rows fit one chunk; the shape has four
     ops = torch.ops.lightning_flce
-    forward_args = (
+    need_grads = dict(zip(("need_grad_input", "need_grad_weight", "need_grad_bias"), needs))
+    forward_args = op_args(
         x,
         weight,
         target,
         bias,
-        None,
-        -100,
-        reduction,
-        0.1,
-        1e-3,
-        0.0,
-        dtype,
-        "auto",
-        chunk_size,
-        "torch",
+        reduction=reduction,
+        label_smoothing=0.1,
+        lse_square_scale=1e-3,
+        compute_dtype=dtype,
+        chunk_size=chunk_size,
+        compute_stats=True,
+        **need_grads,
     )
     # Not "test_aot_dispatch_dynamic": it differentiates through every output, and the saved-gradient
     # outputs are scaled in place by backward, which AOTAutograd refuses for a graph output ("Node ... was
     # invalid, but is output"). The public wrapper never returns them; test_torch_compile_* compile it.
     checks = ("test_schema", "test_faketensor")
     loss_dtype = torch.promote_types(dtype, torch.float32)
-    torch.library.opcheck(ops.flce_forward.default, (*forward_args, *needs, True), test_utils=checks)
+    torch.library.opcheck(ops.flce_forward.default, tuple(forward_args), test_utils=checks)
     if reduction == "none":
         grad_loss = torch.randn(32, dtype=loss_dtype)
-        backward_args = (grad_loss, *forward_args[:6], *forward_args[7:], *needs)
-        torch.library.opcheck(ops.flce_backward.default, backward_args, test_utils=checks)
-    forward_out = ops.flce_forward.default(*forward_args, *needs, True)
+        backward_args = BackwardArgs(grad_loss, *forward_args)
+        torch.library.opcheck(ops.flce_backward.default, tuple(backward_args), test_utils=checks)
+    forward_out = ops.flce_forward.default(*forward_args)
     assert forward_out[0].dtype == forward_out[1].dtype == loss_dtype
     saved_grad_weight = forward_out[5]
     if reduction == "mean" and needs[1] and dtype in (torch.float16, torch.bfloat16):

@@ -1,25 +1,32 @@
-"""Per-chunk cross-entropy kernels: given one chunk's logits, the loss per row, its LSE, and (in place)
-d loss / d logits.
+"""Per-chunk cross-entropy kernels and the registry of their backends.
 
-Two implementations share one contract (:func:`cross_entropy_chunk`):
+A chunk kernel gets one chunk's logits and returns the loss per row and its LSE (and statistics), and
+overwrites the logits with d loss / d logits. The vocab-parallel op splits the same math around its
+all-reduces: ``shard_row_stats`` (one read of a shard's columns), then ``shard_softmax_grad``.
 
-- :mod:`lightning_flce.kernels.cross_entropy` — a Triton kernel (CUDA, or the CPU interpreter in tests);
-- :mod:`lightning_flce.kernels.cross_entropy_torch` — plain PyTorch, for the CPU and devices without Triton.
+A backend is one module with those three functions and one :class:`Backend` entry in :data:`BACKENDS`:
 
-The vocab-parallel op (:mod:`lightning_flce.parallel`) splits the same math around its all-reduces
-(:func:`shard_row_stats`, then :func:`shard_softmax_grad`), again as a Triton kernel pair
-(:mod:`~lightning_flce.kernels.cross_entropy_shard`) and its PyTorch twin
-(:mod:`~lightning_flce.kernels.cross_entropy_shard_torch`).
+- ``triton`` (:mod:`~lightning_flce.kernels.triton_backend`): Triton kernels, one per file
+  (:mod:`~lightning_flce.kernels.cross_entropy`, :mod:`~lightning_flce.kernels.cross_entropy_shard`); CUDA, or
+  the CPU under Triton's interpreter (tests);
+- ``torch`` (:mod:`~lightning_flce.kernels.torch_backend`): their plain-PyTorch twins
+  (:mod:`~lightning_flce.kernels.cross_entropy_torch`, :mod:`~lightning_flce.kernels.cross_entropy_shard_torch`),
+  for the CPU, devices without Triton, and fp64.
 
 The softmax runs in :func:`softmax_dtype` of the logits: fp32, or fp64 for fp64 logits. The Triton kernels
-compute in fp32 only, so fp64 logits go to the PyTorch twins (:func:`chunk_kernels_use_triton`).
+compute in fp32 only, so fp64 logits go to the PyTorch twins (:func:`backend_for`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import dataclasses
+import importlib
+import types
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
+
+from lightning_flce._compat import triton_usable
 
 
 def softmax_dtype(logits_dtype: torch.dtype) -> torch.dtype:
@@ -28,11 +35,73 @@ def softmax_dtype(logits_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(logits_dtype, torch.float32)
 
 
-def chunk_kernels_use_triton(impl: str, compute_dtype: torch.dtype) -> bool:
-    """Whether the per-chunk softmax runs the Triton kernels (else their PyTorch twins) for a resolved
-    ``impl`` and GEMMs in ``compute_dtype``: the kernels compute in fp32, so fp64 GEMMs (an accuracy
-    dtype, not a speed one) run the twins in fp64, on CUDA too."""
-    return impl == "triton" and softmax_dtype(compute_dtype) == torch.float32
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One implementation of the per-chunk kernels: a module (``module``) with ``cross_entropy_chunk``,
+    ``shard_row_stats`` and ``shard_softmax_grad`` (the contracts below), and what the chunk engine needs to
+    know of it.
+
+    ``softmax_dtypes``: the dtypes its softmax computes in (logits of other dtypes run the ``torch`` backend);
+    ``large_chunks``: its softmax works in place on the chunk's logits, so chunks are sized by the GEMMs' rule
+    (at least ``4096`` rows where memory allows, see :func:`lightning_flce.engine.default_chunk_size`), not by
+    the PyTorch twin's workspace of ``TORCH_WORKSPACE_COPIES`` fp32 copies.
+    """
+
+    name: str
+    module: str
+    softmax_dtypes: Tuple[torch.dtype, ...]
+    large_chunks: bool
+    usable: Callable[[torch.device], bool]
+    unusable_hint: str = ""
+
+    def kernels(self) -> types.ModuleType:
+        """The backend's module (imported on first use: Triton is an optional dependency)."""
+        return importlib.import_module(self.module)
+
+
+#: The registered backends, in the order ``impl="auto"`` tries them. A new backend: one module with the three
+#: functions, and one entry here; ``impl`` accepts its name from then on.
+BACKENDS: Dict[str, Backend] = {
+    backend.name: backend
+    for backend in (
+        Backend(
+            name="triton",
+            module="lightning_flce.kernels.triton_backend",
+            softmax_dtypes=(torch.float32,),
+            large_chunks=True,
+            usable=triton_usable,
+            unusable_hint="needs Triton and a CUDA tensor (or TRITON_INTERPRET=1 for CPU tensors)",
+        ),
+        Backend(
+            name="torch",
+            module="lightning_flce.kernels.torch_backend",
+            softmax_dtypes=(torch.float32, torch.float64),
+            large_chunks=False,
+            usable=lambda device: True,
+        ),
+    )
+}
+#: The backend whose softmax takes every dtype (fp64 GEMMs run it under any ``impl``).
+FALLBACK_BACKEND = "torch"
+
+
+def resolve_backend(impl: str, device: torch.device) -> Backend:
+    """The backend ``impl`` names (``"auto"``: the first usable on ``device``). Raises if it cannot run there."""
+    if impl == "auto":
+        return next(backend for backend in BACKENDS.values() if backend.usable(device))
+    backend = BACKENDS[impl]
+    if not backend.usable(device):
+        raise RuntimeError(f"impl={impl!r} {backend.unusable_hint}; got {device}")
+    return backend
+
+
+def backend_for(backend: Backend, compute_dtype: torch.dtype) -> Backend:
+    """The backend that runs the softmax of ``compute_dtype`` GEMMs: ``backend``, or the fallback when its
+    kernels do not compute in that softmax dtype (the Triton kernels compute in fp32 only, so fp64 GEMMs, an
+    accuracy dtype rather than a speed one, run the PyTorch twins in fp64, on CUDA too)."""
+    if softmax_dtype(compute_dtype) in backend.softmax_dtypes:
+        return backend
+    return BACKENDS[FALLBACK_BACKEND]
 
 
 class LossOptions(NamedTuple):
@@ -59,38 +128,6 @@ class ChunkOutputs(NamedTuple):
     lse: torch.Tensor
     correct: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
-
-
-def cross_entropy_chunk(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    options: LossOptions,
-    *,
-    ce_scale: torch.Tensor,
-    z_scale: torch.Tensor,
-    compute_grad: bool,
-    compute_stats: bool,
-    use_triton: bool,
-) -> ChunkOutputs:
-    """Loss rows of one chunk; with ``compute_grad`` overwrites ``logits`` with d loss / d logits.
-
-    Row ``i``'s loss is ``ce_scale[i] * ce_i + z_scale[i] * lse_square_scale * lse_i**2`` (0 for ignored
-    rows); ``ce_scale``/``z_scale`` are in the softmax dtype, of shape [1] (shared) or [C] (per row), so
-    the same kernel serves "mean" (1 / normalizer), "sum" (1) and the per-token grad_output of "none".
-    """
-    if use_triton:
-        from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton as impl
-    else:
-        from lightning_flce.kernels.cross_entropy_torch import cross_entropy_chunk_torch as impl
-    return impl(
-        logits,
-        target,
-        options,
-        ce_scale=ce_scale,
-        z_scale=z_scale,
-        compute_grad=compute_grad,
-        compute_stats=compute_stats,
-    )
 
 
 class ShardRowStats(NamedTuple):
@@ -127,43 +164,3 @@ class ShardRowStats(NamedTuple):
             rows() if with_stats else None,
             rows(torch.int64) if with_stats else None,
         )
-
-
-def shard_row_stats(
-    logits: torch.Tensor,
-    local_target: torch.Tensor,
-    *,
-    softcap: float,
-    with_z_sum: bool,
-    with_stats: bool,
-    use_triton: bool,
-) -> ShardRowStats:
-    """One read of a shard's [C, V_r] chunk logits: :class:`ShardRowStats` (``local_target`` = target -
-    the shard's first global column; the shard holds the target iff it is in ``[0, V_r)``)."""
-    if use_triton:
-        from lightning_flce.kernels.cross_entropy_shard import shard_row_stats_triton as impl
-    else:
-        from lightning_flce.kernels.cross_entropy_shard_torch import shard_row_stats_torch as impl
-    return impl(logits, local_target, softcap=softcap, with_z_sum=with_z_sum, with_stats=with_stats)
-
-
-def shard_softmax_grad(
-    logits: torch.Tensor,
-    local_target: torch.Tensor,
-    lse: torch.Tensor,
-    p_coef: torch.Tensor,
-    smoothing: Optional[torch.Tensor],
-    target_coef: torch.Tensor,
-    *,
-    softcap: float,
-    use_triton: bool,
-) -> None:
-    """Overwrite a shard's chunk logits with ``p_coef_i exp(z_ij - lse_i) - smoothing_i - target_coef_i
-    [j == local_target_i]`` (the last term only where the shard holds the target), times ``1 - (z_ij / c)^2``
-    with a softcap ``c``; ``lse`` is the global log-sum-exp and every coefficient a [C] tensor in the softmax
-    dtype."""
-    if use_triton:
-        from lightning_flce.kernels.cross_entropy_shard import shard_softmax_grad_triton as impl
-    else:
-        from lightning_flce.kernels.cross_entropy_shard_torch import shard_softmax_grad_torch as impl
-    impl(logits, local_target, lse, p_coef, smoothing, target_coef, softcap=softcap)

@@ -1,0 +1,692 @@
+"""The chunk engine shared by the single-device op (:mod:`lightning_flce.op`) and the vocab-parallel op
+(:mod:`lightning_flce.parallel.op`): the chunk-size rule, the target check, the loss scales, the chunk loop
+(:func:`run_chunks`), the fp16 gradient scaling, and the backward of the gradients computed in forward.
+
+Per chunk of C tokens, :func:`run_chunks` runs::
+
+    logits = x_c @ W.T (+ b)                      # [C, V] in the compute dtype, one reused buffer
+    chunk_cross_entropy(logits) -> loss rows, LSE; logits := d loss / d logits
+    dX_c = logits @ W                              # written into grad_input
+    dW (+)= logits.T @ x_c                         # lightning_flce.accumulate, no [V, H] temporary
+    db += logits.sum(0)
+
+where ``chunk_cross_entropy`` is the front end's: a backend's chunk kernel on the whole vocabulary, or the
+vocab-parallel softmax around its all-reduces. Each row's loss is ``ce_scale * ce + z_scale * z-loss``
+with ``ce_scale``/``z_scale`` of shape [1] (shared) or [N] (per token): one kernel serves "mean" (1 / the
+normalizer), "sum" (1), per-token weights (the weights times those), and the per-token grad_output of
+"none"'s backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from lightning_flce._compat import TORCH_VERSION, resolved_annotations
+from lightning_flce.accumulate import accumulate_grad_weight, choose_path
+from lightning_flce.kernels import LossOptions, softmax_dtype
+from lightning_flce.kernels.scale import scale_, scale_into
+
+_MiB = 1 << 20
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# A chunk's logits may take a quarter of the memory floor (dX + dW), within these bounds.
+_MIN_CHUNK_BYTES = 32 * _MiB
+_MAX_CHUNK_BYTES = 2048 * _MiB
+_CHUNK_ALIGN = 64
+# On the GPU a chunk has at least this many rows (memory permitting, see default_chunk_size): every chunk
+# reads and writes the whole dW accumulator (8 V H bytes in fp32), which costs about 760 / rows of the
+# chunk's dW GEMM on an H100/H200 (2 rows H V FLOP at ~800 TFLOP/s vs ~4.2 TB/s); the profile of the
+# quarter-floor rule showed it as the largest loss (results/*_run8_*: dW 30% over its FLOP floor).
+_MIN_TRITON_CHUNK_ROWS = 4096
+_FLOOR_LIMITED_ALIGN = 256
+# The PyTorch path works on about three copies of a chunk in the softmax dtype (fp32, or fp64), and needs
+# larger chunks than the GPU to keep its GEMMs efficient (CPU, 4096x1024x32000 fp32: 64-row chunks run 1.4x
+# slower than 320-row ones).
+_TORCH_PATH_COPIES = 3
+_TORCH_PATH_MIN_CHUNK_BYTES = 128 * _MiB
+# fp16 logit gradients. d loss / d logit is ~ p / N for "mean": below fp16's smallest subnormal (6e-8)
+# once N V > 2^24, so it would flush to zero, and torch's GradScaler cannot help (its scale reaches only
+# backward, after the gradients computed in forward were rounded). The chunk loop scales the logit
+# gradient by a power of two so its largest possible element is _FP16_LOGIT_GRAD_MAX (64x headroom
+# below fp16's 65504), and takes the factor back out in the GEMM epilogues (alpha, in fp32).
+_FP16_LOGIT_GRAD_MAX = 2.0**10
+# fp16 gradients returned through backward are stored pre-multiplied by a power of two (backward divides
+# it out while it multiplies by grad_output), sized so their bound stays at or below this.
+_FP16_STORED_GRAD_MAX = 2.0**14
+# The z-loss gradient 2 lam lse p is bounded assuming |lse| <= this (the headroom covers far more).
+_Z_LOSS_LSE_BOUND = 64.0
+
+
+def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, large_chunks: bool) -> int:
+    """Tokens per chunk.
+
+    The chunk's logits get a quarter of the memory floor (dX + dW). With ``large_chunks`` (a backend whose
+    softmax works in place, on the GPU) a chunk gets at least ``_MIN_TRITON_CHUNK_ROWS`` rows as long as its logits stay within the floor itself, so the per-chunk
+    dW accumulator traffic stays small next to the GEMMs; peak extra memory is then at most about the
+    floor for the logits plus the accumulator (see ``accum_dtype``).
+    """
+    floor_bytes = (n_rows + vocab) * hidden * itemsize
+    min_bytes = _MIN_CHUNK_BYTES if large_chunks else _TORCH_PATH_MIN_CHUNK_BYTES
+    budget = max(floor_bytes // 4, min_bytes)
+    bytes_per_row = vocab * (itemsize if large_chunks else _TORCH_PATH_COPIES * max(itemsize, 4))
+    align = _CHUNK_ALIGN
+    wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row
+    if large_chunks and wanted > budget:
+        if wanted <= floor_bytes:
+            budget = wanted
+        elif floor_bytes > budget:
+            # Limited by the floor: whole multiples of 256 rows. cuBLAS's fp16 dX GEMM came out 1.3x less
+            # accurate than naive's at 576 rows (4096 x 512 x 32003, sum/none); 512 and 768 rows matched it.
+            budget, align = floor_bytes, _FLOOR_LIMITED_ALIGN
+    budget = min(budget, _MAX_CHUNK_BYTES)
+    rows = max(_CHUNK_ALIGN, budget // bytes_per_row // align * align)
+    return int(min(rows, max(n_rows, 1)))
+
+
+def chunk_rows(
+    chunk_size: Optional[int],
+    n_rows: int,
+    n_valid: int,
+    vocab: int,
+    hidden: int,
+    compute_dtype: torch.dtype,
+    large_chunks: bool,
+) -> int:
+    """Rows per chunk: a user's ``chunk_size`` as given; else :func:`default_chunk_size` of the call's shape
+    (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
+    ``n_valid`` rows that run (:func:`balanced_chunk_rows`)."""
+    if chunk_size:
+        return int(chunk_size)
+    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    max_rows = default_chunk_size(n_rows, vocab, hidden, itemsize, large_chunks)
+    return balanced_chunk_rows(n_valid, max_rows, _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN)
+
+
+def target_range_error(
+    target: Tensor, vocab: int, ignore_index: int, n_bad: Optional[int] = None
+) -> ValueError:
+    """The error for targets outside ``[0, vocab)`` that are not ``ignore_index`` (a host sync)."""
+    flat_target = target.reshape(-1)
+    bad = flat_target[(flat_target != ignore_index) & ((flat_target < 0) | (flat_target >= vocab))]
+    count = bad.numel() if n_bad is None else n_bad
+    return ValueError(
+        f"{count} target(s) outside [0, {vocab}) and not ignore_index={ignore_index}, e.g. {bad[:5].tolist()}"
+    )
+
+
+def check_targets(
+    target: Tensor, valid: Tensor, vocab: int, ignore_index: int, extra: Sequence[Tensor] = ()
+) -> Tuple[int, List[float]]:
+    """Raise on targets outside [0, V) other than ignore_index; return the number of valid rows and the
+    values of the 0-d tensors ``extra``.
+
+    One host sync for all of them.
+    """
+    out_of_range = valid & ((target < 0) | (target >= vocab))
+    values = torch.stack([out_of_range.sum().double(), valid.sum().double(), *(v.double() for v in extra)])
+    n_bad, n_valid, *extra_values = values.tolist()
+    if n_bad:
+        raise target_range_error(target, vocab, ignore_index, int(n_bad))
+    return int(n_valid), extra_values
+
+
+def inverse_scales(scales: GradScales, compute_dtype: torch.dtype, device: torch.device) -> Tensor:
+    """fp32 [3]: 1 / the factors the fp16 dX, dW, d bias carry (empty for other dtypes), for backward."""
+    if compute_dtype != torch.float16:
+        return torch.empty(0, dtype=torch.float32, device=device)
+    inverse = torch.empty(3, dtype=torch.float32, device=device)
+    for i, factor in enumerate(scales[1:]):
+        inverse[i].fill_(1.0 / factor)  # a fill kernel each: no host-to-device copy to wait for
+    return inverse
+
+
+def valid_rows(valid: Tensor, n_valid: int) -> Optional[Tensor]:
+    """Indices of the rows that carry a loss (None when all do), without a host sync."""
+    if n_valid == valid.numel():
+        return None
+    return torch.argsort(valid.to(torch.int8), descending=True, stable=True)[:n_valid]
+
+
+class GradScales(NamedTuple):
+    """Powers of two of the fp16 gradient scaling (all 1 elsewhere): ``logits`` multiplies the logit
+    gradient inside the chunk loop; the others are what the returned dX, dW and d bias are multiplied by
+    (the caller divides them out)."""
+
+    logits: float = 1.0
+    grad_input: float = 1.0
+    grad_weight: float = 1.0
+    grad_bias: float = 1.0
+
+
+def _pow2_at_most(value: float) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        return 1.0
+    return 2.0 ** max(-60, min(60, math.floor(math.log2(value))))
+
+
+def fp16_bound_stats(
+    x2: Tensor,
+    options: LossOptions,
+    ce_scale: Tensor,
+    z_scale: Tensor,
+    *,
+    keep_scaled: bool,
+    weight_dtype: torch.dtype,
+) -> List[Tensor]:
+    """The device-side inputs of :func:`_fp16_grad_scales` (0-d fp32): the largest per-token bound ``b``,
+    the sum of the per-token bounds (for a shared scale: ``b`` once), and max|x| when dW is stored scaled
+    (``keep_scaled`` with an fp16 weight).
+
+    Per token, every logit-gradient element is at most ``b = |ce_scale| w_max + |z_scale| 2 lam L`` and a
+    row's elements sum to at most ``2 b`` (softmax minus one-hot).
+    """
+    w_max = options.class_weight.abs().max() if options.class_weight is not None else 1.0
+    z_bound = 2.0 * options.lse_square_scale * _Z_LOSS_LSE_BOUND
+    token_bound = (ce_scale.abs() * w_max + z_scale.abs() * z_bound).float()
+    if token_bound.numel() == 0:  # per-token scales of an empty batch ("none" backward)
+        token_bound = token_bound.new_zeros(1)
+    stats = [token_bound.max(), token_bound.sum()]
+    if keep_scaled and weight_dtype == torch.float16:
+        stats.append(x2.abs().amax().float() if x2.numel() else torch.zeros((), device=x2.device))
+    return stats
+
+
+def _fp16_grad_scales(
+    bounds: Sequence[float],
+    n_valid: int,
+    per_row_scale: bool,
+    *,
+    keep_scaled: bool,
+    grad_input_fp16: bool,
+    bias_dtype: Optional[torch.dtype],
+) -> GradScales:
+    """:class:`GradScales` for fp16 GEMMs from :func:`fp16_bound_stats`' values: the stored dX row is at
+    most ``2 b max|W|``, a dW row at most ``sum(b) max|x|`` (max|x| is there when dW is stored scaled),
+    and d bias at most ``sum(b)``. ``grad_input_fp16``: an fp16 dX is returned or kept for backward."""
+    bound, bound_sum, *x_max = bounds
+    total = bound_sum if per_row_scale else bound_sum * max(n_valid, 1)
+    logits_scale = _pow2_at_most(_FP16_LOGIT_GRAD_MAX / bound) if bound > 0 else 1.0
+    # dX: 2 b max|W| * (logits_scale / 64) = 32 max|W| at most (fp16 weights never come near 2000).
+    stored_input = logits_scale / 64 if keep_scaled and grad_input_fp16 else 1.0
+    # A zero bound (no valid rows, all-zero hidden states, zero weights) means zero gradients: any scale does.
+    weight_bound = total * x_max[0] if x_max else 0.0
+    stored_weight = _pow2_at_most(_FP16_STORED_GRAD_MAX / weight_bound) if weight_bound > 0 else 1.0
+    stored_bias = (
+        _pow2_at_most(_FP16_STORED_GRAD_MAX / total)
+        if keep_scaled and bias_dtype == torch.float16 and total > 0
+        else 1.0
+    )
+    return GradScales(logits_scale, stored_input, stored_weight, stored_bias)
+
+
+def run_chunks(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    chunk_cross_entropy,
+    options: LossOptions,
+    *,
+    rows: Optional[Tensor],
+    n_valid: int,
+    chunk_size: int,
+    ce_scale: Tensor,
+    z_scale: Tensor,
+    compute_dtype: torch.dtype,
+    need_grad_input: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+    compute_stats: bool,
+    accum_dtype: Optional[torch.dtype],
+    logits_precision: str = "input",
+    grad_input_dtype: torch.dtype,
+    keep_scaled: bool = False,
+    fp16_bounds: Optional[Sequence[float]] = None,
+    grad_weight_dtype: Optional[torch.dtype] = None,
+) -> Tuple[Optional[Tensor], ...]:
+    """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
+
+    Over chunks of the ``rows`` that carry a loss (all rows when None): logits GEMM into one reused
+    buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad) -> ChunkOutputs``
+    (which overwrites the logits with their gradient), then dX rows, the dW accumulation and d bias.
+
+    Returns per-token loss/LSE/stats [N] (0 for ignored rows), the gradients: dX [N, H] in
+    ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for, and their
+    :class:`GradScales`. Per-token results are in :func:`~lightning_flce.kernels.softmax_dtype` of
+    ``compute_dtype``, and so are ``ce_scale``/``z_scale``: [1] (shared) or [N] (per token). ``accum_dtype``
+    is dW's accumulator dtype, None for the automatic choice (see :func:`accumulator_dtype`).
+    With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
+    the gradients kept or returned in fp16 (dX: x's dtype or ``grad_input_dtype``, which may be wider for
+    a later reduction or narrower for backward to widen) pre-multiplied by the scales in :class:`GradScales`
+    (for a backward that multiplies them by grad_output anyway), otherwise every gradient is returned
+    unscaled. ``fp16_bounds``: the values of :func:`fp16_bound_stats`, when the caller has read them
+    already. ``grad_weight_dtype``: dW's accumulator dtype, returned as it is (no cast to the weight's
+    dtype; see :func:`saved_grad_weight_dtype`).
+    """
+    hidden = x.shape[-1]
+    vocab = weight.shape[0]
+    x2 = x.reshape(-1, hidden)
+    target = target.reshape(-1)
+    n_rows = x2.shape[0]
+    device = x.device
+
+    weight_c = weight.to(compute_dtype)
+    # logits_precision="fp32" with 16-bit GEMMs: the logits GEMM accumulates and writes fp32 (no rounding of
+    # the logits to 16 bits), the bias is added in fp32; the logit gradient goes to the dX/dW GEMMs in their
+    # operand dtype (one more [C, V] buffer).
+    wide_logits = logits_precision == "fp32" and compute_dtype in LOW_PRECISION
+    logits_dtype = torch.float32 if wide_logits else compute_dtype
+    bias_c = bias.to(logits_dtype) if bias is not None else None
+    logits_gemm = WideLogitsGemm(weight_c) if wide_logits else None
+    per_row_scale = ce_scale.numel() > 1
+
+    loss_dtype = softmax_dtype(compute_dtype)
+    loss = torch.zeros(n_rows, dtype=loss_dtype, device=device)
+    lse = torch.zeros(n_rows, dtype=loss_dtype, device=device)
+    correct = torch.zeros(n_rows if compute_stats else 0, dtype=torch.bool, device=device)
+    entropy = torch.zeros(n_rows if compute_stats else 0, dtype=loss_dtype, device=device)
+    compute_grad = need_grad_input or need_grad_weight or need_grad_bias
+    scales = GradScales()
+    if compute_grad and compute_dtype == torch.float16:
+        if fp16_bounds is None:  # one host sync (the op passes them in, read with its target check)
+            stats = fp16_bound_stats(
+                x2, options, ce_scale, z_scale, keep_scaled=keep_scaled, weight_dtype=weight.dtype
+            )
+            fp16_bounds = torch.stack(stats).tolist()
+        scales = _fp16_grad_scales(
+            fp16_bounds,
+            n_valid,
+            per_row_scale,
+            keep_scaled=keep_scaled,
+            grad_input_fp16=torch.float16 in (x.dtype, grad_input_dtype),
+            bias_dtype=bias.dtype if bias is not None else None,
+        )
+    if scales.logits != 1.0:
+        ce_scale = ce_scale * scales.logits
+        z_scale = z_scale * scales.logits
+
+    grad_input = grad_weight = grad_bias = accum_path = None
+    if need_grad_input:
+        # Ignored rows keep a zero gradient; when every row is valid the chunks fill it all.
+        grad_input = (torch.empty if rows is None else torch.zeros)(
+            n_rows, hidden, dtype=grad_input_dtype, device=device
+        )
+    accum_dtype = grad_weight_dtype or accumulator_dtype(
+        accum_dtype, weight, compute_dtype, n_chunks=-(-n_valid // chunk_size)
+    )
+    # With an fp64 accumulator (fp32 weights), dX's long reduction over V runs in fp64 too: cuBLAS's
+    # fp32 accuracy over K = V varies with the chunk's shape, fp64 makes it a non-issue.
+    weight_for_grad_input = (
+        weight_c.double() if need_grad_input and accum_dtype == torch.float64 else weight_c
+    )
+    if need_grad_weight:
+        grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
+        accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
+    if need_grad_bias:  # summed in the loss dtype: fp32, or fp64 for fp64 GEMMs
+        grad_bias = torch.zeros(vocab, dtype=loss_dtype, device=device)
+
+    logits_buffer = grad_buffer = None
+    for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
+        end = min(start + chunk_size, n_valid)
+        if rows is None:
+            x_c, t_c, scale_rows = x2[start:end], target[start:end], slice(start, end)
+        else:
+            scale_rows = rows[start:end]
+            x_c, t_c = x2.index_select(0, scale_rows), target.index_select(0, scale_rows)
+        x_c = x_c.to(compute_dtype)
+        if logits_buffer is None:
+            logits_buffer = torch.empty(min(chunk_size, n_valid), vocab, dtype=logits_dtype, device=device)
+        logits = logits_buffer[: end - start]
+        if logits_gemm is not None:
+            logits_gemm(x_c, bias_c, out=logits)
+        elif bias_c is not None:
+            torch.addmm(bias_c, x_c, weight_c.t(), out=logits)
+        else:
+            torch.mm(x_c, weight_c.t(), out=logits)
+
+        out = chunk_cross_entropy(
+            logits,
+            t_c,
+            ce_scale[scale_rows] if per_row_scale else ce_scale,
+            z_scale[scale_rows] if per_row_scale else z_scale,
+            compute_grad,
+        )
+        _write_rows(loss, scale_rows, out.loss if scales.logits == 1.0 else out.loss / scales.logits)
+        _write_rows(lse, scale_rows, out.lse)
+        if compute_stats:
+            _write_rows(correct, scale_rows, out.correct)
+            _write_rows(entropy, scale_rows, out.entropy)
+
+        grad_logits = logits  # overwritten with d loss / d logits when compute_grad
+        if wide_logits and (need_grad_input or need_grad_weight):
+            if grad_buffer is None:
+                grad_buffer = torch.empty_like(logits_buffer, dtype=compute_dtype)
+            grad_logits = grad_buffer[: end - start]
+            grad_logits.copy_(logits)
+        if need_grad_input:
+            _write_grad_input(grad_input, scale_rows, grad_logits, weight_for_grad_input, scales)
+        if need_grad_weight:
+            accumulate_grad_weight(
+                grad_weight,
+                grad_logits,
+                x_c,
+                first=chunk_index == 0,
+                path=accum_path,
+                alpha=scales.grad_weight / scales.logits,
+            )
+        if need_grad_bias:
+            grad_bias.add_(logits.sum(dim=0, dtype=loss_dtype), alpha=scales.grad_bias / scales.logits)
+        x_c = None  # before the next chunk's row gather (and its cast) allocates
+
+    # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
+    # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
+    logits_buffer = logits = grad_buffer = grad_logits = x_c = weight_c = weight_for_grad_input = bias_c = (
+        None
+    )
+    logits_gemm = None
+    if need_grad_weight:
+        if n_valid == 0:
+            grad_weight.zero_()
+        if grad_weight_dtype is None:
+            grad_weight = grad_weight.to(weight.dtype)
+    if need_grad_bias:
+        grad_bias = grad_bias.to(bias.dtype)
+    return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, scales
+
+
+def _scaled_mm(a: Tensor, b: Tensor, alpha: float, out: Optional[Tensor] = None) -> Tensor:
+    """``alpha * a @ b`` with alpha in the GEMM's epilogue (before rounding to the output dtype)."""
+    if alpha == 1.0:
+        return torch.mm(a, b, out=out)
+    if out is None:
+        out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    return torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
+
+
+def _write_grad_input(grad_input: Tensor, rows, logits: Tensor, weight: Tensor, scales: GradScales) -> None:
+    """dX rows = d loss / d logits @ W, times ``scales.grad_input``."""
+    if grad_input.dtype == weight.dtype:
+        alpha = scales.grad_input / scales.logits
+        if isinstance(rows, slice):
+            _scaled_mm(logits, weight, alpha, out=grad_input[rows])
+        else:
+            _write_rows(grad_input, rows, _scaled_mm(logits, weight, alpha))
+        return
+    # A wider grad_input (fp32 x, fp16 GEMMs): the product stays scaled in fp16 (by logits / 64, in range:
+    # see _fp16_grad_scales) and is unscaled after widening, so small rows do not underflow.
+    product_scale = scales.logits / 64 if scales.logits != 1.0 else 1.0
+    product = _scaled_mm(logits.to(weight.dtype), weight, product_scale / scales.logits).to(grad_input.dtype)
+    if scales.grad_input != product_scale:
+        product.mul_(scales.grad_input / product_scale)
+    _write_rows(grad_input, rows, product)
+
+
+def accumulator_dtype(
+    accum_dtype: Optional[torch.dtype], weight: Tensor, compute_dtype: torch.dtype, n_chunks: int
+) -> torch.dtype:
+    """The dW accumulator's dtype: ``accum_dtype`` (checked by the front end: fp32, fp64 or the weight's), or
+    for None the automatic choice, which widens only where rounding the running sum once per chunk
+    would make dW less accurate than one unchunked GEMM. It follows the GEMMs' operand dtype, not the
+    weight's storage: fp16/bf16 GEMMs (also an fp32 weight under autocast) accumulate in fp32, and fp32
+    GEMMs in fp64 on GPUs with full-rate fp64 (there an fp64 GEMM is as fast as a non-TF32 fp32 one;
+    dX's GEMM then runs in fp64 as well)."""
+    if accum_dtype is not None:
+        return accum_dtype
+    if n_chunks > 1:
+        if compute_dtype in LOW_PRECISION and weight.dtype in LOW_PRECISION + (torch.float32,):
+            return torch.float32
+        if compute_dtype == weight.dtype == torch.float32 and _has_full_rate_fp64(weight.device):
+            return torch.float64
+    return weight.dtype
+
+
+def saved_grad_weight_dtype(
+    x: Tensor,
+    weight: Tensor,
+    compute_dtype: torch.dtype,
+    accum_dtype: Optional[torch.dtype],
+    chunk_size: Optional[int],
+    large_chunks: bool,
+) -> torch.dtype:
+    """The dtype of the dW that "mean"/"sum" forward keeps for backward: its accumulator's, uncast.
+
+    Backward casts it to the weight's dtype with grad_output folded into the same pass, instead of a cast
+    in forward and a scaling pass in backward (fp16, whose grad_output is a loss scale, and any loss
+    scaled before backward, e.g. gradient accumulation). The dtype follows the chunk count of the shape
+    (every row valid), which the fake implementation knows; masked rows only lower the real count.
+    """
+    n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    vocab, hidden = weight.shape
+    rows = chunk_rows(chunk_size, n_rows, n_rows, vocab, hidden, compute_dtype, large_chunks)
+    return accumulator_dtype(accum_dtype, weight, compute_dtype, n_chunks=-(-n_rows // rows))
+
+
+def saved_grad_input_dtype(
+    x: Tensor, compute_dtype: torch.dtype, grad_weight_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype of the dX that "mean"/"sum" forward keeps for backward: the dX GEMM's output dtype when x is
+    wider (fp32 hidden states under fp16/bf16 autocast), since dX holds that dtype's values anyway; backward
+    widens it with grad_output folded in. Forward's peak (the training step's, as the head runs last) is then
+    N H (x's itemsize - the GEMM's) bytes lower, and no chunk of dX needs a widened temporary.
+    With an fp64 accumulator dX's GEMM runs in fp64 (see :func:`run_chunks`): it is kept in x's dtype."""
+    if (
+        compute_dtype in LOW_PRECISION
+        and grad_weight_dtype != torch.float64
+        and x.dtype.itemsize > compute_dtype.itemsize
+    ):
+        return compute_dtype
+    return x.dtype
+
+
+def _has_full_rate_fp64(device: torch.device) -> bool:
+    # P100, V100, A100, H100/H200, B200: fp64 at half the fp32 rate or better (others: 1/32 to 1/64).
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) in (
+        (6, 0),
+        (7, 0),
+        (8, 0),
+        (9, 0),
+        (10, 0),
+    )
+
+
+def _write_rows(dest: Tensor, rows, values: Tensor) -> None:
+    if isinstance(rows, slice):
+        dest[rows] = values.to(dest.dtype)
+    else:
+        dest.index_copy_(0, rows, values.to(dest.dtype))
+
+
+def loss_scales(
+    target: Tensor,
+    reduction: str,
+    options: LossOptions,
+    token_weight: Optional[Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Tuple[Tensor, Tensor]:
+    """The multipliers of each token's CE and z-loss terms in ``dtype`` (the softmax dtype), computed on the
+    device (no host sync): [1] shared, or [N] with per-token weights (the shared ones times ``token_weight``:
+    every summand of a token's loss is multiplied by its weight, the normalizer stays the unweighted one).
+
+    "mean" divides CE by the summed class weight of the valid targets (the count without weights), as
+    ``F.cross_entropy`` does, and the z-loss by the count; an all-ignored batch (or a zero total weight) gets
+    0, not NaN.
+    """
+    if reduction != "mean":
+        ce_scale = z_scale = torch.ones(1, dtype=dtype, device=device)
+    else:
+        ce_scale, z_scale = _mean_scales(target, options, dtype)
+    if token_weight is None:
+        return ce_scale, z_scale
+    weight = token_weight.reshape(-1).to(dtype)
+    return ce_scale * weight, z_scale * weight
+
+
+def _mean_scales(target: Tensor, options: LossOptions, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    target = target.reshape(-1)
+    valid = target != options.ignore_index
+    count = valid.sum(dtype=dtype).reshape(1)
+    if options.class_weight is not None:
+        safe = torch.where(valid, target, 0)
+        ce_norm = (options.class_weight[safe] * valid).sum().reshape(1)
+    else:
+        ce_norm = count
+    # A zero total weight gives 0 (F.cross_entropy gives NaN); a negative one is a valid, if odd, normalizer.
+    ce_scale = torch.where(ce_norm != 0, 1.0 / ce_norm, 0.0).to(dtype)
+    z_scale = torch.where(count > 0, 1.0 / count, 0.0).to(dtype)
+    return ce_scale, z_scale
+
+
+def kernel_options(
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    class_weight: Optional[Tensor],
+    compute_dtype: torch.dtype,
+) -> LossOptions:
+    class_weight_sum = None
+    if class_weight is not None:
+        class_weight = class_weight.to(softmax_dtype(compute_dtype)).contiguous()
+        class_weight_sum = class_weight.sum().reshape(1)
+    return LossOptions(
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        class_weight=class_weight,
+        class_weight_sum=class_weight_sum,
+    )
+
+
+def balanced_chunk_rows(n_rows: int, max_rows: int, align: int) -> int:
+    """Rows per chunk for as few chunks as ``max_rows`` allows, of about equal size (in ``align`` steps,
+    never above ``max_rows``): 8192 rows at most 2304 apiece run as 4 x 2048, not 3 x 2304 + 1280 (same
+    number of dW accumulator passes, less memory, no small last GEMM)."""
+    if n_rows <= max_rows:
+        return max(max_rows if n_rows == 0 else n_rows, 1)
+    n_chunks = -(-n_rows // max_rows)
+    rows = -(-n_rows // n_chunks)
+    return min(max_rows, -(-rows // align) * align)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "lightning_flce::flce_scale_grads_", mutates_args=("grad_input", "grad_weight", "grad_bias")
+)
+@resolved_annotations
+def flce_scale_grads_(
+    grad_input: Tensor, grad_weight: Tensor, grad_bias: Tensor, scale: Tensor, inverse_scales: Tensor
+) -> None:
+    """Multiply the gradients computed in forward by grad_output (a no-op when it is 1), and by their
+    ``inverse_scales`` where forward gave some (fp16)."""
+    for i, grad in enumerate((grad_input, grad_weight, grad_bias)):
+        if inverse_scales.numel():
+            scale_(grad, scale.reshape(1).float() * inverse_scales[i])
+        else:
+            scale_(grad, scale)
+
+
+@flce_scale_grads_.register_fake
+def _(grad_input, grad_weight, grad_bias, scale, inverse_scales):
+    return None
+
+
+@torch.library.custom_op("lightning_flce::flce_cast_grad", mutates_args=())
+@resolved_annotations
+def flce_cast_grad(
+    saved: Tensor, scale: Tensor, inverse_scales: Tensor, index: int, dtype: torch.dtype
+) -> Tensor:
+    """A gradient in ``dtype`` from forward's copy in another dtype (dX from the GEMM's narrower dtype, dW
+    from a wider accumulator): ``saved * grad_output`` (and the fp16 inverse scale ``inverse_scales[index]``)
+    in one pass, rounded once."""
+    factor = scale.reshape(1).float()
+    if inverse_scales.numel():
+        factor = factor * inverse_scales[index]
+    return scale_into(saved.new_empty(saved.shape, dtype=dtype), saved, factor)
+
+
+@flce_cast_grad.register_fake
+def _(saved, scale, inverse_scales, index, dtype):
+    return saved.new_empty(saved.shape, dtype=dtype)
+
+
+def double_backward_error(why: str) -> str:
+    return (
+        f"fused linear cross-entropy does not support double backward (create_graph=True): {why} without a"
+        " graph. Compute a gradient penalty on the unfused loss (F.cross_entropy(F.linear(x, W), t)) for the"
+        " steps that need it"
+    )
+
+
+def check_single_backward(ctx) -> None:
+    """ "mean"/"sum" hand out the gradients computed in forward, scaled in place by grad_output: a second
+    backward through the same graph (``retain_graph=True``, repeated ``autograd.grad``) cannot reuse them,
+    and they carry no graph of their own, so ``create_graph=True`` (a gradient penalty) cannot differentiate
+    them (it would silently drop the penalty's term through the head)."""
+    if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
+        raise RuntimeError(
+            double_backward_error("with reduction 'mean'/'sum' its gradients are computed in forward")
+        )
+    if getattr(ctx, "grads_handed_out", False):
+        raise RuntimeError(
+            "backward ran twice through the same fused linear cross-entropy call: with reduction 'mean'/'sum' it"
+            " computes the gradients in forward and hands them out once (scaled in place). Use reduction='none'"
+            " (it recomputes in backward; take .sum()/.mean() of its output) for retain_graph or repeated"
+            " autograd.grad, or call the loss again"
+        )
+    ctx.grads_handed_out = True
+
+
+def finish_saved_grads(
+    saved: Sequence[Tensor],
+    final_dtypes: Sequence[Optional[torch.dtype]],
+    grad_loss: Tensor,
+    inverse_scales: Tensor,
+) -> List[Tensor]:
+    """Backward of "mean"/"sum": the gradients that forward computed (dX, dW, d bias; empty tensors where not
+    computed) times ``grad_loss``, in their ``final_dtypes``. One kept in its final dtype is scaled in place;
+    one in another dtype (dW's wider accumulator, dX kept in the GEMM's narrower dtype) is cast with the scale
+    folded into the same pass, rounded once. ``inverse_scales`` (fp32 [3], fp16 only; else empty) undoes the
+    powers of two the fp16 gradients carry (:func:`inverse_scales`)."""
+    grads = list(saved)
+    in_place = list(saved)
+    for i, dtype in enumerate(final_dtypes):
+        if grads[i].numel() and grads[i].dtype != dtype:
+            grads[i] = flce_cast_grad(grads[i], grad_loss, inverse_scales, i, dtype)
+            in_place[i] = grads[i].new_empty(0)
+    flce_scale_grads_(*in_place, grad_loss, inverse_scales)
+    return grads
+
+
+class WideLogitsGemm:
+    """``x_c @ W.T (+ b)`` of 16-bit operands, accumulated and written in fp32 (``logits_precision="fp32"``).
+
+    torch >= 2.8 on CUDA has the GEMM with an fp32 output (``out_dtype``; exact products, fp32 sums, no rounding
+    to 16 bits). Elsewhere the documented fallback: the operands widened to fp32 (the same exact products and
+    fp32 sums, at the fp32 GEMM rate), with the weight widened once per call ([V, H] fp32).
+    """
+
+    def __init__(self, weight: Tensor) -> None:
+        self.weight = weight
+        self.native = _HAS_MM_OUT_DTYPE and weight.device.type == "cuda"
+        self.weight_fp32 = None if self.native else weight.float()
+
+    def __call__(self, x_c: Tensor, bias: Optional[Tensor], *, out: Tensor) -> None:
+        if self.native:
+            torch.mm(x_c, self.weight.t(), out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(x_c.float(), self.weight_fp32.t(), out=out)
+        if bias is not None:
+            out.add_(bias)
+
+
+# torch.mm(..., out_dtype=...) (aten::mm.dtype_out): torch 2.8 and later, CUDA only.
+_HAS_MM_OUT_DTYPE = TORCH_VERSION >= (2, 8)

@@ -1,0 +1,26 @@
+"""The ``torch`` backend: plain-PyTorch twins of the Triton kernels (same contracts, same formulas).
+
+The kernels are looked up in their modules at each call, so a test can replace one there.
+"""
+
+from __future__ import annotations
+
+from lightning_flce.kernels import cross_entropy_shard_torch as _shard_kernels
+from lightning_flce.kernels import cross_entropy_torch as _chunk_kernel
+
+
+def cross_entropy_chunk(logits, target, options, **kwargs):
+    """See :func:`lightning_flce.kernels.cross_entropy_torch.cross_entropy_chunk_torch`."""
+    return _chunk_kernel.cross_entropy_chunk_torch(logits, target, options, **kwargs)
+
+
+def shard_row_stats(logits, local_target, **kwargs):
+    """See :func:`lightning_flce.kernels.cross_entropy_shard_torch.shard_row_stats_torch`."""
+    return _shard_kernels.shard_row_stats_torch(logits, local_target, **kwargs)
+
+
+def shard_softmax_grad(logits, local_target, lse, p_coef, smoothing, target_coef, **kwargs):
+    """See :func:`lightning_flce.kernels.cross_entropy_shard_torch.shard_softmax_grad_torch`."""
+    _shard_kernels.shard_softmax_grad_torch(
+        logits, local_target, lse, p_coef, smoothing, target_coef, **kwargs
+    )

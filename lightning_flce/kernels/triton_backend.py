@@ -1,0 +1,26 @@
+"""The ``triton`` backend: the Triton chunk kernel and the vocab-parallel shard kernels.
+
+The kernels are looked up in their modules at each call, so a test can replace one there.
+"""
+
+from __future__ import annotations
+
+from lightning_flce.kernels import cross_entropy as _chunk_kernel
+from lightning_flce.kernels import cross_entropy_shard as _shard_kernels
+
+
+def cross_entropy_chunk(logits, target, options, **kwargs):
+    """See :func:`lightning_flce.kernels.cross_entropy.cross_entropy_chunk_triton`."""
+    return _chunk_kernel.cross_entropy_chunk_triton(logits, target, options, **kwargs)
+
+
+def shard_row_stats(logits, local_target, **kwargs):
+    """See :func:`lightning_flce.kernels.cross_entropy_shard.shard_row_stats_triton`."""
+    return _shard_kernels.shard_row_stats_triton(logits, local_target, **kwargs)
+
+
+def shard_softmax_grad(logits, local_target, lse, p_coef, smoothing, target_coef, **kwargs):
+    """See :func:`lightning_flce.kernels.cross_entropy_shard.shard_softmax_grad_triton`."""
+    _shard_kernels.shard_softmax_grad_triton(
+        logits, local_target, lse, p_coef, smoothing, target_coef, **kwargs
+    )

@@ -1,0 +1,199 @@
+"""The loss options, declared once.
+
+:class:`FLCEOptions` is the one record that carries the options of a fused linear cross-entropy call from the
+public API (:func:`~lightning_flce.fused_linear_cross_entropy`, the vocab-parallel op, :class:`~lightning_flce.head.FLCEHeadLoss`,
+:class:`~lightning_flce.FLCEMixin`) down to the chunk engine. It validates its scalar options when it is built;
+the checks that need the call's tensors (class and token weights against the vocabulary and the target) are
+:meth:`FLCEOptions.check_tensors`. Everything below the front ends reads the options by name from the record.
+
+Adding an option: a field here (with its check in ``_validated``), the keyword in the public signatures
+(``tests/test_options.py`` checks they list exactly these fields), and the code that uses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import operator
+from typing import Callable, Mapping, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_flce.kernels import BACKENDS
+
+REDUCTIONS = ("mean", "sum", "none")
+#: Valid ``impl`` values: "auto" and the registered backends.
+IMPLS = ("auto", *BACKENDS)
+#: Valid ``logits_precision`` values (see :class:`FLCEOptions`).
+LOGITS_PRECISIONS = ("input", "fp32", "fp32_head")
+
+
+class _OptionFields(NamedTuple):
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    class_weight: Optional[Tensor] = None
+    lse_square_scale: float = 0.0
+    softcap: Optional[float] = None
+    token_weight: Optional[Tensor] = None
+    logits_precision: str = "input"
+    accum_dtype: Optional[torch.dtype] = None
+    chunk_size: Optional[int] = None
+    impl: str = "auto"
+
+
+class FLCEOptions(_OptionFields):
+    """Options of one fused linear cross-entropy call (see :func:`~lightning_flce.fused_linear_cross_entropy`
+    for their meaning), validated and normalized when the record is built (an immutable tuple: a plain value
+    that ``torch.compile`` traces through).
+
+    ``softcap=None`` is off; ``accum_dtype=None`` and ``chunk_size=None`` let the op choose. ``class_weight`` is
+    ``[V]``, ``token_weight`` the target's shape; both are float tensors that receive no gradient.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, **values) -> FLCEOptions:
+        return _validated(_OptionFields.__new__(cls, **values), {})
+
+    @classmethod
+    def named(cls, names: Mapping[str, str], **values) -> FLCEOptions:
+        """The record from a front end whose arguments have other names (``names``: field -> the front end's
+        name, e.g. ``{"lse_square_scale": "z_loss"}``): an invalid value's error names the argument the user
+        passed."""
+        return _validated(_OptionFields.__new__(cls, **values), names)
+
+    @classmethod
+    def field_names(cls) -> tuple:
+        """The option names, in declaration order."""
+        return cls._fields
+
+    def replace(self, **changes) -> FLCEOptions:
+        """A copy with ``changes`` (validated)."""
+        return type(self)(**{**self._asdict(), **changes})
+
+    def check_tensors(self, vocab: int, target: Tensor, device: torch.device) -> None:
+        """The checks that need the call's tensors: class and token weights against the vocabulary, the
+        target and the input's ``device``."""
+        class_weight, token_weight = self.class_weight, self.token_weight
+        if class_weight is not None:
+            if class_weight.shape != (vocab,):
+                raise ValueError(f"class_weight must be [V]=[{vocab}], got {tuple(class_weight.shape)}")
+            if not class_weight.dtype.is_floating_point:
+                raise TypeError(f"class_weight must be floating point, got {class_weight.dtype}")
+            if class_weight.requires_grad and torch.is_grad_enabled():
+                raise ValueError(
+                    "class_weight requires grad, but the loss is not differentiable with respect to it (nor is"
+                    " F.cross_entropy's weight): pass class_weight.detach()"
+                )
+        if token_weight is not None:
+            if token_weight.shape != target.shape:
+                raise ValueError(
+                    f"token_weight must have the target's shape {tuple(target.shape)}, got {tuple(token_weight.shape)}"
+                )
+            if not token_weight.dtype.is_floating_point:
+                raise TypeError(f"token_weight must be floating point, got {token_weight.dtype}")
+            if token_weight.requires_grad and torch.is_grad_enabled():
+                raise ValueError(
+                    "token_weight requires grad, but the loss takes no gradient with respect to the weights"
+                    " (they are data: advantages, soft masks): pass token_weight.detach()"
+                )
+        for field, tensor in (("class_weight", class_weight), ("token_weight", token_weight)):
+            if tensor is not None and tensor.device != device:
+                raise ValueError(f"{field} is on {tensor.device} but input is on {device}")
+            if tensor is not None and tensor.layout != torch.strided:
+                raise TypeError(f"{field} must be a dense (strided) tensor, got layout {tensor.layout}")
+
+
+OPTION_NAMES = FLCEOptions.field_names()
+
+
+def _validated(options: FLCEOptions, names: Mapping[str, str]) -> FLCEOptions:
+    """``options`` checked, with normalized values (ints and floats of Python's types)."""
+
+    def name(field: str) -> str:
+        return names.get(field, field)
+
+    ignore_index = options.ignore_index
+    if isinstance(ignore_index, bool):
+        raise TypeError(f"{name('ignore_index')} must be an int, got {ignore_index!r}")
+    try:
+        ignore_index = operator.index(ignore_index)
+    except TypeError:
+        raise TypeError(f"{name('ignore_index')} must be an int, got {ignore_index!r}") from None
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"{name('ignore_index')} must fit in int64, got {ignore_index}")
+    if options.reduction not in REDUCTIONS:
+        raise ValueError(f"{name('reduction')} must be one of {REDUCTIONS}, got {options.reduction!r}")
+    if not 0.0 <= options.label_smoothing <= 1.0:
+        raise ValueError(f"{name('label_smoothing')} must be in [0, 1], got {options.label_smoothing}")
+    if not 0.0 <= options.lse_square_scale < math.inf:
+        raise ValueError(
+            f"{name('lse_square_scale')} must be finite and >= 0, got {options.lse_square_scale}"
+        )
+    softcap = options.softcap
+    if softcap is not None:
+        if not 0.0 < softcap < math.inf:
+            raise ValueError(f"{name('softcap')} must be finite and > 0 (or None), got {softcap}")
+        softcap = float(softcap)
+    if options.logits_precision not in LOGITS_PRECISIONS:
+        raise ValueError(
+            f"{name('logits_precision')} must be one of {LOGITS_PRECISIONS}, got {options.logits_precision!r}"
+        )
+    if options.accum_dtype is not None and not isinstance(options.accum_dtype, torch.dtype):
+        raise TypeError(f"{name('accum_dtype')} must be a torch.dtype or None, got {options.accum_dtype!r}")
+    chunk_size = options.chunk_size
+    if chunk_size is not None:
+        check_chunk_size(chunk_size, name("chunk_size"))
+        chunk_size = operator.index(chunk_size)
+    if options.impl not in IMPLS:
+        raise ValueError(f"{name('impl')} must be one of {IMPLS}, got {options.impl!r}")
+    for field in ("class_weight", "token_weight"):
+        value = getattr(options, field)
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{name(field)} must be a tensor or None, got {type(value).__name__}")
+    return options._replace(
+        ignore_index=ignore_index,
+        label_smoothing=float(options.label_smoothing),
+        lse_square_scale=float(options.lse_square_scale),
+        softcap=softcap,
+        chunk_size=chunk_size,
+    )
+
+
+def check_chunk_size(chunk_size, name: str = "chunk_size") -> None:
+    """``chunk_size`` is None or a positive integer (of any integer type, as ``operator.index`` takes it)."""
+    if chunk_size is None:
+        return
+    try:
+        positive = not isinstance(chunk_size, bool) and operator.index(chunk_size) > 0
+    except TypeError:
+        positive = False
+    if not positive:
+        raise ValueError(f"{name} must be a positive int (or None), got {chunk_size!r}")
+
+
+def takes_options_of(loss_function: Callable) -> Callable[[Callable], Callable]:
+    """Decorator of a ``*_with_stats`` function that forwards ``**kwargs`` to the op: it takes the keyword
+    options of ``loss_function``, which ``help()`` and ``inspect.signature`` then show, and a misspelled one
+    raises a ``TypeError`` that names the public function (not the internal one it forwards to)."""
+    signature = inspect.signature(loss_function)
+    options = {name for name, param in signature.parameters.items() if param.kind is param.KEYWORD_ONLY}
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def checked(*args, **kwargs):
+            unknown = kwargs.keys() - options
+            if unknown:
+                raise TypeError(
+                    f"{function.__name__}() got unexpected keyword arguments {sorted(unknown)};"
+                    f" options: {sorted(options)}"
+                )
+            return function(*args, **kwargs)
+
+        checked.__signature__ = signature.replace(return_annotation="FLCEOutput")
+        return checked
+
+    return decorate
