@@ -140,6 +140,35 @@ def test_lora_head_with_dropout_matches_the_peft_head_under_the_same_rng(impl_op
     assert abs(plain(head, hidden, labels, seed=124)[0].item() - result[0].item()) > 1e-3
 
 
+@pytest.mark.parametrize("precision", ["bf16 base, fp32 adapters", "bf16 autocast"])
+def test_low_precision_is_as_accurate_as_the_peft_head(precision):
+    """A bf16 base model gets fp32 adapters from PEFT (autocast_adapter_dtype): their columns are cast to the
+    base weight's dtype for the one GEMM. Under autocast the GEMM runs in bf16 as nn.Linear's would. Either
+    way the fused loss is held to the plain PEFT head's own error against float64 (bf16 rounding, ~4e-3)."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY))
+    with torch.no_grad():
+        base.lm_head.weight.mul_(20.0)
+    if precision.startswith("bf16 base"):
+        base = base.to(torch.bfloat16)
+    model = peft.get_peft_model(base, lora_config())
+    head = lm_head_of(model)
+    assert head.lora_A["default"].weight.dtype == torch.float32
+    hidden, labels = head_inputs(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision.endswith("autocast")):
+        (loss, grads), (plain_loss, plain_grads) = fused(head, hidden, labels), plain(head, hidden, labels)
+    ref_loss, ref_grads = float64_reference(head, hidden, labels)
+    assert abs(loss.item() - ref_loss.item()) <= max(abs(plain_loss.item() - ref_loss.item()), 1e-3)
+    for name, ref in ref_grads.items():
+        assert grads[name].dtype == plain_grads[name].dtype, name
+        err, plain_err = (
+            ((g.double() - ref).norm() / ref.norm()).item() for g in (grads[name], plain_grads[name])
+        )
+        assert err < 1e-2 and err <= 1.25 * plain_err, (
+            f"{name}: relative error {err:.2e} (plain {plain_err:.2e})"
+        )
+
+
 def test_several_active_adapters_and_a_lora_bias():
     model = tiny_peft_model()
     model.add_adapter("second", lora_config(r=2, lora_alpha=6, lora_bias=True))
