@@ -8,10 +8,13 @@ moves the loss by more than 1e-2).
 
 import copy
 import logging
+import math
+from pathlib import Path
 
 import lightning.pytorch as L
 import pytest
 import torch
+import yaml
 from torch.utils.data import DataLoader
 
 litgpt = pytest.importorskip("litgpt")
@@ -19,6 +22,7 @@ from litgpt.utils import chunked_cross_entropy  # noqa: E402
 
 from lightning_flce.models import LitGPTCausalLM, litgpt_hidden_states  # noqa: E402
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 VOCAB, SEQ = 300, 12
 FP32_TOL = 1e-5
 TINY = {
@@ -164,6 +168,39 @@ def test_hf_label_format_and_a_model_instance():
         assert model._loss({"input_ids": tokens, "labels": tokens}).item() == pytest.approx(
             expected.item(), rel=FP32_TOL
         )
+
+
+def test_vocab_size_overrides_the_config_and_the_cli_links_it(tmp_path, monkeypatch):
+    model = LitGPTCausalLM(config=TINY, vocab_size=130)
+    assert model.model.config.vocab_size == 130 and model.model.lm_head.weight.shape[0] == 192
+    with pytest.raises(ValueError, match="exceeds the 320 rows"):
+        LitGPTCausalLM(model=litgpt.GPT(litgpt.Config(**TINY)), vocab_size=400)
+
+    from lightning_flce.cli import FLCELightningCLI
+
+    monkeypatch.chdir(tmp_path)
+    config = {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 32, "final_logit_softcapping": 30.0}
+    (tmp_path / "litgpt.yaml").write_text(
+        yaml.safe_dump(
+            {"model": {"class_path": "lightning_flce.models.LitGPTCausalLM", "init_args": {"config": config}}}
+        )
+    )
+    data = ["--data.init_args.cache_dir", str(tmp_path / "cache"), "--data.init_args.max_chars=300000"]
+    data += [
+        "--data.init_args.vocab_size=512",
+        "--data.init_args.seq_len=32",
+        "--data.init_args.batch_size=4",
+    ]
+    cli = FLCELightningCLI(
+        args=["--config", str(CONFIGS / "default.yaml"), "--config", str(tmp_path / "litgpt.yaml"), *data],
+        run=False,
+    )
+    assert isinstance(cli.model, LitGPTCausalLM)
+    assert cli.model.model.config.vocab_size == cli.datamodule.vocab_size == 512
+    assert cli.model.flce_softcap == 30.0
+    cli.datamodule.setup("fit")
+    loss = cli.model.training_step(next(iter(cli.datamodule.train_dataloader())), 0)
+    assert abs(loss.item() - math.log(512)) < 0.5  # a fresh model predicts about uniformly
 
 
 def test_bad_arguments_raise():

@@ -75,6 +75,9 @@ class LitGPTCausalLM(FLCEMixin, pl.LightningModule):
         name: a LitGPT config name for ``litgpt.Config.from_name`` (``"pythia-14m"``, ...).
         model: a ``GPT`` instance to train as it is (loaded, LoRA-free), instead of ``config``/``name``. It is
             not saved in the hyperparameters: pass it again to ``load_from_checkpoint``.
+        vocab_size: overrides the config's ``vocab_size`` (``FLCELightningCLI`` links it to the data module's
+            tokenizer; LitGPT pads the head to ``padding_multiple``). With ``model`` it must not exceed the
+            head's rows.
         tie_embeddings: share the token embedding with the head, as LitGPT's pre-training option of that name
             does (``transformer.wte.weight = lm_head.weight``).
         label_format: ``"shifted"`` or ``"hf"`` (see above).
@@ -98,6 +101,7 @@ class LitGPTCausalLM(FLCEMixin, pl.LightningModule):
         config: Optional[dict[str, Any]] = None,
         name: Optional[str] = None,
         model: Optional[nn.Module] = None,
+        vocab_size: Optional[int] = None,
         tie_embeddings: bool = False,
         label_format: Literal["shifted", "hf"] = "shifted",
         lr: float = 3e-4,
@@ -116,7 +120,8 @@ class LitGPTCausalLM(FLCEMixin, pl.LightningModule):
                 f"LitGPTCausalLM got unexpected keyword arguments {unknown}: it takes {', '.join(own)} and the"
                 " flce_* options; litgpt.Config fields go in `config`"
             )
-        kwargs.setdefault("flce_head", "model.lm_head")
+        if kwargs.get("flce_head") is None:  # None also when LightningCLI passes the mixin's default
+            kwargs["flce_head"] = "model.lm_head"
         super().__init__(**kwargs)
         if model is not None and (config is not None or name is not None):
             raise ValueError("Pass either `model` (a litgpt GPT instance) or `config`/`name`, not both")
@@ -134,13 +139,19 @@ class LitGPTCausalLM(FLCEMixin, pl.LightningModule):
                 raise ImportError(
                     "LitGPTCausalLM needs litgpt: pip install --no-deps litgpt && pip install 'lightning-flce[litgpt]'"
                 ) from err
-            litgpt_config = Config.from_name(name, **(config or {})) if name else Config(**config)
+            config = dict(config or {})
+            if vocab_size is not None:
+                config["vocab_size"] = vocab_size
+            litgpt_config = Config.from_name(name, **config) if name else Config(**config)
             model = GPT(litgpt_config)
             model.apply(model._init_weights)
         if not isinstance(getattr(model, "lm_head", None), nn.Module) or not hasattr(model, "config"):
             raise TypeError(
                 f"`model` must be a litgpt GPT (with `lm_head` and `config`), got {type(model).__name__}"
             )
+        rows = model.lm_head.weight.shape[0]
+        if vocab_size is not None and vocab_size > rows:
+            raise ValueError(f"vocab_size={vocab_size} exceeds the {rows} rows of the model's lm_head")
         self.model = model
         if tie_embeddings:
             self.model.transformer.wte.weight = self.model.lm_head.weight
