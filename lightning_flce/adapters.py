@@ -15,9 +15,9 @@ and drops the frozen ``W`` block: the head's backward costs what a trainable hea
 effective weight ``W + scale * B @ A``, needs the same ``[V, H]`` copy and the same full weight gradient, and is
 exact only without dropout and for one adapter at a time, so the concatenation is used.
 
-The low-rank activations are computed by calling ``lora_A`` and ``lora_dropout`` as PEFT does, and ``W`` and
-``B`` are read inside calls of ``base_layer`` and of each ``lora_B`` (nested, each module's ``forward`` bound
-to the next step): hooks that gather a sharded weight around a module's call (DeepSpeed ZeRO-3 registers them on
+The low-rank activations are computed by calling ``lora_A`` and ``lora_dropout`` as PEFT does, and, where
+those modules have hooks, ``W`` and ``B`` are read inside calls of ``base_layer`` and of each ``lora_B``
+(nested, each module's ``forward`` bound to the next step): hooks that gather a sharded weight around a module's call (DeepSpeed ZeRO-3 registers them on
 every module) see each weight read in its gathered form.
 
 PEFT is an optional dependency: it is never imported here; a head is recognised as a PEFT layer only when
@@ -107,6 +107,7 @@ def lora_head_loss(
             lora_A[adapter](dropout[adapter](_cast_input(module, x, a.weight.dtype))) * scaling[adapter]
         )
     modules = [module.base_layer, *(lora_B[adapter] for adapter in adapters)]
+    module_inputs = [x, *low_rank]
 
     def innermost(inputs: list[Tensor]) -> _Output:
         # inside the calls of the base layer and of every lora_B: their weights are gathered here
@@ -122,15 +123,32 @@ def lora_head_loss(
                 bias = scaled if bias is None else bias + scaled
         return loss_of(LinearOperands(weight, bias), hidden)
 
-    def call(index: int, inputs: list[Tensor]) -> Any:
+    def call(index: int, received: list[Tensor]) -> Any:
         if index == len(modules):
-            return innermost(inputs)
-        own_input = [x, *low_rank][index]
-        # the module's forward receives its input as its hooks passed it on (cast by a mixed-precision hook, say)
-        with forward_bound_to(modules[index], lambda received: call(index + 1, [*inputs, received])):
-            return modules[index](own_input)
+            return innermost(received)
+        # the module's forward gets its input as its hooks passed it on (cast by a mixed-precision hook, say)
+        with forward_bound_to(modules[index], lambda own_input: call(index + 1, [*received, own_input])):
+            return modules[index](module_inputs[index])
 
+    if not any(map(_has_call_hooks, modules)):
+        # nothing to run around the reads (and torch.compile traces this, not the forward rebinding)
+        return innermost(module_inputs)
     return call(0, [])
+
+
+def _has_call_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs more than its forward (the rule of FLCEHeadLoss for the head itself)."""
+    hooks = nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    )
 
 
 def _unmerged_adapters(module: nn.Module) -> list[str]:

@@ -22,6 +22,7 @@ peft = pytest.importorskip("peft")
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
+from lightning_flce._compat import TORCH_VERSION  # noqa: E402
 from lightning_flce.head import FLCEHeadLoss  # noqa: E402
 from lightning_flce.models.hf import HFCausalLM  # noqa: E402
 
@@ -233,6 +234,25 @@ def test_weights_are_read_inside_their_modules_calls():
     assert calls == ["Linear", "Linear", "Linear", "Linear"]  # the LoRA head, lora_A, base_layer, lora_B
     assert base.weight.numel() == 0
     assert_close(result, expected)
+
+
+def test_torch_compile_traces_a_lora_head_without_hooks():
+    model = tiny_peft_model()
+    head = lm_head_of(model)
+    hidden, labels = head_inputs(model)
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    head_loss = FLCEHeadLoss()
+    compiled = torch.compile(lambda h, t: head_loss(head, h, t), backend=counting_backend)
+    assert_close(
+        loss_and_grads(lambda: compiled(hidden, labels), head, hidden), fused(head, hidden, labels), 1e-6
+    )
+    if TORCH_VERSION >= (2, 6):  # older Dynamo may break the graph around the PEFT module calls
+        assert len(graphs) == 1
 
 
 def test_unsupported_peft_layers_on_the_head_raise_a_clear_error():
