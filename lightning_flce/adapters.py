@@ -17,8 +17,8 @@ exact only without dropout and for one adapter at a time, so the concatenation i
 
 The low-rank activations are computed by calling ``lora_A`` and ``lora_dropout`` as PEFT does, and, where
 those modules have hooks, ``W`` and ``B`` are read inside calls of ``base_layer`` and of each ``lora_B``
-(nested, each module's ``forward`` bound to the next step): hooks that gather a sharded weight around a module's call (DeepSpeed ZeRO-3 registers them on
-every module) see each weight read in its gathered form.
+(nested, each module's ``forward`` bound to the next step): hooks that gather a sharded weight around a
+module's call (DeepSpeed ZeRO-3 registers them on every module) see each weight in its gathered form.
 
 PEFT is an optional dependency: it is never imported here; a head is recognised as a PEFT layer only when
 ``peft`` has been imported already (a PEFT head cannot exist otherwise).
