@@ -214,3 +214,21 @@ def test_bad_arguments_raise():
         LitGPTCausalLM(config=TINY, n_layer=2)
     with pytest.raises(ValueError, match="label_format"):
         LitGPTCausalLM(config=TINY, label_format="bad")
+
+
+def test_torch_compile_traces_the_hidden_states_and_the_loss():
+    model = tiny_litgpt("softcap")
+    batch = make_batch()
+    expected = model.flce_loss(model.hidden_states(batch["input_ids"]), batch["labels"])
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(
+        lambda i, t: model.flce_loss(model.hidden_states(i), t), backend=counting_backend
+    )
+    assert compiled(batch["input_ids"], batch["labels"]).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert len(graphs) == 1  # swapping lm_head for the capture does not break the graph
+    assert model.model.lm_head.__class__ is torch.nn.Linear
