@@ -69,7 +69,7 @@ def is_peft_lora_head(module: nn.Module) -> bool:
     if not (isinstance(base, nn.Linear) and type(base).forward is nn.Linear.forward):
         raise TypeError(
             f"The LM head is a PEFT LoRA layer over a {type(base).__name__}; the fused loss needs the base layer to be"
-            " an nn.Linear (F.linear(hidden, weight, bias))"
+            " an nn.Linear (F.linear(hidden, weight, bias)); leave the head out of `target_modules`"
         )
     for adapter in _unmerged_adapters(module):
         variants = getattr(module, "lora_variant", {})
