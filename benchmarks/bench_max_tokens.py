@@ -740,6 +740,7 @@ def plot_png(payload: Dict[str, Any], path: Path) -> Optional[str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except Exception as exc:  # noqa: BLE001 - no matplotlib: the JSON and markdown still carry everything
         return C.short_error(exc)
     tries = payload["tries"]
@@ -786,11 +787,15 @@ def plot_png(payload: Dict[str, Any], path: Path) -> Optional[str]:
                 y = (t.get("capacity_mib") or t.get("peak_mib") or 0) / 1024
                 ax.plot([t["tokens"]], [y], "x", color=color, markersize=9, markeredgewidth=2)
         if capacity:
-            ax.axhline(capacity / 1024, color="gray", linestyle="--", linewidth=1)
-            ax.text(
-                ax.get_xlim()[0], capacity / 1024, " device memory", va="bottom", color="gray", fontsize=8
+            ax.axhline(
+                capacity / 1024,
+                color="gray",
+                linestyle="--",
+                linewidth=1,
+                label=f"memory {capacity / 1024:.1f} GiB",
             )
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: _tokens_label(x)))
         what = f"batch at seq {seq_len}" if axis == "batch" else "sequence at batch 1"
         ax.set_title(f"growing {what}, activation checkpointing {'on' if ckpt else 'off'}", fontsize=10)
         ax.set_xlabel("tokens per micro-batch")
@@ -801,14 +806,22 @@ def plot_png(payload: Dict[str, Any], path: Path) -> Optional[str]:
         ax.set_visible(False)
     env = payload["env"]
     fig.suptitle(
-        f"{payload['meta']['model']} Llama, {payload['meta']['precision']}, fused AdamW; {env.get('gpu') or env['device']};"
-        " o fit, * largest fit, x out of memory (drawn at the device memory)",
+        f"largest micro-batch per loss: {payload['meta']['model']} Llama, {payload['meta']['precision']}, fused AdamW,"
+        f" {env.get('gpu') or env['device']}\no fit, * largest fit, x out of memory (drawn at the device memory)",
         fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def _tokens_label(tokens: float) -> str:
+    """4096 -> '4K', 2**20 -> '1M', 1536 -> '1.5K'."""
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if tokens >= size:
+            return f"{tokens / size:.3g}{unit}"
+    return f"{tokens:.0f}"
 
 
 def write_outputs(out: Path, stem: str, payload: Dict[str, Any], with_plot: bool = True) -> None:
