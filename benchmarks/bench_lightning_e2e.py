@@ -84,6 +84,15 @@ LLAMA_1B: Dict[str, Any] = {
     "rope_theta": 500000.0,
     "rms_norm_eps": 1e-5,
 }
+# Llama-3.2-3B shapes (--model 3b): 3,212,749,824 parameters with the tied embedding.
+LLAMA_3B: Dict[str, Any] = {
+    **LLAMA_1B,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+}
 # --tiny: the plumbing only (numbers mean nothing).
 TINY: Dict[str, Any] = {
     "vocab_size": 1024,
@@ -104,6 +113,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny Llama, seq 64, 3 steps: a smoke test")
+    ap.add_argument(
+        "--model", choices=["1b", "3b"], default="1b", help="Llama-3.2-1B (default) or -3B shapes"
+    )
     ap.add_argument("--providers", default=",".join(DEFAULT_PROVIDERS), help=f"from {list(PROVIDERS)}")
     ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 10; tiny 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; tiny 1)")
@@ -163,7 +175,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> Dict[str, Any]:
     """LlamaConfig keyword arguments for this run."""
-    cfg = dict(TINY if args.tiny else LLAMA_1B)
+    cfg = dict(TINY if args.tiny else (LLAMA_3B if args.model == "3b" else LLAMA_1B))
     if args.hidden is not None:
         heads = max(1, args.hidden // 64)
         if args.hidden % heads:

@@ -75,19 +75,6 @@ C.ensure_repo_on_path()
 
 PROVIDERS = ["hf", "liger", "flce"]
 AXES = {"batch": "growing batch at a fixed sequence", "seq": "growing sequence at batch 1"}
-# Llama-3.2-3B shapes (random init): 3,212,749,824 parameters with the tied embedding.
-LLAMA_3B: Dict[str, Any] = {
-    "vocab_size": 128256,
-    "hidden_size": 3072,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 24,
-    "num_key_value_heads": 8,
-    "tie_word_embeddings": True,
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-}
-STATUSES = ("fit", "OOM", "error", "timeout")
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -179,7 +166,7 @@ def _names(ap: argparse.ArgumentParser, spec: str, known: List[str], flag: str) 
 
 
 def model_config(args: argparse.Namespace, seq: int) -> Dict[str, Any]:
-    from bench_lightning_e2e import LLAMA_1B, TINY
+    from bench_lightning_e2e import LLAMA_1B, LLAMA_3B, TINY
 
     cfg = dict(TINY if args.tiny else (LLAMA_3B if args.model == "3b" else LLAMA_1B))
     cfg["max_position_embeddings"] = max(seq, 2048)
