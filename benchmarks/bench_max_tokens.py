@@ -410,16 +410,17 @@ def run_subprocess(spec: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
 
 
 def estimate_s(series: Sequence[Dict[str, Any]], tokens: int, axis: str) -> Optional[float]:
-    """A try's wall time, scaled from the series' last fit (the step part ~ tokens, ~ tokens^1.5 on the
-    sequence axis, where attention grows quadratically); None before any try."""
+    """A try's wall time, from the series' largest fit: its fixed part (process start, build, warm-up step) as
+    it was, its timed steps scaled with the tokens (^1.5 on the sequence axis, where attention grows
+    quadratically), plus 5 s; before any fit, the last try's wall time (None before any try)."""
     fits = [t for t in series if t["status"] == "fit" and t.get("wall_s")]
     if not fits:
         done = [t for t in series if t.get("wall_s")]
         return done[-1]["wall_s"] if done else None
     last = max(fits, key=lambda t: t["tokens"])
-    fixed = last.get("build_s") or 0.0
+    timed = sum((last.get("step_s") or [])[1:])
     scale = (tokens / last["tokens"]) ** (1.5 if axis == "seq" else 1.0)
-    return fixed + 5.0 + (last["wall_s"] - fixed) * max(1.0, scale)
+    return last["wall_s"] + timed * max(0.0, scale - 1.0) + 5.0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -539,6 +540,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 }
                 c0 = time.time()
                 rec = run_subprocess(spec, min(args.try_timeout_s, left))
+                if rec["status"] == "timeout" and left < args.try_timeout_s:
+                    # Killed by the call's budget, not by its own limit: a later call (--resume) runs it again.
+                    print(
+                        f"[max_tokens] {key} {nxt}: cut by the budget after {time.time() - c0:.0f}s",
+                        flush=True,
+                    )
+                    call["pending"].append({"series": list(key), "next_tokens": nxt, "phase": phase})
+                    out_of_budget = True
+                    break
                 rec.update(
                     provider=provider, axis=axis, checkpointing=ckpt, tokens=nxt, batch=batch, seq=seq,
                     kind=phase, wall_s=time.time() - c0,
