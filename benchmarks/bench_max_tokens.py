@@ -480,7 +480,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         "calls": [],
     }
     if args.resume:
-        meta["calls"] = list(prev.get("meta", {}).get("calls", []))
+        before = prev.get("meta", {})
+        for key in ("model", "seq_len_batch_axis", "precision", "memory_limit_gib", "compile_layers"):
+            if key in before and before[key] != meta[key]:
+                raise SystemExit(
+                    f"--resume {args.resume}: its {key} is {before[key]!r}, this call's {meta[key]!r}"
+                )
+        meta["calls"] = list(before.get("calls", []))
     call = {"started_utc": env["date_utc"], "argv": raw, "elapsed_s": 0.0, "pending": []}
     meta["calls"].append(call)
     payload = {"env": env, "meta": meta, "tries": tries}
@@ -668,7 +674,7 @@ def summary_lines(payload: Dict[str, Any]) -> List[str]:
                "stopped"]  # fmt: skip
     lines = ["== largest micro-batch that trains (tok/s and peak at it)"] + C.text_table(headers, rows)
     lines += goals(tries)
-    for call in payload["meta"].get("calls", []):
+    for call in payload["meta"].get("calls", [])[-1:]:  # the latest call's: earlier ones were resumed
         for p in call.get("pending", []):
             lines.append(
                 f"pending (resume with --resume): {p['series']} next {p['next_tokens']} ({p['phase']})"
