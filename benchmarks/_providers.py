@@ -32,6 +32,9 @@ FLCE_VARIANTS: Dict[str, Dict[str, Any]] = {
     # Minimum-memory setting: dW accumulated in place in the weight's dtype ("param"), smaller chunks.
     "flce_minmem": {"chunk_size": 512, "accum_dtype": "param"},
 }
+# Timed samples of the slow named rows: the fp32 head runs fp32 GEMMs (TF32 off), ~15x the default's time, and
+# its cost row has no tight goal; 4 samples keep the issue-18/23 run inside ~5 minutes.
+FLCE_MAX_SAMPLES: Dict[str, int] = {"flce_fp32head": 4}
 # Variants that run only when named (not part of `--providers all`): the logits-precision options of issue 23.
 FLCE_NAMED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # Each chunk's logits kept in fp32 (the 16-bit GEMM accumulates and writes fp32).
@@ -54,6 +57,8 @@ class Provider:
     default: bool = True
     # fn(x, W, t, token_weight): gated against the token-weighted reference.
     weighted: bool = False
+    # Timed samples at most (None: --samples): a slow row whose time has no tight goal need not pay them all.
+    max_samples: Optional[int] = None
     # Filled by build_all(): the callable, or why it is unavailable.
     fn: Optional[LossFn] = field(default=None, repr=False)
     error: Optional[str] = None
@@ -355,7 +360,15 @@ def make_providers(
             + ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
             + ")"
         )
-        providers.append(Provider(name, desc, _build_flce(kwargs), default=name not in FLCE_NAMED_VARIANTS))
+        providers.append(
+            Provider(
+                name,
+                desc,
+                _build_flce(kwargs),
+                default=name not in FLCE_NAMED_VARIANTS,
+                max_samples=FLCE_MAX_SAMPLES.get(name),
+            )
+        )
     providers += [
         Provider(
             "flce_base",

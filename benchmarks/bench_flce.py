@@ -301,7 +301,9 @@ def run_config(
 
     def one_round(order: Sequence[P.Provider], timed: bool) -> None:
         for p in order:
-            if p not in active:
+            if p not in active or (
+                timed and p.max_samples is not None and len(timers[p.name]) >= p.max_samples
+            ):
                 continue
             try:
                 _clear_grads(x, w)
@@ -477,6 +479,7 @@ def markdown(
         *[
             f"- `{p.name}`: {p.description}"
             + (f" [{p.note}]" if p.note else "")
+            + (f" ({p.max_samples} timed samples at most)" if p.max_samples else "")
             + (f" — {p.error}" if p.error else "")
             for p in providers
         ],
