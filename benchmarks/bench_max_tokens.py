@@ -25,9 +25,9 @@ be compared at equal lengths) until a try runs out of memory, then the bracket b
 first OOM is narrowed until it is at most ``--resolution`` of the last fit (at least
 ``--min-resolution-tokens``). Peak memory grows about linearly with the tokens, so once two tries fit, the
 next try is the maximum predicted from their peaks (x ``--safety``) wherever that is smaller than the
-doubling or bisection step; the prediction only picks a try, the result is what ran. Other providers'
-maxima are tried too where a series can fit them (``flce`` and ``liger`` at HF's maximum, ``flce`` at
-Liger's), so the goals compare equal micro-batches.
+doubling or bisection step; the prediction only picks a try, the result is what ran. ``flce`` also
+runs at HF's maximum of each axis, so goal 1 compares equal micro-batches (the doubling grid gives the other
+equal sizes).
 
 Every try is ONE SUBPROCESS (its memory goes back to the driver before the next) with a time limit: one
 warm-up optimizer step on a small batch (1 x ``--warmup-seq``: compiles the kernels and allocates AdamW's
@@ -264,7 +264,7 @@ def next_tokens(
 def probe_tokens(key: Key, all_tries: Sequence[Dict[str, Any]], done: Dict[Key, bool]) -> List[int]:
     """Other providers' maxima that this (finished) series should also run, so equal sizes compare."""
     provider, axis, ckpt = key
-    others = {"flce": ["hf", "liger"], "liger": ["hf"]}.get(provider, [])
+    others = ["hf"] if provider == "flce" else []  # goal 1 compares at HF's maximum; the grid covers the rest
     mine = [t for t in all_tries if series_key(t) == key]
     lo, hi, _ = search_state(mine)
     tried = {t["tokens"] for t in mine}
