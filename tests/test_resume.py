@@ -1,5 +1,5 @@
 """Resuming with the shipped configs: `--ckpt_path last` continues at the step where the previous run stopped,
-after a finished run and after Ctrl-C, with FLCEMemoryCallback's history continuing."""
+after a finished run and after Ctrl-C, with FLCEMemoryCallback's history continuing; a plain rerun starts afresh."""
 
 import signal
 import sys
@@ -99,9 +99,8 @@ def test_interrupted_run_continues_at_the_interrupted_step(tmp_path):
     # no periodic checkpoint before step 3 (validation every 4): only the one saved on the interrupt exists
     with pytest.raises(SystemExit):  # Lightning's graceful shutdown after a KeyboardInterrupt exits with 1
         _fit(tmp_path, "--trainer.max_steps=6", "--trainer.val_check_interval=4", callbacks=[CtrlCAt(3)])
-    interrupted = tmp_path / CHECKPOINTS / "interrupted.ckpt"
-    assert _saved_step(interrupted) == 3
-    assert not (tmp_path / CHECKPOINTS / "last.ckpt").exists()
+    last = tmp_path / CHECKPOINTS / "last.ckpt"
+    assert _saved_step(last) == 3
 
     start = StartStep()
     second = _fit(
@@ -115,9 +114,15 @@ def test_interrupted_run_continues_at_the_interrupted_step(tmp_path):
     assert second.global_step == 6
     steps = [row["step"] for row in _memory_callback(second).history]
     assert len(steps) == 6 and steps == sorted(set(steps))  # 3 steps before the interrupt, 3 after
-    # the finished run leaves last.ckpt of its last step; OnExceptionCheckpoint removes its file at teardown
-    assert _saved_step(tmp_path / CHECKPOINTS / "last.ckpt") == 6
-    assert not interrupted.exists()
+    assert _saved_step(last) == 6
+
+
+def test_a_plain_rerun_starts_afresh(tmp_path):
+    # Without --ckpt_path a rerun trains from step 0 (Lightning's OnExceptionCheckpoint would make it resume)
+    _fit(tmp_path, "--trainer.max_steps=2")
+    start = StartStep()
+    trainer = _fit(tmp_path, "--trainer.max_steps=2", callbacks=[start])
+    assert start.start_step == 0 and trainer.global_step == 2
 
 
 def test_without_a_checkpoint_last_starts_from_scratch(tmp_path):
