@@ -22,7 +22,7 @@ from litgpt.utils import chunked_cross_entropy  # noqa: E402
 
 from lightning_flce.models import LitGPTCausalLM, litgpt_hidden_states  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "lightning_flce" / "configs"
 VOCAB, SEQ = 300, 12
 FP32_TOL = 1e-5
 TINY = {
