@@ -94,15 +94,21 @@ def chunk_rows(
     hidden: int,
     compute_dtype: torch.dtype,
     large_chunks: bool,
+    logits_precision: str = "input",
 ) -> int:
     """Rows per chunk: a user's ``chunk_size`` as given; else :func:`default_chunk_size` of the call's shape
     (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
-    ``n_valid`` rows that run (:func:`balanced_chunk_rows`)."""
+    ``n_valid`` rows that run (:func:`balanced_chunk_rows`). fp32 logits of 16-bit GEMMs (an fp32 logits
+    buffer and a 16-bit gradient buffer: 3x the bytes per row) get 2/3 of the rows, so the chunk's buffers
+    take at most one 16-bit chunk buffer more than the default's."""
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     max_rows = default_chunk_size(n_rows, vocab, hidden, itemsize, large_chunks)
-    return balanced_chunk_rows(n_valid, max_rows, _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN)
+    align = _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN
+    if logits_precision == "fp32" and compute_dtype in LOW_PRECISION and max_rows > align:
+        max_rows = max(align, max_rows * 2 // 3 // align * align)
+    return balanced_chunk_rows(n_valid, max_rows, align)
 
 
 def target_range_error(
@@ -250,7 +256,7 @@ def run_chunks(
     """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
 
     Over chunks of the ``rows`` that carry a loss (all rows when None): logits GEMM into one reused
-    buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad) -> ChunkOutputs``
+    buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad, grad_out) -> ChunkOutputs``
     (which overwrites the logits with their gradient), then dX rows, the dW accumulation and d bias.
 
     Returns per-token loss/LSE/stats [N] (0 for ignored rows), the gradients: dX [N, H] in
@@ -347,12 +353,19 @@ def run_chunks(
         else:
             torch.mm(x_c, weight_c.t(), out=logits)
 
+        # d loss / d logits: over the logits, or (fp32 logits) into a buffer of the GEMMs' operand dtype
+        grad_logits = logits
+        if wide_logits and (need_grad_input or need_grad_weight):
+            if grad_buffer is None:
+                grad_buffer = torch.empty_like(logits_buffer, dtype=compute_dtype)
+            grad_logits = grad_buffer[: end - start]
         out = chunk_cross_entropy(
             logits,
             t_c,
             ce_scale[scale_rows] if per_row_scale else ce_scale,
             z_scale[scale_rows] if per_row_scale else z_scale,
             compute_grad,
+            grad_logits if grad_logits is not logits else None,
         )
         _write_rows(loss, scale_rows, out.loss if scales.logits == 1.0 else out.loss / scales.logits)
         _write_rows(lse, scale_rows, out.lse)
@@ -360,12 +373,6 @@ def run_chunks(
             _write_rows(correct, scale_rows, out.correct)
             _write_rows(entropy, scale_rows, out.entropy)
 
-        grad_logits = logits  # overwritten with d loss / d logits when compute_grad
-        if wide_logits and (need_grad_input or need_grad_weight):
-            if grad_buffer is None:
-                grad_buffer = torch.empty_like(logits_buffer, dtype=compute_dtype)
-            grad_logits = grad_buffer[: end - start]
-            grad_logits.copy_(logits)
         if need_grad_input:
             _write_grad_input(grad_input, scale_rows, grad_logits, weight_for_grad_input, scales)
         if need_grad_weight:
@@ -378,7 +385,7 @@ def run_chunks(
                 alpha=scales.grad_weight / scales.logits,
             )
         if need_grad_bias:
-            grad_bias.add_(logits.sum(dim=0, dtype=loss_dtype), alpha=scales.grad_bias / scales.logits)
+            grad_bias.add_(grad_logits.sum(dim=0, dtype=loss_dtype), alpha=scales.grad_bias / scales.logits)
         x_c = None  # before the next chunk's row gather (and its cast) allocates
 
     # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
@@ -450,6 +457,7 @@ def saved_grad_weight_dtype(
     accum_dtype: Optional[torch.dtype],
     chunk_size: Optional[int],
     large_chunks: bool,
+    logits_precision: str = "input",
 ) -> torch.dtype:
     """The dtype of the dW that "mean"/"sum" forward keeps for backward: its accumulator's, uncast.
 
@@ -460,7 +468,9 @@ def saved_grad_weight_dtype(
     """
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     vocab, hidden = weight.shape
-    rows = chunk_rows(chunk_size, n_rows, n_rows, vocab, hidden, compute_dtype, large_chunks)
+    rows = chunk_rows(
+        chunk_size, n_rows, n_rows, vocab, hidden, compute_dtype, large_chunks, logits_precision
+    )
     return accumulator_dtype(accum_dtype, weight, compute_dtype, n_chunks=-(-n_rows // rows))
 
 

@@ -176,10 +176,19 @@ def _chunk_loop(
     n_valid, fp16_bounds = check_targets(target, valid, weight.shape[0], options.ignore_index, fp16_stats)
     large_chunks = _large_chunks(args)
     vocab, hidden = weight.shape
-    chunk_size = chunk_rows(args.chunk_size, _n_rows(x), n_valid, vocab, hidden, compute_dtype, large_chunks)
+    chunk_size = chunk_rows(
+        args.chunk_size,
+        _n_rows(x),
+        n_valid,
+        vocab,
+        hidden,
+        compute_dtype,
+        large_chunks,
+        args.logits_precision,
+    )
     kernels = BACKENDS[args.backend].kernels()
 
-    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
+    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad, grad_out):
         return kernels.cross_entropy_chunk(
             logits,
             chunk_target,
@@ -188,6 +197,7 @@ def _chunk_loop(
             z_scale=chunk_z_scale,
             compute_grad=compute_grad,
             compute_stats=compute_stats,
+            grad_out=grad_out,
         )
 
     *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
@@ -223,7 +233,13 @@ def _chunk_loop(
 def _saved_dtypes(args) -> Tuple[torch.dtype, torch.dtype]:
     """(dX, dW) dtypes that "mean"/"sum" forward keeps for backward (see the engine's ``saved_grad_*``)."""
     grad_weight_dtype = saved_grad_weight_dtype(
-        args.x, args.weight, args.compute_dtype, args.accum_dtype, args.chunk_size, _large_chunks(args)
+        args.x,
+        args.weight,
+        args.compute_dtype,
+        args.accum_dtype,
+        args.chunk_size,
+        _large_chunks(args),
+        args.logits_precision,
     )
     return saved_grad_input_dtype(args.x, args.compute_dtype, grad_weight_dtype), grad_weight_dtype
 

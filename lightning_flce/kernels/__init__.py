@@ -1,7 +1,8 @@
 """Per-chunk cross-entropy kernels and the registry of their backends.
 
 A chunk kernel gets one chunk's logits and returns the loss per row and its LSE (and statistics), and
-overwrites the logits with d loss / d logits. The vocab-parallel op splits the same math around its
+writes d loss / d logits over the logits (or into ``grad_out``, a [C, V] buffer of its own dtype: the
+16-bit gradient of fp32 logits). The vocab-parallel op splits the same math around its
 all-reduces: ``shard_row_stats`` (one read of a shard's columns), then ``shard_softmax_grad``.
 
 A backend is one module with those three functions and one :class:`Backend` entry in :data:`BACKENDS`:

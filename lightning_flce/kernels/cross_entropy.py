@@ -52,8 +52,10 @@ def default_launch_config(vocab: int) -> LaunchConfig:
 
 @triton.jit
 def _cross_entropy_chunk_kernel(
-    logits_ptr,  # [C, V] chunk logits in the compute dtype; overwritten with the gradient
+    logits_ptr,  # [C, V] chunk logits (compute dtype, or fp32 logits of 16-bit GEMMs)
     logits_row_stride,
+    grad_ptr,  # [C, V] out: d loss / d logits (logits_ptr itself for the in-place gradient), own dtype
+    grad_row_stride,
     target_ptr,  # [C] int64, already validated to be in [0, V) or ignore_index
     class_weight_ptr,  # [V] fp32 (read only with HAS_CLASS_WEIGHT)
     class_weight_sum_ptr,  # [1] fp32 sum of class weights (read only with HAS_CLASS_WEIGHT)
@@ -80,6 +82,7 @@ def _cross_entropy_chunk_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
     target = tl.load(target_ptr + row)
     offsets = tl.arange(0, BLOCK_V)
 
@@ -87,8 +90,8 @@ def _cross_entropy_chunk_kernel(
         if COMPUTE_GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + offsets
-                zeros = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
-                tl.store(row_ptr + cols, zeros, mask=cols < V)
+                zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
+                tl.store(grad_row_ptr + cols, zeros, mask=cols < V)
         tl.store(loss_ptr + row, 0.0)
         tl.store(lse_ptr + row, 0.0)
         if COMPUTE_STATS:
@@ -171,7 +174,7 @@ def _cross_entropy_chunk_kernel(
                 if HAS_SOFTCAP:
                     capped = tl.where(mask, z, 0.0) / softcap
                     grad = grad * (1.0 - capped * capped)
-                tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+                tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 def cross_entropy_chunk_triton(
@@ -183,9 +186,11 @@ def cross_entropy_chunk_triton(
     z_scale: torch.Tensor,
     compute_grad: bool,
     compute_stats: bool,
+    grad_out: Optional[torch.Tensor] = None,
     config: Optional[LaunchConfig] = None,
 ) -> ChunkOutputs:
     """Launch :func:`_cross_entropy_chunk_kernel` on a [C, V] chunk (contract in ``lightning_flce.kernels``);
+    the gradient goes to ``grad_out`` (a [C, V] tensor of any float dtype; default: the logits, in place);
     ``config`` overrides :func:`default_launch_config`."""
     n_rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
@@ -205,9 +210,13 @@ def cross_entropy_chunk_triton(
     config = config or default_launch_config(vocab)
     block_v = config.block_v
     extra = {} if config.num_stages is None else {"num_stages": config.num_stages}
+    grad_out = logits if grad_out is None else grad_out
+    assert grad_out.shape == logits.shape and grad_out.stride(1) == 1
     _cross_entropy_chunk_kernel[(n_rows,)](
         logits,
         logits.stride(0),
+        grad_out,
+        grad_out.stride(0),
         target,
         class_weight,
         class_weight_sum,

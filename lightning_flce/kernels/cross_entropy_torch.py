@@ -21,6 +21,7 @@ def cross_entropy_chunk_torch(
     z_scale: torch.Tensor,
     compute_grad: bool,
     compute_stats: bool,
+    grad_out: torch.Tensor = None,
 ) -> ChunkOutputs:
     n_rows, vocab = logits.shape
     eps = options.label_smoothing
@@ -74,5 +75,5 @@ def cross_entropy_chunk_torch(
         if softcap_factor is not None:
             grad.mul_(softcap_factor)
         grad.mul_(valid.unsqueeze(1))
-        logits.copy_(grad)
+        (logits if grad_out is None else grad_out).copy_(grad)
     return ChunkOutputs(loss, lse_out, correct, entropy)

@@ -261,6 +261,7 @@ def _call(
         chunk_size=options.chunk_size,
         compute_dtype=compute_dtype,
         on_gpu=input.device.type == "cuda",
+        logits_precision=options.logits_precision,
     )
     local_input = input
     token_weight = options.token_weight
@@ -431,8 +432,8 @@ def _chunk_loop(
     :class:`~lightning_flce.engine.GradScales` (``keep_scaled`` and ``grad_weight_dtype`` as in ``run_chunks``)."""
     target = target.reshape(-1)
 
-    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad):
-        return ChunkOutputs(
+    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad, grad_out):
+        out = ChunkOutputs(
             *_shard_chunk(
                 logits,
                 chunk_target,
@@ -443,6 +444,9 @@ def _chunk_loop(
                 compute_stats=compute_stats,
             )
         )
+        if grad_out is not None:  # fp32 logits: the shard kernels write their gradient in place
+            grad_out.copy_(logits)
+        return out
 
     # Each rank's partial dX is summed over the group: in fp32 at least, so fp16/bf16 partials are not
     # rounded before the sum.
