@@ -1,0 +1,182 @@
+"""The memory plot of :class:`~lightning_flce.callbacks.FLCEMemoryCallback`: series from its history, then a PNG.
+
+:func:`plot_series` turns the per-step history into what is drawn (long runs cut into buckets that keep each
+bucket's maximum, so no spike is lost); :func:`save_memory_plot` draws it with matplotlib's object API (no
+pyplot: no GUI backend, no global figure state).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+_MIB = 2**20
+# most bars/points drawn; longer histories are bucketed
+MAX_POINTS = 600
+# up to this many steps each gets its own bar; beyond, the series are drawn as areas
+MAX_BARS = 60
+# a capacity more than this many times the top of the data would squash the data to the floor: it is
+# written in the corner instead of drawn
+MAX_CAPACITY_RATIO = 4.0
+# up to this many validation runs are vertical lines; beyond, ticks under the axis
+MAX_VALIDATION_LINES = 40
+
+PEAK_COLOR = "#3b75af"
+SAVED_COLOR = "#f2a93b"
+RESERVED_COLOR = "#555555"
+CAPACITY_COLOR = "#c0392b"
+VALIDATION_COLOR = "#2e8b57"
+
+
+@dataclass
+class PlotSeries:
+    """What the plot draws, in MiB per (bucket of) logged step(s)."""
+
+    steps: list[int]
+    peak: list[float]
+    saved: list[float]
+    reserved: list[float] = field(default_factory=list)
+    bucket_size: int = 1
+
+
+def plot_series(
+    history: Sequence[dict[str, float]],
+    peak_key: str,
+    saved_key: str,
+    reserved_key: Optional[str] = None,
+    max_points: int = MAX_POINTS,
+) -> PlotSeries:
+    """The series of ``history`` (rows with ``"step"`` and metric keys) that have ``peak_key``.
+
+    Beyond ``max_points`` rows, consecutive rows are grouped into equal buckets drawn at their first step,
+    each series taking the bucket's maximum. A missing saving counts as 0, a missing reserved value drops
+    the reserved line.
+    """
+    rows = [row for row in history if peak_key in row]
+    bucket = max(1, math.ceil(len(rows) / max_points))
+    series = PlotSeries([], [], [], [], bucket)
+    with_reserved = reserved_key is not None and all(reserved_key in row for row in rows)
+    for start in range(0, len(rows), bucket):
+        group = rows[start : start + bucket]
+        series.steps.append(int(group[0]["step"]))
+        series.peak.append(max(row[peak_key] for row in group))
+        series.saved.append(max(row.get(saved_key, 0.0) for row in group))
+        if with_reserved:
+            series.reserved.append(max(row[reserved_key] for row in group))
+    return series
+
+
+def _unit(top_mib: float) -> tuple[str, float]:
+    return ("GiB", 1024.0) if top_mib >= 1024 else ("MiB", 1.0)
+
+
+def save_memory_plot(
+    path: str,
+    series: PlotSeries,
+    *,
+    device_label: str,
+    peak_label: str,
+    capacity_bytes: Optional[int] = None,
+    capacity_label: str = "device capacity",
+    validation_steps: Sequence[int] = (),
+) -> dict[str, object]:
+    """Draw ``series`` to a PNG at ``path``; returns what was drawn (limits, whether the capacity line is in).
+
+    The measured peak is the lower part of each bar (area for long runs) from 0, what the unfused head would
+    have added stacked above it; the capacity is a line when it fits the chart (else a note), validation
+    runs are dotted lines (ticks under the axis when there are many).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    top_data = max([p + s for p, s in zip(series.peak, series.saved)] + series.reserved + [1e-9])
+    capacity_mib = capacity_bytes / _MIB if capacity_bytes else None
+    capacity_drawn = capacity_mib is not None and capacity_mib <= MAX_CAPACITY_RATIO * top_data
+    top = max(top_data, capacity_mib if capacity_drawn else 0.0)
+    unit, scale = _unit(top)
+    peak = [v / scale for v in series.peak]
+    saved = [v / scale for v in series.saved]
+
+    figure = Figure(figsize=(9, 4.8), dpi=110)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    steps = series.steps
+    any_saved = any(saved)
+    saved_label = "+ what the unfused head would add (estimate)"
+    if len(steps) <= MAX_BARS:
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        width = 0.8 * (min(gaps) if gaps else 1)
+        axes.bar(steps, peak, width=width, color=PEAK_COLOR, label=peak_label, zorder=2)
+        if any_saved:
+            axes.bar(
+                steps, saved, width=width, bottom=peak, color=SAVED_COLOR, alpha=0.55, hatch="//",
+                edgecolor=SAVED_COLOR, label=saved_label, zorder=2,
+            )  # fmt: skip
+        axes.set_xlim(steps[0] - width, steps[-1] + width)
+    else:
+        tops = [p + s for p, s in zip(peak, saved)]
+        axes.fill_between(steps, 0, peak, step="post", color=PEAK_COLOR, label=peak_label, zorder=2)
+        if any_saved:
+            axes.fill_between(
+                steps, peak, tops, step="post", color=SAVED_COLOR, alpha=0.55, hatch="//",
+                edgecolor=SAVED_COLOR, linewidth=0, label=saved_label, zorder=2,
+            )  # fmt: skip
+        axes.set_xlim(steps[0], steps[-1])
+    if series.reserved:
+        axes.step(
+            steps, [v / scale for v in series.reserved], where="mid" if len(steps) <= MAX_BARS else "post",
+            color=RESERVED_COLOR, linewidth=1.0, linestyle="--", label="peak reserved by the allocator", zorder=3,
+        )  # fmt: skip
+    if capacity_drawn:
+        axes.axhline(
+            capacity_mib / scale, color=CAPACITY_COLOR, linewidth=1.6,
+            label=f"{capacity_label} {capacity_mib / 1024:.1f} GiB", zorder=4,
+        )  # fmt: skip
+    elif capacity_mib is not None:
+        used = 100 * max(series.peak) / capacity_mib
+        axes.text(
+            0.99, 0.97, f"{capacity_label} {capacity_mib / 1024:.1f} GiB, far above (peak uses {used:.1f}%)",
+            transform=axes.transAxes, ha="right", va="top", fontsize="small", color=CAPACITY_COLOR,
+        )  # fmt: skip
+
+    validation = sorted(set(validation_steps))
+    if validation:
+        if len(validation) <= MAX_VALIDATION_LINES:
+            for i, step in enumerate(validation):
+                axes.axvline(
+                    step, color=VALIDATION_COLOR, linestyle=":", linewidth=1.2,
+                    label="validation" if i == 0 else None, zorder=3,
+                )  # fmt: skip
+        else:
+            axes.plot(
+                validation, [0] * len(validation), linestyle="none", marker="|", markersize=9,
+                color=VALIDATION_COLOR, label="validation", clip_on=False, zorder=5,
+            )  # fmt: skip
+
+    axes.set_ylim(0, top / scale * 1.12)
+    axes.set_ylabel(unit)
+    axes.set_xlabel(
+        "optimizer step"
+        + (f" (max of each {series.bucket_size} logged steps)" if series.bucket_size > 1 else "")
+    )
+    if steps[-1] >= 10_000:
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
+    headline = f"peak {max(series.peak) / 1024:.2f} GiB"
+    if any_saved:
+        headline += f"; without the fused head ~{max(p + s for p, s in zip(series.peak, series.saved)) / 1024:.2f} GiB"
+    axes.set_title(f"{device_label}: {headline}", fontsize="medium")
+    axes.grid(axis="y", alpha=0.3, zorder=0)
+    # under the chart, where it never hides a bar
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize="small", frameon=False)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    figure.savefig(path, format="png")
+    return {
+        "ylim": axes.get_ylim(),
+        "unit": unit,
+        "capacity_drawn": capacity_drawn,
+        "bars": len(steps) <= MAX_BARS,
+    }
