@@ -18,7 +18,7 @@ its backward. All are measured on CPU by ``tests/test_memory_model.py`` and on t
 by ``benchmarks/memory_naive_vs_fused.py``.
 
 The fused head holds, at its peak (the forward, where it computes the gradients): one chunk of logits,
-``chunk_rows x V`` in the compute dtype (about three softmax-dtype copies on the PyTorch path), the hidden
+``chunk_rows x V`` in the compute dtype (with its upcast and softmax on the PyTorch path), the hidden
 states' gradient ``N x H`` and the weight gradient's accumulator ``V x H`` (fp32 under autocast; fp64 for
 fp32 GEMMs on GPUs with full-rate fp64, whose dX GEMM then also reads an fp64 copy of the weight).
 """
@@ -31,7 +31,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from lightning_flce.kernels import chunk_kernels_use_triton, softmax_dtype
-from lightning_flce.op import default_chunk_size, saved_grad_weight_dtype
+from lightning_flce.op import balanced_chunk_rows, default_chunk_size, saved_grad_weight_dtype
 
 _MIB = 2**20
 # autocast's dtype for each mixed precision; the other precisions run the head in the weight's dtype
@@ -40,8 +40,6 @@ _AUTOCAST_DTYPES = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 _UNFUSED_COPIES = 3
 _UNFUSED_COPIES_SOFTCAP = 1
 _UNFUSED_COPIES_Z_LOSS = 2
-# the PyTorch path of the chunk loop works on about this many copies of a chunk in the softmax dtype
-_TORCH_PATH_CHUNK_COPIES = 3
 
 
 def head_compute_dtype(precision: Optional[str], weight_dtype: torch.dtype) -> torch.dtype:
@@ -150,17 +148,18 @@ class HeadMemoryModel:
     def _fused_bytes(self, num_tokens: int, vocab_size: int, hidden_size: int) -> tuple[int, int, int]:
         itemsize = self.compute_dtype.itemsize
         use_triton = chunk_kernels_use_triton(self.impl, self.compute_dtype)
-        # the op's own rule; it then balances the rows over the chunks, which can only lower them
-        rows = self.chunk_size or default_chunk_size(
-            num_tokens, vocab_size, hidden_size, itemsize, use_triton
-        )
+        # the op's own rule, balanced over the chunks as the op does (up to its alignment of the rows)
+        rows = self.chunk_size
+        if not rows:
+            max_rows = default_chunk_size(num_tokens, vocab_size, hidden_size, itemsize, use_triton)
+            rows = balanced_chunk_rows(num_tokens, max_rows, 1)
         rows = min(rows, num_tokens)
-        if use_triton:
-            chunk_bytes = rows * vocab_size * itemsize
-        else:
-            chunk_bytes = (
-                rows * vocab_size * _TORCH_PATH_CHUNK_COPIES * softmax_dtype(self.compute_dtype).itemsize
-            )
+        softmax_itemsize = softmax_dtype(self.compute_dtype).itemsize
+        if use_triton:  # the kernel overwrites the logits with their gradient in place
+            per_logit = itemsize
+        else:  # the PyTorch twins: the chunk, its upcast (if it has one) and the softmax
+            per_logit = itemsize + softmax_itemsize * (1 if softmax_itemsize == itemsize else 2)
+        chunk_bytes = rows * vocab_size * per_logit
         # shapes only: the op's rule reads the sizes and the weight's dtype and device, never the data
         # (one element on the weight's device, whose GPU model decides between an fp32 and an fp64 accumulator)
         hidden = torch.empty((num_tokens, hidden_size), dtype=self.compute_dtype, device="meta")

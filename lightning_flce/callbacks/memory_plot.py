@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 _MIB = 2**20
 # most bars/points drawn; longer histories are bucketed
@@ -82,7 +82,8 @@ def save_memory_plot(
     capacity_label: str = "device capacity",
     validation_steps: Sequence[int] = (),
 ) -> dict[str, object]:
-    """Draw ``series`` to a PNG at ``path``; returns what was drawn (limits, whether the capacity line is in).
+    """Draw ``series`` to a PNG at ``path``; returns what was drawn (y limits, unit, whether the capacity is
+    a line and the steps are bars).
 
     The measured peak is the lower part of each bar (area for long runs) from 0, what the unfused head would
     have added stacked above it; the capacity is a line when it fits the chart (else a note), validation
@@ -90,51 +91,52 @@ def save_memory_plot(
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     top_data = max([p + s for p, s in zip(series.peak, series.saved)] + series.reserved + [1e-9])
     capacity_mib = capacity_bytes / _MIB if capacity_bytes else None
     capacity_drawn = capacity_mib is not None and capacity_mib <= MAX_CAPACITY_RATIO * top_data
     top = max(top_data, capacity_mib if capacity_drawn else 0.0)
     unit, scale = _unit(top)
+    steps = series.steps
     peak = [v / scale for v in series.peak]
     saved = [v / scale for v in series.saved]
+    any_saved = any(saved)
+    as_bars = len(steps) <= MAX_BARS
 
     figure = Figure(figsize=(9, 4.8), dpi=110)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    steps = series.steps
-    any_saved = any(saved)
+    # legend entries bottom up, the order the eye reads the chart
+    legend: list[tuple[Any, str]] = []
+    saved_style = {"color": SAVED_COLOR, "alpha": 0.55, "hatch": "//", "edgecolor": SAVED_COLOR, "zorder": 2}
     saved_label = "+ what the unfused head would add (estimate)"
-    if len(steps) <= MAX_BARS:
+    if as_bars:
         gaps = [b - a for a, b in zip(steps, steps[1:])]
         width = 0.8 * (min(gaps) if gaps else 1)
-        axes.bar(steps, peak, width=width, color=PEAK_COLOR, label=peak_label, zorder=2)
+        legend.append((axes.bar(steps, peak, width=width, color=PEAK_COLOR, zorder=2), peak_label))
         if any_saved:
-            axes.bar(
-                steps, saved, width=width, bottom=peak, color=SAVED_COLOR, alpha=0.55, hatch="//",
-                edgecolor=SAVED_COLOR, label=saved_label, zorder=2,
-            )  # fmt: skip
+            legend.append((axes.bar(steps, saved, width=width, bottom=peak, **saved_style), saved_label))
         axes.set_xlim(steps[0] - width, steps[-1] + width)
     else:
         tops = [p + s for p, s in zip(peak, saved)]
-        axes.fill_between(steps, 0, peak, step="post", color=PEAK_COLOR, label=peak_label, zorder=2)
+        legend.append(
+            (axes.fill_between(steps, 0, peak, step="post", color=PEAK_COLOR, zorder=2), peak_label)
+        )
         if any_saved:
-            axes.fill_between(
-                steps, peak, tops, step="post", color=SAVED_COLOR, alpha=0.55, hatch="//",
-                edgecolor=SAVED_COLOR, linewidth=0, label=saved_label, zorder=2,
-            )  # fmt: skip
+            area = axes.fill_between(steps, peak, tops, step="post", linewidth=0, **saved_style)
+            legend.append((area, saved_label))
         axes.set_xlim(steps[0], steps[-1])
     if series.reserved:
-        axes.step(
-            steps, [v / scale for v in series.reserved], where="mid" if len(steps) <= MAX_BARS else "post",
-            color=RESERVED_COLOR, linewidth=1.0, linestyle="--", label="peak reserved by the allocator", zorder=3,
+        reserved = [v / scale for v in series.reserved]
+        (line,) = axes.step(
+            steps, reserved, where="mid" if as_bars else "post", color=RESERVED_COLOR, linewidth=1.0,
+            linestyle="--", zorder=3,
         )  # fmt: skip
+        legend.append((line, "peak reserved by the allocator"))
     if capacity_drawn:
-        axes.axhline(
-            capacity_mib / scale, color=CAPACITY_COLOR, linewidth=1.6,
-            label=f"{capacity_label} {capacity_mib / 1024:.1f} GiB", zorder=4,
-        )  # fmt: skip
+        line = axes.axhline(capacity_mib / scale, color=CAPACITY_COLOR, linewidth=1.6, zorder=4)
+        legend.append((line, f"{capacity_label} {capacity_mib / 1024:.1f} GiB"))
     elif capacity_mib is not None:
         used = 100 * max(series.peak) / capacity_mib
         axes.text(
@@ -143,40 +145,36 @@ def save_memory_plot(
         )  # fmt: skip
 
     validation = sorted(set(validation_steps))
-    if validation:
-        if len(validation) <= MAX_VALIDATION_LINES:
-            for i, step in enumerate(validation):
-                axes.axvline(
-                    step, color=VALIDATION_COLOR, linestyle=":", linewidth=1.2,
-                    label="validation" if i == 0 else None, zorder=3,
-                )  # fmt: skip
-        else:
-            axes.plot(
-                validation, [0] * len(validation), linestyle="none", marker="|", markersize=9,
-                color=VALIDATION_COLOR, label="validation", clip_on=False, zorder=5,
-            )  # fmt: skip
+    if len(validation) > MAX_VALIDATION_LINES:
+        (marks,) = axes.plot(
+            validation, [0] * len(validation), linestyle="none", marker="|", markersize=9,
+            color=VALIDATION_COLOR, clip_on=False, zorder=5,
+        )  # fmt: skip
+        legend.append((marks, "validation"))
+    elif validation:
+        for step in validation:
+            line = axes.axvline(step, color=VALIDATION_COLOR, linestyle=":", linewidth=1.2, zorder=3)
+        legend.append((line, "validation"))
 
     axes.set_ylim(0, top / scale * 1.12)
     axes.set_ylabel(unit)
-    axes.set_xlabel(
-        "optimizer step"
-        + (f" (max of each {series.bucket_size} logged steps)" if series.bucket_size > 1 else "")
-    )
+    bucketed = f" (max of each {series.bucket_size} logged steps)" if series.bucket_size > 1 else ""
+    axes.set_xlabel("optimizer step" + bucketed)
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     if steps[-1] >= 10_000:
         axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
     headline = f"peak {max(series.peak) / 1024:.2f} GiB"
     if any_saved:
-        headline += f"; without the fused head ~{max(p + s for p, s in zip(series.peak, series.saved)) / 1024:.2f} GiB"
+        without = max(p + s for p, s in zip(series.peak, series.saved))
+        headline += f"; without the fused head ~{without / 1024:.2f} GiB"
     axes.set_title(f"{device_label}: {headline}", fontsize="medium")
     axes.grid(axis="y", alpha=0.3, zorder=0)
     # under the chart, where it never hides a bar
-    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize="small", frameon=False)
+    axes.legend(
+        *zip(*legend), loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize="small",
+        frameon=False,
+    )  # fmt: skip
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, format="png")
-    return {
-        "ylim": axes.get_ylim(),
-        "unit": unit,
-        "capacity_drawn": capacity_drawn,
-        "bars": len(steps) <= MAX_BARS,
-    }
+    return {"ylim": tuple(axes.get_ylim()), "unit": unit, "capacity_drawn": capacity_drawn, "bars": as_bars}
