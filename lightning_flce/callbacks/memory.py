@@ -25,7 +25,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
-from lightning_flce.callbacks.memory_model import HeadMemoryEstimate, HeadMemoryModel, MemoryBreakdown
+from lightning_flce.callbacks.memory_model import (
+    HeadMemoryEstimate,
+    HeadMemoryModel,
+    MemoryBreakdown,
+    precision_weight_dtype,
+)
 from lightning_flce.callbacks.memory_plot import plot_series, save_memory_plot
 
 try:
@@ -226,6 +231,7 @@ class FLCEMemoryCallback(Callback):
         self._snapshot_step: Optional[int] = None
         self._step_at_batch_start: Optional[int] = None
         self._fitting = False
+        self._device_name: Optional[str] = None
         # (vocab size, the module's [V, H] parameter or None), found once per fit
         self._head_weight: Optional[tuple[int, Optional[torch.Tensor]]] = None
 
@@ -244,6 +250,9 @@ class FLCEMemoryCallback(Callback):
         self._fitting = True
         self._head_weight = None
         self.capacity_bytes = _capacity_bytes(self._cuda_device)
+        self._device_name = (
+            None if self._cuda_device is None else torch.cuda.get_device_name(self._cuda_device)
+        )
         if self._cuda_device is None:
             if self.snapshot_steps or self.record_on_oom:
                 rank_zero_warn(
@@ -438,7 +447,8 @@ class FLCEMemoryCallback(Callback):
         on_cuda = any(PEAK_ALLOCATED in row for row in self.history)
         if on_cuda:
             series = plot_series(self.history, PEAK_ALLOCATED, SAVED_BY_FUSED_HEAD, PEAK_RESERVED)
-            labels = {"device_label": "GPU memory", "peak_label": "peak allocated", "capacity_label": "GPU"}
+            device = "GPU memory" + (f" ({self._device_name})" if self._device_name else "")
+            labels = {"device_label": device, "peak_label": "peak allocated", "capacity_label": "GPU"}
         else:
             series = plot_series(self.history, PEAK_RSS, SAVED_BY_FUSED_HEAD)
             labels = {"device_label": "Process memory", "peak_label": "peak RSS", "capacity_label": "RAM"}
@@ -529,10 +539,11 @@ class FLCEMemoryCallback(Callback):
         weight_device = weight.device if weight is not None else torch.device("cpu")
         if impl == "auto":  # the op's rule: Triton on CUDA
             impl = "triton" if weight_device.type == "cuda" and _TRITON_AVAILABLE else "torch"
-        weight_dtype = weight.dtype if weight is not None else torch.float32
+        precision = getattr(trainer, "precision", "32-true")
+        weight_dtype = weight.dtype if weight is not None else precision_weight_dtype(precision)
         accum_fp32 = getattr(head_loss, "accum_fp32", False) and weight_dtype != torch.float64
         return HeadMemoryModel(
-            getattr(trainer, "precision", "32-true"),
+            precision,
             weight_dtype,
             hidden_size=None if weight is None else weight.shape[1],
             softcap=getattr(pl_module, "flce_softcap", None),

@@ -42,6 +42,20 @@ _UNFUSED_COPIES_SOFTCAP = 1
 _UNFUSED_COPIES_Z_LOSS = 2
 
 
+# the weights' dtype of the "-true" precisions, for a module whose head weight is not found
+_TRUE_DTYPES = {
+    "64-true": torch.float64,
+    "32-true": torch.float32,
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+}
+
+
+def precision_weight_dtype(precision: Optional[str]) -> torch.dtype:
+    """The weights' dtype a Lightning ``precision`` implies: its own for ``-true``, fp32 otherwise."""
+    return _TRUE_DTYPES.get(str(precision), torch.float32)
+
+
 def head_compute_dtype(precision: Optional[str], weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the head's GEMM under a Lightning ``precision`` (``trainer.precision``)."""
     return _AUTOCAST_DTYPES.get(str(precision), weight_dtype)
