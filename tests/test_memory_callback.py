@@ -353,6 +353,64 @@ def test_history_survives_resume(tmp_path):
     assert resumed.history[:3] == first.history
 
 
+class ValidatedLM(TinyLM):
+    def validation_step(self, batch, batch_idx):
+        hidden, target = batch
+        self.log("val_loss", F.cross_entropy(self.head(hidden).flatten(0, 1), target.flatten()))
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_validation_steps_marked(tmp_path):
+    callback = FLCEMemoryCallback(verbose=False)
+    trainer = _trainer(tmp_path, callback, max_steps=7, val_check_interval=3, limit_val_batches=1)
+    trainer.fit(ValidatedLM())
+    # after the optimizer steps of index 2 and 5; the sanity check is not a validation of the run
+    assert callback.validation_steps == [2, 5]
+    # a standalone validation is not part of the fit's picture
+    trainer.validate(ValidatedLM(), verbose=False)
+    assert callback.validation_steps == [2, 5]
+
+
+def test_state_round_trip_and_old_checkpoints():
+    callback = FLCEMemoryCallback()
+    callback.history = [{"step": 0, "memory/peak_allocated_mib": 5.0}]
+    callback.validation_steps = [0]
+    callback.peak_breakdown = memory_module.MemoryBreakdown(0, 5 * MIB, MIB, MIB, 2 * MIB)
+    module = SimpleNamespace(flce_last_logits_shape=(TOKENS, VOCAB))
+    callback.head_estimate = callback._head_figures(SimpleNamespace(precision="bf16-mixed"), module)[0]
+    state = pickle.loads(pickle.dumps(callback.state_dict()))  # what a checkpoint holds: plain data
+    resumed = FLCEMemoryCallback()
+    resumed.load_state_dict(state)
+    assert resumed.history == callback.history
+    assert resumed.validation_steps == [0]
+    assert resumed.peak_breakdown == callback.peak_breakdown
+    assert resumed.head_estimate == callback.head_estimate
+    assert resumed.summary() == callback.summary()
+    # a checkpoint of an earlier version holds the history only
+    old = FLCEMemoryCallback()
+    old.load_state_dict({"history": callback.history})
+    assert (old.history, old.validation_steps, old.peak_breakdown) == (callback.history, [], None)
+
+
+def test_validation_steps_and_history_continue_after_resume(tmp_path):
+    first = FLCEMemoryCallback(verbose=False)
+    trainer = _trainer(tmp_path, first, max_steps=4, val_check_interval=2, limit_val_batches=1)
+    trainer.fit(ValidatedLM())
+    ckpt_path = str(tmp_path / "after4.ckpt")
+    trainer.save_checkpoint(ckpt_path)
+    assert first.validation_steps == [1, 3]
+
+    resumed = FLCEMemoryCallback(verbose=False)
+    _trainer(tmp_path, resumed, max_steps=8, val_check_interval=2, limit_val_batches=1).fit(
+        ValidatedLM(), ckpt_path=ckpt_path
+    )
+    assert [row["step"] for row in resumed.history] == list(range(8))
+    assert resumed.history[:4] == first.history
+    assert resumed.validation_steps == [1, 3, 5, 7]
+
+
 # --- the CUDA branch on CPU, with torch.cuda mocked and the hooks driven by hand ---
 
 
