@@ -426,7 +426,7 @@ class FLCEMemoryCallback(Callback):
         if head.chunk_rows is not None:
             lines.append(
                 f"  fused head's chunk buffer     {head.chunk_bytes / _MIB:>10.1f} MiB"
-                f"  ({head.chunk_rows} x {head.vocab_size} {head.compute_dtype})"
+                f"  ({head.chunk_rows} rows x {head.vocab_size})"
             )
             lines.append(
                 f"  fused head's buffers in all   {head.fused_bytes / _MIB:>10.1f} MiB"

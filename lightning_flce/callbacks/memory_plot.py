@@ -83,10 +83,10 @@ def save_memory_plot(
     validation_steps: Sequence[int] = (),
 ) -> dict[str, object]:
     """Draw ``series`` to a PNG at ``path``; returns what was drawn (y limits, unit, whether the capacity is
-    a line and the steps are bars).
+    a line or a note in the title, whether the steps are bars, the title).
 
     The measured peak is the lower part of each bar (area for long runs) from 0, what the unfused head would
-    have added stacked above it; the capacity is a line when it fits the chart (else a note), validation
+    have added stacked above it; the capacity is a line when it fits the chart (else said in the title), validation
     runs are dotted lines (ticks under the axis when there are many).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -137,12 +137,13 @@ def save_memory_plot(
     if capacity_drawn:
         line = axes.axhline(capacity_mib / scale, color=CAPACITY_COLOR, linewidth=1.6, zorder=4)
         legend.append((line, f"{capacity_label} {capacity_mib / 1024:.1f} GiB"))
-    elif capacity_mib is not None:
+    # a capacity far above the data: said in the title, not drawn
+    capacity_note = None
+    if capacity_mib is not None and not capacity_drawn:
         used = 100 * max(series.peak) / capacity_mib
-        axes.text(
-            0.99, 0.97, f"{capacity_label} {capacity_mib / 1024:.1f} GiB, far above (peak uses {used:.1f}%)",
-            transform=axes.transAxes, ha="right", va="top", fontsize="small", color=CAPACITY_COLOR,
-        )  # fmt: skip
+        capacity_note = (
+            f"{capacity_label} {capacity_mib / 1024:.1f} GiB, far above (the peak uses {used:.1f}%)"
+        )
 
     validation = sorted(set(validation_steps))
     if len(validation) > MAX_VALIDATION_LINES:
@@ -163,11 +164,17 @@ def save_memory_plot(
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     if steps[-1] >= 10_000:
         axes.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
-    headline = f"peak {max(series.peak) / 1024:.2f} GiB"
+
+    def amount(mib: float) -> str:
+        return f"{mib / 1024:.2f} GiB" if unit == "GiB" else f"{mib:.0f} MiB"
+
+    headline = f"peak {amount(max(series.peak))}"
     if any_saved:
-        without = max(p + s for p, s in zip(series.peak, series.saved))
-        headline += f"; without the fused head ~{without / 1024:.2f} GiB"
-    axes.set_title(f"{device_label}: {headline}", fontsize="medium")
+        headline += (
+            f"; without the fused head ~{amount(max(p + s for p, s in zip(series.peak, series.saved)))}"
+        )
+    title = f"{device_label}: {headline}" + (f"\n{capacity_note}" if capacity_note else "")
+    axes.set_title(title, fontsize="medium")
     axes.grid(axis="y", alpha=0.3, zorder=0)
     # under the chart, where it never hides a bar
     axes.legend(
@@ -177,4 +184,11 @@ def save_memory_plot(
     figure.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     figure.savefig(path, format="png")
-    return {"ylim": tuple(axes.get_ylim()), "unit": unit, "capacity_drawn": capacity_drawn, "bars": as_bars}
+    return {
+        "ylim": tuple(axes.get_ylim()),
+        "unit": unit,
+        "capacity_drawn": capacity_drawn,
+        "capacity_note": capacity_note,
+        "bars": as_bars,
+        "title": title,
+    }
