@@ -571,6 +571,27 @@ def test_breakdown_at_the_peak_step_mocked(tmp_path, cuda_mocks, monkeypatch):
     assert float(rest.split()[3]) == pytest.approx(breakdown.rest_bytes / MIB, abs=0.05)
 
 
+def test_cuda_plot_mocked(tmp_path, cuda_mocks):
+    callback = FLCEMemoryCallback(plot=True, verbose=False)
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    for peak_mib in (300, 900, 400):
+        cuda_mocks.peak = peak_mib * MIB
+        _run_steps(callback, trainer, module, 1)
+    callback.on_validation_end(trainer, module)
+    callback.on_train_end(trainer, module)
+    path = tmp_path / "logs" / "memory.png"
+    assert path.is_file()
+    drawn = callback.save_plot(str(tmp_path / "again.png"))
+    assert drawn["title"].startswith("GPU memory (Fake GPU): peak 900 MiB")
+    # 80 GiB is far above 0.9 GiB: said in the title, not drawn
+    assert not drawn["capacity_drawn"]
+    assert drawn["capacity_note"] == "GPU 80.0 GiB, far above (the peak uses 1.1%)"
+    assert drawn["ylim"][0] == 0
+    assert callback.validation_steps == [2]
+
+
 def test_memory_breakdown_needs_cuda():
     with pytest.raises(RuntimeError, match="CUDA"):
         FLCEMemoryCallback().memory_breakdown(SimpleNamespace(), SimpleNamespace())

@@ -13,9 +13,11 @@ backward's is ``log_softmax``'s backward: the kept output, its incoming gradient
 the cast of that gradient back to bf16 (6 bytes a logit) comes after them. So 12 bytes a logit for
 ``16-mixed``, ``bf16-mixed``, ``bf16-true`` and ``32-true``, 24 for ``64-true``; a softcap keeps its
 ``tanh`` output for backward (one tensor more), a z-loss the upcast logits and the LSE's gradient (two
-more). Hugging Face's own loss (``logits.float()`` then ``F.cross_entropy``) peaks at the same three in
-its backward. All are measured on CPU by ``tests/test_memory_model.py`` and on the GPU against real runs
-by ``benchmarks/memory_naive_vs_fused.py``.
+more). Hugging Face's own loss (``logits.float()`` then ``F.cross_entropy``) has no ``logsumexp`` but the
+same backward, so the same count, plus the bf16 logits while the model's output still holds them (not
+measured here). This package's unfused head is measured on CPU by ``tests/test_memory_model.py`` and,
+against real runs on the GPU, by ``tests/test_memory_callback_cuda.py`` and
+``benchmarks/memory_naive_vs_fused.py``.
 
 The fused head holds, at its peak (the forward, where it computes the gradients): one chunk of logits,
 ``chunk_rows x V`` in the compute dtype (with its upcast and softmax on the PyTorch path), the hidden
