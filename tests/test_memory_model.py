@@ -46,8 +46,10 @@ def _measured_peak_bytes(precision, naive, **loss_options):
         ):
             loss = loss_fn(head, hidden, labels, reduction="sum", softcap=softcap)
         loss.backward()
-    events = prof.profiler.kineto_results.events()
-    changes = sorted((event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]")
+    events = [event for event in prof.profiler.kineto_results.events() if event.name() == "[memory]"]
+    if events and not hasattr(events[0], "nbytes"):
+        pytest.skip("this torch's profiler events carry no allocation sizes")
+    changes = sorted((event.start_ns(), event.nbytes()) for event in events)
     current = peak = 0
     for _, change in changes:
         current += change
