@@ -3,8 +3,10 @@ FLCE Memory Callback
 ====================
 
 Logs the memory a training step used, what the fused LM head saved against the unfused one, and where the
-peak goes; draws it per step and sums it up at the end of fit. The arithmetic is in
-:mod:`lightning_flce.callbacks.memory_model`, the drawing in :mod:`lightning_flce.callbacks.memory_plot`.
+peak goes; draws it per step and sums it up at the end of fit. This module wires the hooks; the arithmetic
+is in :mod:`~lightning_flce.callbacks.memory_model`, the picture in :mod:`~lightning_flce.callbacks.memory_plot`,
+the end-of-fit text in :mod:`~lightning_flce.callbacks.memory_report` and the allocator's recording in
+:mod:`~lightning_flce.callbacks.memory_snapshot`.
 
 """
 
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import operator
 import os
-import statistics
 import sys
 import warnings
 from typing import Any, Optional, Union
@@ -32,6 +33,8 @@ from lightning_flce.callbacks.memory_model import (
     precision_weight_dtype,
 )
 from lightning_flce.callbacks.memory_plot import plot_series, save_memory_plot
+from lightning_flce.callbacks.memory_report import summary_text
+from lightning_flce.callbacks.memory_snapshot import AllocatorHistory
 
 try:
     import resource
@@ -226,8 +229,7 @@ class FLCEMemoryCallback(Callback):
 
         self._log_dir: Optional[str] = None
         self._cuda_device: Optional[torch.device] = None
-        self._recording = False
-        self._legacy_recording = False
+        self._allocator_history = AllocatorHistory(snapshot_max_entries)
         self._snapshot_step: Optional[int] = None
         self._step_at_batch_start: Optional[int] = None
         self._fitting = False
@@ -261,7 +263,7 @@ class FLCEMemoryCallback(Callback):
                 )
             return
         if self.record_on_oom:
-            self._start_recording()
+            self._allocator_history.start()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -280,8 +282,8 @@ class FLCEMemoryCallback(Callback):
             and trainer.global_step in self.snapshot_steps
         ):
             self._snapshot_step = trainer.global_step
-            if not self._recording:
-                self._start_recording()
+            if not self._allocator_history.recording:
+                self._allocator_history.start()
 
     @override
     def on_train_batch_end(
@@ -307,7 +309,7 @@ class FLCEMemoryCallback(Callback):
         if self._snapshot_step is not None:
             # training stopped inside the requested step
             self._finish_step_snapshot(trainer)
-        self._stop_recording()
+        self._allocator_history.stop()
         if not trainer.is_global_zero:
             return
         if self.peak_breakdown is not None:
@@ -331,7 +333,7 @@ class FLCEMemoryCallback(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self._recording and isinstance(exception, torch.cuda.OutOfMemoryError):
+        if self._allocator_history.recording and isinstance(exception, torch.cuda.OutOfMemoryError):
             # only the ranks that ran out of memory get here, so every rank reports its own file
             try:
                 path = self._dump_snapshot(trainer, "oom")
@@ -343,11 +345,11 @@ class FLCEMemoryCallback(Callback):
                 message = f"CUDA ran out of memory and dumping the allocator history failed: {dump_error!r}"
             warnings.warn(rank_prefixed_message(message, trainer.global_rank), stacklevel=2)
         self._snapshot_step = None
-        self._stop_recording()
+        self._allocator_history.stop()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop_recording()
+        self._allocator_history.stop()
         self._fitting = False
 
     @override
@@ -382,61 +384,9 @@ class FLCEMemoryCallback(Callback):
         )
 
     def summary(self) -> str:
-        """The maximum and median of each metric over the logged steps, as a text table."""
-        # in order of first appearance: a resumed run may add metrics (another device, a module that reports logits)
-        names = list(dict.fromkeys(name for row in self.history for name in row if name != "step"))
-        width = max([len(name) for name in names] + [len("metric")])
-        lines = [
-            f"FLCEMemoryCallback: memory over {len(self.history)} logged steps (MiB)",
-            f"{'metric':<{width}}  {'max':>12}  {'median':>12}",
-        ]
-        for name in names:
-            values = [row[name] for row in self.history if name in row]
-            lines.append(f"{name:<{width}}  {max(values):>12.1f}  {statistics.median(values):>12.1f}")
-        lines += self._breakdown_lines() + self._head_lines()
-        return "\n".join(lines)
-
-    def _breakdown_lines(self) -> list[str]:
-        breakdown = self.peak_breakdown
-        if breakdown is None:
-            return []
-        parts = [
-            ("parameters", breakdown.parameter_bytes),
-            ("gradients", breakdown.gradient_bytes),
-            ("optimizer state", breakdown.optimizer_state_bytes),
-            ("activations + temporaries", breakdown.rest_bytes),
-        ]
-        lines = ["", f"Where the peak goes (step {breakdown.step}, {breakdown.peak_bytes / _MIB:.1f} MiB):"]
-        for name, size in parts:
-            share = 100 * size / breakdown.peak_bytes if breakdown.peak_bytes else 0.0
-            lines.append(f"  {name:<27}{size / _MIB:>10.1f} MiB  {share:5.1f}%")
-        return lines
-
-    def _head_lines(self) -> list[str]:
-        head = self.head_estimate
-        if head is None:
-            return []
-        shape = f"[{head.num_tokens}, {head.vocab_size}] logits, {head.precision}"
-        lines = [
-            "",
-            f"LM head ({shape}):",
-            f"  unfused head adds to the peak {head.unfused_bytes / _MIB:>10.1f} MiB"
-            f"  ({head.bytes_per_logit} bytes a logit)",
-        ]
-        if head.chunk_rows is not None:
-            lines.append(
-                f"  fused head's chunk buffer     {head.chunk_bytes / _MIB:>10.1f} MiB"
-                f"  ({head.chunk_rows} rows x {head.vocab_size})"
-            )
-            lines.append(
-                f"  fused head's buffers in all   {head.fused_bytes / _MIB:>10.1f} MiB"
-                "  (chunk, dX, dW accumulator)"
-            )
-        if head.naive:
-            lines.append("  saved: none, the unfused head ran (flce_naive)")
-        else:
-            lines.append(f"  saved by the fused head       {head.saved_bytes / _MIB:>10.1f} MiB (estimate)")
-        return lines
+        """The maximum and median of each metric over the logged steps as a text table, then where the peak
+        goes (CUDA) and the LM head's figures."""
+        return summary_text(self.history, self.peak_breakdown, self.head_estimate)
 
     def save_plot(self, path: str) -> dict[str, Any]:
         """Write the memory per logged step as a PNG image to ``path``; returns what was drawn."""
@@ -576,27 +526,6 @@ class FLCEMemoryCallback(Callback):
             return {name: value for name, value in zip(names, reduced) if value >= 0}
         return {name: measured[name] for name in names if measured[name] is not None}
 
-    def _start_recording(self) -> None:
-        history = torch.cuda.memory._record_memory_history
-        try:
-            history(enabled="all", max_entries=self.snapshot_max_entries)
-            self._legacy_recording = False
-        except TypeError:
-            # torch < 2.1 only had the boolean form
-            history(True, trace_alloc_max_entries=self.snapshot_max_entries, trace_alloc_record_context=True)
-            self._legacy_recording = True
-        self._recording = True
-
-    def _stop_recording(self) -> None:
-        if not self._recording:
-            return
-        history = torch.cuda.memory._record_memory_history
-        if self._legacy_recording:
-            history(False)
-        else:
-            history(enabled=None)
-        self._recording = False
-
     def _finish_step_snapshot(self, trainer: pl.Trainer) -> None:
         path = self._dump_snapshot(trainer, f"step{self._snapshot_step}")
         rank_zero_info(
@@ -604,13 +533,12 @@ class FLCEMemoryCallback(Callback):
         )
         self._snapshot_step = None
         if not self.record_on_oom:
-            self._stop_recording()
+            self._allocator_history.stop()
 
     def _dump_snapshot(self, trainer: pl.Trainer, tag: str) -> str:
         directory = self.snapshot_dir or self._log_dir or trainer.default_root_dir
-        os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"memory_snapshot_{tag}_rank{trainer.global_rank}.pickle")
-        torch.cuda.memory._dump_snapshot(path)
+        self._allocator_history.dump(path)
         self.snapshot_paths.append(path)
         return path
 
