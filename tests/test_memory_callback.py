@@ -505,8 +505,10 @@ def test_cuda_branch_mocked(tmp_path, cuda_mocks):
         mock.call.log("peak_GiB", 300 / 1024, prog_bar=True, logger=False, on_step=True, on_epoch=False),
         mock.call.max_memory_allocated(device),
     ]
-    # the first logged step is the highest peak so far: its breakdown is counted (one more read of the peak)
-    first = [*one_log, mock.call.max_memory_allocated(device), mock.call.reset_peak_memory_stats(device)]
+    # each logged step's breakdown is counted (one more read of the peak): the first, as there is none, the
+    # second, as the first's window held the first step, which ran before any gradient existed
+    one_log.append(mock.call.max_memory_allocated(device))
+    first = [*one_log, mock.call.reset_peak_memory_stats(device)]
     second = [*one_log, mock.call.reset_peak_memory_stats(device)]
     calls = [c for c in cuda_mocks.mock_calls if c[0] not in ("get_device_properties", "get_device_name")]
     # a reset when training starts, then each logged step (global steps 2 and 4) ends with a reset
@@ -590,6 +592,18 @@ def test_cuda_plot_mocked(tmp_path, cuda_mocks):
     assert drawn["capacity_note"] == "GPU 80.0 GiB, far above (the peak uses 1.1%)"
     assert drawn["ylim"][0] == 0
     assert callback.validation_steps == [2]
+
+
+def test_breakdown_prefers_windows_after_the_first_step(tmp_path, cuda_mocks):
+    callback = FLCEMemoryCallback(verbose=False)
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    callback.on_train_start(trainer, module)
+    for peak_mib in (900, 500, 600, 550):  # the first step's peak is the highest (warm-up, autotuning)
+        cuda_mocks.peak = peak_mib * MIB
+        _run_steps(callback, trainer, module, 1)
+    assert (callback.peak_breakdown.step, callback.peak_breakdown.peak_bytes) == (2, 600 * MIB)
 
 
 def test_memory_breakdown_needs_cuda():

@@ -236,6 +236,10 @@ class FLCEMemoryCallback(Callback):
         self._device_name: Optional[str] = None
         # (vocab size, the module's [V, H] parameter or None), found once per fit
         self._head_weight: Optional[tuple[int, Optional[torch.Tensor]]] = None
+        # whether this fit logged a step yet, and whether the kept breakdown is of the fit's first window: its
+        # first forward ran before any gradient existed, so counting them at the window's end misplaces them
+        self._logged_in_fit = False
+        self._breakdown_cold = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -267,6 +271,8 @@ class FLCEMemoryCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._logged_in_fit = False
+        self._breakdown_cold = False
         if self._cuda_device is not None:
             # the first window starts with training, not with model setup or the sanity check
             torch.cuda.reset_peak_memory_stats(self._cuda_device)
@@ -455,11 +461,20 @@ class FLCEMemoryCallback(Callback):
             self.head_estimate = estimate
         if self._cuda_device is not None:
             peak = torch.cuda.max_memory_allocated(self._cuda_device)
-            if self.peak_breakdown is None or peak > self.peak_breakdown.peak_bytes:
+            cold = not self._logged_in_fit
+            kept = self.peak_breakdown
+            # the highest peak, from a window after the first step when there is one
+            if (
+                kept is None
+                or (self._breakdown_cold and not cold)
+                or (cold == self._breakdown_cold and peak > kept.peak_bytes)
+            ):
                 self.peak_breakdown = self.memory_breakdown(trainer, pl_module)
+                self._breakdown_cold = cold
                 if estimate is not None:
                     self.head_estimate = estimate
             torch.cuda.reset_peak_memory_stats(self._cuda_device)
+        self._logged_in_fit = True
 
     def _head_figures(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule
