@@ -109,9 +109,10 @@ class FLCEMemoryCallback(Callback):
 
     **Where the memory goes** (CUDA): at each logged step the callback counts the parameters, the gradients
     and the optimizer state held on the device; at the end of fit it logs them once for the step of the
-    highest peak (``memory/peak_breakdown/{parameters,gradients,optimizer_state,activations_and_temporaries}
-    _mib``, the last being the rest of that peak), and the summary shows them beside the fused head's chunk
-    buffer and saving. :meth:`memory_breakdown` gives the same split at any time.
+    highest peak (after the first logged window, whose first forward ran before any gradient existed, once
+    there is another): ``memory/peak_breakdown/{parameters,gradients,optimizer_state,
+    activations_and_temporaries}_mib``, the last being the rest of that peak. The summary shows them beside
+    the fused head's chunk buffer and saving. :meth:`memory_breakdown` gives the same split at any time.
 
     **The console**: with ``prog_bar=True`` the progress bar shows the peak in GiB under a short name
     (``peak_GiB=2.56``; ``peak_rss_GiB`` on CPU), the MiB metrics go to the loggers.
