@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -21,6 +22,9 @@ from lightning_flce.callbacks import memory as memory_module
 MIB = 2**20
 HIDDEN, VOCAB, SEQ, BATCH = 8, 32, 5, 2
 TOKENS = BATCH * SEQ  # N of each loss call
+# the unfused head in fp32: the upcast logits (a no-op in fp32 makes them the GEMM's), log_softmax's output
+# and logsumexp's temporary, 4 bytes each (tests/test_memory_model.py measures it)
+UNFUSED_MIB = TOKENS * VOCAB * 12 / MIB
 
 
 class TinyLM(LightningModule):
@@ -95,7 +99,10 @@ CUDA_FUNCTIONS = (
     "max_memory_reserved",
     "memory_allocated",
     "reset_peak_memory_stats",
+    "get_device_properties",
+    "get_device_name",
 )
+GPU_TOTAL = 80 * 1024 * MIB
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="checks against /proc/self/status")
@@ -117,7 +124,10 @@ def test_cpu_metrics_in_csv(tmp_path):
         # the high-water mark read after the fit bounds every peak logged during it, up to the kernel's
         # approximate per-CPU RSS counters (seen 2.4 MiB apart on a 32-core machine): 16 MiB of slack
         assert peak_rss <= peak_hwm_mib + 16
-        assert float(row["memory/logits_avoided_mib"]) == pytest.approx(TOKENS * VOCAB * 4 / MIB, rel=1e-12)
+        assert float(row["memory/unfused_head_mib"]) == pytest.approx(UNFUSED_MIB, rel=1e-12)
+        # so tiny a vocabulary saves nothing: the fused head's dW and chunk outweigh 12 bytes a logit
+        assert float(row["memory/saved_by_fused_head_mib"]) == 0.0
+        assert float(row["memory/logits_avoided_mib"]) == 0.0
         assert not row.get("memory/peak_allocated_mib")
     # the in-memory history holds what the logger got
     assert [row["step"] for row in callback.history] == [0, 1, 2, 3]
@@ -135,25 +145,40 @@ def test_rss_readers_match_proc_status():
     assert abs(peak - vm_hwm) < 8 * MIB
 
 
-def test_logits_bytes_from_shape_when_bytes_missing(tmp_path):
+def test_head_figures_from_shape_when_bytes_missing(tmp_path):
     callback = FLCEMemoryCallback()
     _trainer(tmp_path, callback, max_steps=2).fit(TinyLM(report_bytes=False))
-    assert [row["memory/logits_avoided_mib"] for row in callback.history] == [TOKENS * VOCAB * 4 / MIB] * 2
+    assert [row["memory/unfused_head_mib"] for row in callback.history] == [UNFUSED_MIB] * 2
 
 
-def test_no_logits_metric_without_attributes():
+def test_head_figures_without_attributes():
+    callback = FLCEMemoryCallback()
+    trainer = SimpleNamespace(precision="32-true")
     module = SimpleNamespace()
-    assert memory_module._logits_bytes(module) is None
+    assert callback._head_figures(trainer, module) == (None, None, None)
+    # only the bytes: taken as the module states them
+    module.flce_last_logits_bytes = 7 * MIB
+    assert callback._head_figures(trainer, module) == (None, 7.0, 7.0)
+    # a shape: the unfused head's model; no [V, H] parameter, so nothing subtracted for the fused buffers
     module.flce_last_logits_shape = (3, 5)
-    assert memory_module._logits_bytes(module) == 3 * 5 * 4
-    module.flce_last_logits_bytes = 7
-    assert memory_module._logits_bytes(module) == 7
+    estimate, unfused, saved = callback._head_figures(trainer, module)
+    assert unfused == saved == 3 * 5 * 12 / MIB
+    assert estimate.hidden_size is None
+    # the mixin's naive path reports 0 bytes: nothing saved
+    module.flce_last_logits_bytes = 0
+    assert callback._head_figures(trainer, module)[1:] == (3 * 5 * 12 / MIB, 0.0)
+    module.flce_last_logits_bytes = None
+    module.flce_naive = True
+    assert callback._head_figures(trainer, module)[2] == 0.0
+    # 64-true: everything in fp64
+    module.flce_naive = False
+    assert callback._head_figures(SimpleNamespace(precision="64-true"), module)[1] == 3 * 5 * 24 / MIB
 
 
 @pytest.mark.parametrize("shape", [(3,), (3, 5, 7), (3.5, 5), (-1, 5), "ab"])
 def test_bad_logits_shape_raises(shape):
     with pytest.raises(ValueError, match="flce_last_logits_shape"):
-        memory_module._logits_bytes(SimpleNamespace(flce_last_logits_shape=shape))
+        memory_module._logits_shape(SimpleNamespace(flce_last_logits_shape=shape))
 
 
 @pytest.mark.parametrize(
@@ -209,12 +234,51 @@ def test_fast_dev_run_logs_every_step():
 
 
 def test_prog_bar(tmp_path):
-    trainer = _trainer(tmp_path, FLCEMemoryCallback(prog_bar=True), max_steps=1)
+    callback = FLCEMemoryCallback(prog_bar=True)
+    trainer = _trainer(tmp_path, callback, max_steps=1)
     trainer.fit(TinyLM())
-    assert set(trainer.progress_bar_metrics) == {"memory/peak_rss_mib"}
+    # a short name in GiB, not the logger's MiB key
+    assert set(trainer.progress_bar_metrics) == {"peak_rss_GiB"}
+    assert trainer.progress_bar_metrics["peak_rss_GiB"] == pytest.approx(
+        callback.history[-1]["memory/peak_rss_mib"] / 1024, rel=1e-6
+    )
+    assert "peak_rss_GiB" not in _read_metrics(trainer)[0]
     trainer = _trainer(tmp_path, FLCEMemoryCallback(), max_steps=1)
     trainer.fit(TinyLM())
     assert trainer.progress_bar_metrics == {}
+
+
+class _PostfixProbe(Callback):
+    """Reads the TQDM bar's postfix after the bar's own update of each batch."""
+
+    def __init__(self, bar):
+        self.bar = bar
+        self.postfixes = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.postfixes.append(self.bar.train_progress_bar.postfix)
+
+
+def test_prog_bar_text_is_short(tmp_path):
+    """What the TQDM bar prints: `peak_rss_GiB=0.57`, not a truncated `memory/peak_rss_mib=...`."""
+    bar = TQDMProgressBar()
+    probe = _PostfixProbe(bar)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        max_steps=2,
+        log_every_n_steps=1,
+        logger=False,
+        callbacks=[FLCEMemoryCallback(prog_bar=True, verbose=False), bar, probe],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyLM())
+    postfix = probe.postfixes[-1]
+    (figure,) = [part for part in postfix.split(", ") if part.startswith("peak_rss_GiB=")]
+    assert len(figure) <= len("peak_rss_GiB=") + 5
+    assert float(figure.split("=")[1]) > 0
+    assert "memory/" not in postfix
 
 
 def test_plot_written(tmp_path):
@@ -223,6 +287,8 @@ def test_plot_written(tmp_path):
     trainer.fit(TinyLM())
     with open(os.path.join(trainer.log_dir, "memory.png"), "rb") as image:
         assert image.read(8) == b"\x89PNG\r\n\x1a\n"
+    # the machine's RAM is the capacity on CPU
+    assert callback.capacity_bytes > callback.history[-1]["memory/peak_rss_mib"] * MIB
 
 
 def test_plot_needs_matplotlib(monkeypatch):
@@ -287,6 +353,64 @@ def test_history_survives_resume(tmp_path):
     assert resumed.history[:3] == first.history
 
 
+class ValidatedLM(TinyLM):
+    def validation_step(self, batch, batch_idx):
+        hidden, target = batch
+        self.log("val_loss", F.cross_entropy(self.head(hidden).flatten(0, 1), target.flatten()))
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_validation_steps_marked(tmp_path):
+    callback = FLCEMemoryCallback(verbose=False)
+    trainer = _trainer(tmp_path, callback, max_steps=7, val_check_interval=3, limit_val_batches=1)
+    trainer.fit(ValidatedLM())
+    # after the optimizer steps of index 2 and 5; the sanity check is not a validation of the run
+    assert callback.validation_steps == [2, 5]
+    # a standalone validation is not part of the fit's picture
+    trainer.validate(ValidatedLM(), verbose=False)
+    assert callback.validation_steps == [2, 5]
+
+
+def test_state_round_trip_and_old_checkpoints():
+    callback = FLCEMemoryCallback()
+    callback.history = [{"step": 0, "memory/peak_allocated_mib": 5.0}]
+    callback.validation_steps = [0]
+    callback.peak_breakdown = memory_module.MemoryBreakdown(0, 5 * MIB, MIB, MIB, 2 * MIB)
+    module = SimpleNamespace(flce_last_logits_shape=(TOKENS, VOCAB))
+    callback.head_estimate = callback._head_figures(SimpleNamespace(precision="bf16-mixed"), module)[0]
+    state = pickle.loads(pickle.dumps(callback.state_dict()))  # what a checkpoint holds: plain data
+    resumed = FLCEMemoryCallback()
+    resumed.load_state_dict(state)
+    assert resumed.history == callback.history
+    assert resumed.validation_steps == [0]
+    assert resumed.peak_breakdown == callback.peak_breakdown
+    assert resumed.head_estimate == callback.head_estimate
+    assert resumed.summary() == callback.summary()
+    # a checkpoint of an earlier version holds the history only
+    old = FLCEMemoryCallback()
+    old.load_state_dict({"history": callback.history})
+    assert (old.history, old.validation_steps, old.peak_breakdown) == (callback.history, [], None)
+
+
+def test_validation_steps_and_history_continue_after_resume(tmp_path):
+    first = FLCEMemoryCallback(verbose=False)
+    trainer = _trainer(tmp_path, first, max_steps=4, val_check_interval=2, limit_val_batches=1)
+    trainer.fit(ValidatedLM())
+    ckpt_path = str(tmp_path / "after4.ckpt")
+    trainer.save_checkpoint(ckpt_path)
+    assert first.validation_steps == [1, 3]
+
+    resumed = FLCEMemoryCallback(verbose=False)
+    _trainer(tmp_path, resumed, max_steps=8, val_check_interval=2, limit_val_batches=1).fit(
+        ValidatedLM(), ckpt_path=ckpt_path
+    )
+    assert [row["step"] for row in resumed.history] == list(range(8))
+    assert resumed.history[:4] == first.history
+    assert resumed.validation_steps == [1, 3, 5, 7]
+
+
 # --- the CUDA branch on CPU, with torch.cuda mocked and the hooks driven by hand ---
 
 
@@ -299,10 +423,13 @@ def _fake_trainer(tmp_path, **overrides):
         "world_size": 1,
         "global_rank": 0,
         "is_global_zero": True,
-        "loggers": [object()],
+        "loggers": [mock.Mock()],
         "log_dir": str(tmp_path / "logs"),
         "default_root_dir": str(tmp_path),
         "strategy": mock.Mock(),
+        "precision": "32-true",
+        "optimizers": [],
+        "sanity_checking": False,
     }
     attributes.update(overrides)
     return SimpleNamespace(**attributes)
@@ -314,6 +441,7 @@ def _fake_cuda_module():
         log=mock.Mock(),
         log_dict=mock.Mock(),
         flce_last_logits_shape=(TOKENS, VOCAB),
+        parameters=lambda: iter([]),
     )
 
 
@@ -326,16 +454,20 @@ def _run_steps(callback, trainer, module, num_steps):
 
 @pytest.fixture
 def cuda_mocks():
+    """torch.cuda's statistics mocked; `manager.peak` is what max_memory_allocated returns (bytes)."""
     manager = mock.Mock()
+    manager.peak = 300 * MIB
     values = {
-        "max_memory_allocated": 300 * MIB,
         "max_memory_reserved": 512 * MIB,
         "memory_allocated": 100 * MIB,
+        "get_device_properties": SimpleNamespace(total_memory=GPU_TOTAL),
+        "get_device_name": "Fake GPU",
     }
     with mock.patch.multiple(torch.cuda, **{name: mock.DEFAULT for name in CUDA_FUNCTIONS}) as mocks:
         for name, cuda_mock in mocks.items():
             cuda_mock.return_value = values.get(name)
             manager.attach_mock(cuda_mock, name)
+        mocks["max_memory_allocated"].side_effect = lambda device: manager.peak
         yield manager
 
 
@@ -347,6 +479,7 @@ def test_cuda_branch_mocked(tmp_path, cuda_mocks):
     callback.setup(trainer, module, "fit")
     callback.on_fit_start(trainer, module)
     callback.on_train_start(trainer, module)
+    assert callback.capacity_bytes == GPU_TOTAL
     with mock.patch.object(memory_module, "_peak_rss_bytes") as peak_rss:
         _run_steps(callback, trainer, module, 5)
     peak_rss.assert_not_called()
@@ -356,30 +489,132 @@ def test_cuda_branch_mocked(tmp_path, cuda_mocks):
         mock.call.max_memory_allocated(device),
         mock.call.max_memory_reserved(device),
         mock.call.memory_allocated(device),
-        mock.call.log(
-            "memory/peak_allocated_mib", 300.0, prog_bar=True, logger=True, on_step=True, on_epoch=False
-        ),
         mock.call.log_dict(
             {
                 "memory/allocated_mib": 100.0,
-                "memory/logits_avoided_mib": TOKENS * VOCAB * 4 / MIB,
+                "memory/logits_avoided_mib": TOKENS * VOCAB * 12 / MIB,
+                "memory/peak_allocated_mib": 300.0,
                 "memory/peak_reserved_mib": 512.0,
+                "memory/saved_by_fused_head_mib": TOKENS * VOCAB * 12 / MIB,
+                "memory/unfused_head_mib": TOKENS * VOCAB * 12 / MIB,
             },
             logger=True,
             on_step=True,
             on_epoch=False,
         ),
-        mock.call.reset_peak_memory_stats(device),
+        mock.call.log("peak_GiB", 300 / 1024, prog_bar=True, logger=False, on_step=True, on_epoch=False),
+        mock.call.max_memory_allocated(device),
     ]
+    # each logged step's breakdown is counted (one more read of the peak): the first, as there is none, the
+    # second, as the first's window held the first step, which ran before any gradient existed
+    one_log.append(mock.call.max_memory_allocated(device))
+    first = [*one_log, mock.call.reset_peak_memory_stats(device)]
+    second = [*one_log, mock.call.reset_peak_memory_stats(device)]
+    calls = [c for c in cuda_mocks.mock_calls if c[0] not in ("get_device_properties", "get_device_name")]
     # a reset when training starts, then each logged step (global steps 2 and 4) ends with a reset
-    assert cuda_mocks.mock_calls == [mock.call.reset_peak_memory_stats(device), *one_log, *one_log]
+    assert calls == [mock.call.reset_peak_memory_stats(device), *first, *second]
     assert [row["step"] for row in callback.history] == [1, 3]
     assert callback.history[0]["memory/peak_reserved_mib"] == 512.0
 
 
+def _count_cpu_tensors(monkeypatch):
+    """MemoryBreakdown.measure without its device filter, so that CPU tensors stand in for CUDA ones."""
+    measure = memory_module.MemoryBreakdown.measure.__func__
+    monkeypatch.setattr(
+        memory_module.MemoryBreakdown,
+        "measure",
+        classmethod(lambda cls, *args, device=None, **kwargs: measure(cls, *args, device=None, **kwargs)),
+    )
+
+
+def test_breakdown_at_the_peak_step_mocked(tmp_path, cuda_mocks, monkeypatch):
+    _count_cpu_tensors(monkeypatch)
+    weight = torch.nn.Parameter(torch.zeros(VOCAB, HIDDEN))  # the head: 1 KiB
+    other = torch.nn.Parameter(torch.zeros(1024, 256))  # 1 MiB
+    optimizer = torch.optim.Adam([weight, other])
+    module = _fake_cuda_module()
+    module.parameters = lambda: iter([weight, other, weight])  # tied: counted once
+    trainer = _fake_trainer(tmp_path, optimizers=[optimizer])
+    callback = FLCEMemoryCallback(verbose=False)
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    for step, peak_mib in enumerate([300, 700, 500]):
+        cuda_mocks.peak = peak_mib * MIB
+        if step == 1:  # gradients and Adam's state exist from this step on
+            for parameter in (weight, other):
+                parameter.grad = torch.ones_like(parameter)
+            optimizer.step()
+        _run_steps(callback, trainer, module, 1)
+    breakdown = callback.peak_breakdown
+    param_bytes = (VOCAB * HIDDEN + 1024 * 256) * 4
+    assert (breakdown.step, breakdown.peak_bytes) == (1, 700 * MIB)
+    assert breakdown.parameter_bytes == param_bytes
+    assert breakdown.gradient_bytes == param_bytes
+    # exp_avg and exp_avg_sq per parameter, and a 0-d fp32 step counter each
+    assert breakdown.optimizer_state_bytes == 2 * param_bytes + 2 * 4
+    assert breakdown.rest_bytes == 700 * MIB - 4 * param_bytes - 8
+    # the hidden size comes from the [V, H] parameter: the fused head's buffers are subtracted
+    assert callback.head_estimate.hidden_size == HIDDEN
+    assert callback.head_estimate.fused_bytes > 0
+
+    logger = mock.Mock()
+    trainer.loggers = [logger]
+    callback.on_train_end(trainer, module)
+    # logged once, at the step of the peak
+    logger.log_metrics.assert_called_once_with(breakdown.metrics(), step=1)
+    metrics = breakdown.metrics()
+    assert metrics["memory/peak_breakdown/parameters_mib"] == param_bytes / MIB
+    assert sum(metrics.values()) == pytest.approx(700)
+
+    summary = callback.summary()
+    assert "Where the peak goes (step 1, 700.0 MiB):" in summary
+    assert "fused head's chunk buffer" in summary
+    (rest,) = [line for line in summary.splitlines() if "activations + temporaries" in line]
+    assert float(rest.split()[3]) == pytest.approx(breakdown.rest_bytes / MIB, abs=0.05)
+
+
+def test_cuda_plot_mocked(tmp_path, cuda_mocks):
+    callback = FLCEMemoryCallback(plot=True, verbose=False)
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    for peak_mib in (300, 900, 400):
+        cuda_mocks.peak = peak_mib * MIB
+        _run_steps(callback, trainer, module, 1)
+    callback.on_validation_end(trainer, module)
+    callback.on_train_end(trainer, module)
+    path = tmp_path / "logs" / "memory.png"
+    assert path.is_file()
+    drawn = callback.save_plot(str(tmp_path / "again.png"))
+    assert drawn["title"].startswith("GPU memory (Fake GPU): peak 900 MiB")
+    # 80 GiB is far above 0.9 GiB: said in the title, not drawn
+    assert not drawn["capacity_drawn"]
+    assert drawn["capacity_note"] == "GPU 80.0 GiB, far above (the peak uses 1.1%)"
+    assert drawn["ylim"][0] == 0
+    assert callback.validation_steps == [2]
+
+
+def test_breakdown_prefers_windows_after_the_first_step(tmp_path, cuda_mocks):
+    callback = FLCEMemoryCallback(verbose=False)
+    trainer, module = _fake_trainer(tmp_path), _fake_cuda_module()
+    callback.setup(trainer, module, "fit")
+    callback.on_fit_start(trainer, module)
+    callback.on_train_start(trainer, module)
+    for peak_mib in (900, 500, 600, 550):  # the first step's peak is the highest (warm-up, autotuning)
+        cuda_mocks.peak = peak_mib * MIB
+        _run_steps(callback, trainer, module, 1)
+    assert (callback.peak_breakdown.step, callback.peak_breakdown.peak_bytes) == (2, 600 * MIB)
+
+
+def test_memory_breakdown_needs_cuda():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        FLCEMemoryCallback().memory_breakdown(SimpleNamespace(), SimpleNamespace())
+
+
 def test_cuda_metrics_max_over_ranks(tmp_path, cuda_mocks):
     callback = FLCEMemoryCallback()
-    other_rank = torch.tensor([0.0, 4.0, 999.0, 1.0], dtype=torch.float64)
+    # sorted names: allocated, logits_avoided, peak_allocated, peak_reserved, saved_by_fused_head, unfused_head
+    other_rank = torch.tensor([0.0, 4.0, 999.0, 1.0, 4.0, 5.0], dtype=torch.float64)
 
     def reduce(tensor, reduce_op):
         assert reduce_op == "max"
@@ -388,9 +623,9 @@ def test_cuda_metrics_max_over_ranks(tmp_path, cuda_mocks):
     trainer = _fake_trainer(tmp_path, world_size=2, strategy=SimpleNamespace(reduce=reduce))
     module = _fake_cuda_module()
     module.device = torch.device("cpu")  # the tensor sent to the collective is made on the module's device
+    module.parameters = lambda: iter([])
     callback._cuda_device = torch.device("cuda", 0)
     _run_steps(callback, trainer, module, 1)
-    # sorted names: allocated, logits_avoided, peak_allocated, peak_reserved
     assert callback.history == [
         {
             "step": 0,
@@ -398,6 +633,8 @@ def test_cuda_metrics_max_over_ranks(tmp_path, cuda_mocks):
             "memory/logits_avoided_mib": 4.0,
             "memory/peak_allocated_mib": 999.0,
             "memory/peak_reserved_mib": 512.0,
+            "memory/saved_by_fused_head_mib": 4.0,
+            "memory/unfused_head_mib": 5.0,
         }
     ]
 
@@ -410,9 +647,11 @@ def test_missing_metric_on_every_rank_is_dropped(tmp_path, cuda_mocks):
     module = _fake_cuda_module()
     del module.flce_last_logits_shape
     module.device = torch.device("cpu")
+    module.parameters = lambda: iter([])
     callback._cuda_device = torch.device("cuda", 0)
     _run_steps(callback, trainer, module, 1)
-    assert "memory/logits_avoided_mib" not in callback.history[0]
+    for name in ("logits_avoided", "saved_by_fused_head", "unfused_head"):
+        assert f"memory/{name}_mib" not in callback.history[0]
 
 
 @pytest.fixture
@@ -577,7 +816,7 @@ class RankDependentLM(TinyLM):
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        self.flce_last_logits_bytes *= self.global_rank + 1
+        self.flce_last_logits_shape = (TOKENS * (self.global_rank + 1), VOCAB)
         return loss
 
 
@@ -610,8 +849,8 @@ def test_max_over_ranks_ddp(tmp_path, accelerator):
         enable_model_summary=False,
     )
     trainer.fit(RankDependentLM())
-    rows = _rows_with(_read_metrics(trainer), "memory/logits_avoided_mib")
-    assert [float(row["memory/logits_avoided_mib"]) for row in rows] == [2 * TOKENS * VOCAB * 4 / MIB] * 2
+    rows = _rows_with(_read_metrics(trainer), "memory/unfused_head_mib")
+    assert [float(row["memory/unfused_head_mib"]) for row in rows] == pytest.approx([2 * UNFUSED_MIB] * 2)
     headline = "memory/peak_allocated_mib" if accelerator == "cuda" else "memory/peak_rss_mib"
     assert all(float(row[headline]) > 0 for row in rows)
 

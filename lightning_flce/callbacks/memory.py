@@ -2,7 +2,11 @@
 FLCE Memory Callback
 ====================
 
-Logs the memory a training step used, and the logits memory the fused loss avoided.
+Logs the memory a training step used, what the fused LM head saved against the unfused one, and where the
+peak goes; draws it per step and sums it up at the end of fit. This module wires the hooks; the arithmetic
+is in :mod:`~lightning_flce.callbacks.memory_model`, the picture in :mod:`~lightning_flce.callbacks.memory_plot`,
+the end-of-fit text in :mod:`~lightning_flce.callbacks.memory_report` and the allocator's recording in
+:mod:`~lightning_flce.callbacks.memory_snapshot`.
 
 """
 
@@ -10,7 +14,6 @@ from __future__ import annotations
 
 import operator
 import os
-import statistics
 import sys
 import warnings
 from typing import Any, Optional, Union
@@ -23,6 +26,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.imports import RequirementCache
 from typing_extensions import override
 
+from lightning_flce.callbacks.memory_model import (
+    HeadMemoryEstimate,
+    HeadMemoryModel,
+    MemoryBreakdown,
+    precision_weight_dtype,
+)
+from lightning_flce.callbacks.memory_plot import plot_series, save_memory_plot
+from lightning_flce.callbacks.memory_report import summary_text
+from lightning_flce.callbacks.memory_snapshot import AllocatorHistory
+
 try:
     import resource
 except ImportError:  # Windows has no `resource`
@@ -30,6 +43,7 @@ except ImportError:  # Windows has no `resource`
 
 _MATPLOTLIB_AVAILABLE = RequirementCache("matplotlib")
 _PSUTIL_AVAILABLE = RequirementCache("psutil")
+_TRITON_AVAILABLE = RequirementCache("triton")
 
 _MIB = 2**20
 
@@ -38,17 +52,24 @@ PEAK_RESERVED = "memory/peak_reserved_mib"
 ALLOCATED = "memory/allocated_mib"
 PEAK_RSS = "memory/peak_rss_mib"
 RSS = "memory/rss_mib"
+UNFUSED_HEAD = "memory/unfused_head_mib"
+SAVED_BY_FUSED_HEAD = "memory/saved_by_fused_head_mib"
+#: Deprecated alias of :data:`SAVED_BY_FUSED_HEAD` (same value), logged for one more release.
 LOGITS_AVOIDED = "memory/logits_avoided_mib"
+# the progress bar's short figures, in GiB (the bar shows `peak_GiB=2.56`, not a truncated MiB key)
+PROG_BAR_PEAK = "peak_GiB"
+PROG_BAR_PEAK_RSS = "peak_rss_GiB"
 
 
 class FLCEMemoryCallback(Callback):
-    r"""Logs peak and current memory per logged training step, and the logits memory the fused loss avoided.
+    r"""Logs peak and current memory per logged training step, what the fused LM head saved, and where the
+    peak goes.
 
     A step is logged when an optimizer step happened in the batch and ``trainer.global_step`` is a multiple of
     ``Trainer(log_every_n_steps=...)`` (every step under ``fast_dev_run``), the same steps at which Lightning
-    writes ``self.log`` values to the loggers. Values go through :meth:`~lightning.pytorch.core.LightningModule.log_dict`, so they reach every logger
-    of the Trainer (and the progress bar with ``prog_bar=True``). With several processes every rank measures its
-    own memory and the logged value is the maximum over ranks.
+    writes ``self.log`` values to the loggers. Values go through
+    :meth:`~lightning.pytorch.core.LightningModule.log_dict`, so they reach every logger of the Trainer. With
+    several processes every rank measures its own memory and the logged value is the maximum over ranks.
 
     **Logged metrics** (MiB, :math:`2^{20}` bytes)
 
@@ -67,18 +88,44 @@ class FLCEMemoryCallback(Callback):
         - ``memory/rss_mib`` — resident set size at the end of the step (``psutil`` if installed, else
           ``/proc/self/statm``; not logged where neither exists)
 
-    - ``memory/logits_avoided_mib`` — the logits the naive loss would have held, logged when the LightningModule
-      reports them (``FLCEMixin`` does) through two attributes set after each loss call:
-      ``flce_last_logits_shape = (N, V)`` and ``flce_last_logits_bytes``. The naive bytes are those of one fp32
-      ``[N, V]`` logits tensor, ``N * V * 4``, with ``N`` the tokens of the last loss call (ignored ones
-      included) and ``V`` the vocabulary size; ``flce_last_logits_bytes`` when set, else computed from the shape.
-      This is a lower bound of the saving: it does not count the logits gradient of the same size that the naive
-      backward also holds, the half-precision logits before the fp32 upcast under autocast, or the
-      softmax/log-softmax saved for backward; nor does it subtract the fused loss's own ``[chunk_size, V]``
-      buffers. With gradient accumulation it is the last micro-batch's.
+    - When the LightningModule reports its loss call's logits shape (``FLCEMixin`` does:
+      ``flce_last_logits_shape = (N, V)`` after each ``flce_loss``, tokens of the call and vocabulary size):
 
-    At the end of training it prints a table with the maximum and median of each metric over the logged steps;
-    the per-step values stay in :attr:`history`, which is saved in checkpoints so a resumed run continues it.
+        - ``memory/unfused_head_mib`` — what the unfused head (``F.linear``, the upcast, ``F.cross_entropy``;
+          ``flce_naive=True``) adds, or would add, to the step's peak: three ``[N, V]`` tensors in the softmax
+          dtype, 12 bytes a logit in ``16-mixed``, ``bf16-mixed``, ``bf16-true`` and ``32-true`` (24 in
+          ``64-true``; a softcap adds 4, a z-loss 8). See :mod:`lightning_flce.callbacks.memory_model` for
+          which tensors, and ``docs/lightning.md`` for the check against real GPU runs.
+        - ``memory/saved_by_fused_head_mib`` — that minus the fused head's own buffers at its peak (one chunk
+          of logits, the hidden states' and the weight's gradients): the expected difference between the
+          peaks of a naive and a fused run. 0 with ``flce_naive=True``. The buffers need the head's hidden
+          size, read from the module's ``[V, H]`` parameter; without one the saving is the whole unfused
+          figure (an upper bound).
+        - ``memory/logits_avoided_mib`` — deprecated alias of ``memory/saved_by_fused_head_mib`` (the same
+          value), logged for one more release. It used to be ``N * V * 4``, a third of the real saving.
+
+      The precision is ``trainer.precision``; a module that reports only ``flce_last_logits_bytes`` gets
+      that number for both. With gradient accumulation the figures are the last micro-batch's.
+
+    **Where the memory goes** (CUDA): at each logged step the callback counts the parameters, the gradients
+    and the optimizer state held on the device; at the end of fit it logs them once for the step of the
+    highest peak (after the first logged window, whose first forward ran before any gradient existed, once
+    there is another): ``memory/peak_breakdown/{parameters,gradients,optimizer_state,
+    activations_and_temporaries}_mib``, the last being the rest of that peak. The summary shows them beside
+    the fused head's chunk buffer and saving. :meth:`memory_breakdown` gives the same split at any time.
+
+    **The console**: with ``prog_bar=True`` the progress bar shows the peak in GiB under a short name
+    (``peak_GiB=2.56``; ``peak_rss_GiB`` on CPU), the MiB metrics go to the loggers.
+
+    **The plot**: ``plot=True`` writes ``memory.png`` to the Trainer's log directory at the end of training:
+    the peak per logged step from 0, what the unfused head would have added stacked above it, the peak
+    reserved, the device's capacity (GPU memory, or the machine's RAM on CPU; written in the corner when it
+    is far above the data) and the validation runs. Long runs are drawn per bucket of steps, each the
+    bucket's maximum.
+
+    At the end of training it prints a table with the maximum and median of each metric over the logged steps,
+    then the breakdown and the head's figures; the per-step values stay in :attr:`history`, the validation
+    steps in :attr:`validation_steps`, and both are saved in checkpoints so a resumed run continues them.
 
     **Debugging CUDA memory**
 
@@ -89,17 +136,17 @@ class FLCEMemoryCallback(Callback):
     Recording slows every allocation a little and keeps ``snapshot_max_entries`` events in host memory.
 
     Args:
-        prog_bar: Also show the peak memory metric (``peak_allocated`` on CUDA, ``peak_rss`` on CPU) in the
-            progress bar.
-        plot: At the end of training write ``memory.png``, the metrics per logged step, to the Trainer's log
-            directory (``trainer.log_dir``). Needs ``matplotlib``.
+        prog_bar: Show the peak memory in GiB in the progress bar (``peak_GiB`` on CUDA, ``peak_rss_GiB``
+            on CPU).
+        plot: At the end of training write ``memory.png`` to the Trainer's log directory
+            (``trainer.log_dir``). Needs ``matplotlib``.
         snapshot_steps: An optimizer step or a list of them (0-based, as in ``trainer.global_step`` when the step
             starts, the logger's ``step`` column) for which to dump a CUDA memory snapshot. Ignored off CUDA.
         snapshot_dir: Where snapshots go; ``None`` means the Trainer's log directory.
         record_on_oom: Record allocator history from the start of fit and dump it on a CUDA out-of-memory error.
             Ignored off CUDA.
         snapshot_max_entries: How many allocation events a snapshot keeps (most recent ones).
-        verbose: Print the summary table at the end of training.
+        verbose: Print the summary at the end of training.
 
     Raises:
         ModuleNotFoundError:
@@ -172,14 +219,28 @@ class FLCEMemoryCallback(Callback):
         self.verbose = verbose
 
         self.history: list[dict[str, float]] = []
+        #: 0-based optimizer steps after which validation ran (sanity checks excluded)
+        self.validation_steps: list[int] = []
         self.snapshot_paths: list[str] = []
+        #: the split of the highest CUDA peak so far (this rank's), and the head's figures of that step
+        self.peak_breakdown: Optional[MemoryBreakdown] = None
+        self.head_estimate: Optional[HeadMemoryEstimate] = None
+        #: the device's memory (GPU's, or the machine's RAM on CPU) in bytes, for the plot; None if unknown
+        self.capacity_bytes: Optional[int] = None
 
         self._log_dir: Optional[str] = None
         self._cuda_device: Optional[torch.device] = None
-        self._recording = False
-        self._legacy_recording = False
+        self._allocator_history = AllocatorHistory(snapshot_max_entries)
         self._snapshot_step: Optional[int] = None
         self._step_at_batch_start: Optional[int] = None
+        self._fitting = False
+        self._device_name: Optional[str] = None
+        # (vocab size, the module's [V, H] parameter or None), found once per fit
+        self._head_weight: Optional[tuple[int, Optional[torch.Tensor]]] = None
+        # whether this fit logged a step yet, and whether the kept breakdown is of the fit's first window: its
+        # first forward ran before any gradient existed, so counting them at the window's end misplaces them
+        self._logged_in_fit = False
+        self._breakdown_cold = False
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -193,6 +254,12 @@ class FLCEMemoryCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # kept because the strategy moves the module back to CPU at teardown
         self._cuda_device = pl_module.device if pl_module.device.type == "cuda" else None
+        self._fitting = True
+        self._head_weight = None
+        self.capacity_bytes = _capacity_bytes(self._cuda_device)
+        self._device_name = (
+            None if self._cuda_device is None else torch.cuda.get_device_name(self._cuda_device)
+        )
         if self._cuda_device is None:
             if self.snapshot_steps or self.record_on_oom:
                 rank_zero_warn(
@@ -201,10 +268,12 @@ class FLCEMemoryCallback(Callback):
                 )
             return
         if self.record_on_oom:
-            self._start_recording()
+            self._allocator_history.start()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._logged_in_fit = False
+        self._breakdown_cold = False
         if self._cuda_device is not None:
             # the first window starts with training, not with model setup or the sanity check
             torch.cuda.reset_peak_memory_stats(self._cuda_device)
@@ -220,8 +289,8 @@ class FLCEMemoryCallback(Callback):
             and trainer.global_step in self.snapshot_steps
         ):
             self._snapshot_step = trainer.global_step
-            if not self._recording:
-                self._start_recording()
+            if not self._allocator_history.recording:
+                self._allocator_history.start()
 
     @override
     def on_train_batch_end(
@@ -235,13 +304,25 @@ class FLCEMemoryCallback(Callback):
             self._finish_step_snapshot(trainer)
 
     @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._fitting or trainer.sanity_checking:
+            return
+        step = max(trainer.global_step - 1, 0)  # after the optimizer step of this index, as in `history`
+        if step not in self.validation_steps:
+            self.validation_steps.append(step)
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._snapshot_step is not None:
             # training stopped inside the requested step
             self._finish_step_snapshot(trainer)
-        self._stop_recording()
+        self._allocator_history.stop()
         if not trainer.is_global_zero:
             return
+        if self.peak_breakdown is not None:
+            # once, at the step of the peak: only now is it known which step that was
+            for logger in trainer.loggers:
+                logger.log_metrics(self.peak_breakdown.metrics(), step=self.peak_breakdown.step)
         if not self.history:
             if self.plot:
                 rank_zero_warn(
@@ -259,7 +340,7 @@ class FLCEMemoryCallback(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self._recording and isinstance(exception, torch.cuda.OutOfMemoryError):
+        if self._allocator_history.recording and isinstance(exception, torch.cuda.OutOfMemoryError):
             # only the ranks that ran out of memory get here, so every rank reports its own file
             try:
                 path = self._dump_snapshot(trainer, "oom")
@@ -271,62 +352,68 @@ class FLCEMemoryCallback(Callback):
                 message = f"CUDA ran out of memory and dumping the allocator history failed: {dump_error!r}"
             warnings.warn(rank_prefixed_message(message, trainer.global_rank), stacklevel=2)
         self._snapshot_step = None
-        self._stop_recording()
+        self._allocator_history.stop()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop_recording()
+        self._allocator_history.stop()
+        self._fitting = False
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [dict(row) for row in self.history]}
+        return {
+            "history": [dict(row) for row in self.history],
+            "validation_steps": list(self.validation_steps),
+            "peak_breakdown": None if self.peak_breakdown is None else self.peak_breakdown.as_dict(),
+            "head_estimate": None if self.head_estimate is None else self.head_estimate.as_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # checkpoints written before 0.2 hold only the history
         self.history = [dict(row) for row in state_dict.get("history", [])]
+        self.validation_steps = list(state_dict.get("validation_steps", []))
+        breakdown = state_dict.get("peak_breakdown")
+        self.peak_breakdown = None if breakdown is None else MemoryBreakdown.from_dict(breakdown)
+        estimate = state_dict.get("head_estimate")
+        self.head_estimate = None if estimate is None else HeadMemoryEstimate(**estimate)
+
+    def memory_breakdown(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MemoryBreakdown:
+        """The split of the CUDA peak since the last logged step (or the last reset), counted now."""
+        if self._cuda_device is None:
+            raise RuntimeError("`FLCEMemoryCallback.memory_breakdown` needs a fit running on a CUDA device.")
+        return MemoryBreakdown.measure(
+            step=trainer.global_step - 1,
+            peak_bytes=torch.cuda.max_memory_allocated(self._cuda_device),
+            parameters=pl_module.parameters(),
+            optimizers=getattr(trainer, "optimizers", []),
+            device=self._cuda_device,
+        )
 
     def summary(self) -> str:
-        """The maximum and median of each metric over the logged steps, as a text table."""
-        # in order of first appearance: a resumed run may add metrics (another device, a module that reports logits)
-        names = list(dict.fromkeys(name for row in self.history for name in row if name != "step"))
-        width = max([len(name) for name in names] + [len("metric")])
-        lines = [
-            f"FLCEMemoryCallback: memory over {len(self.history)} logged steps (MiB)",
-            f"{'metric':<{width}}  {'max':>12}  {'median':>12}",
-        ]
-        for name in names:
-            values = [row[name] for row in self.history if name in row]
-            lines.append(f"{name:<{width}}  {max(values):>12.1f}  {statistics.median(values):>12.1f}")
-        return "\n".join(lines)
+        """The maximum and median of each metric over the logged steps as a text table, then where the peak
+        goes (CUDA) and the LM head's figures."""
+        return summary_text(self.history, self.peak_breakdown, self.head_estimate)
 
-    def save_plot(self, path: str) -> None:
-        """Write the logged metrics per step as a PNG image to ``path``."""
+    def save_plot(self, path: str) -> dict[str, Any]:
+        """Write the memory per logged step as a PNG image to ``path``; returns what was drawn."""
         if not _MATPLOTLIB_AVAILABLE:
             raise ModuleNotFoundError(
                 f"Plotting memory needs matplotlib: `pip install matplotlib`. {_MATPLOTLIB_AVAILABLE}"
             )
-        # Figure + Agg canvas instead of pyplot: no GUI backend, no global figure state
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        figure = Figure(figsize=(8, 4.5))
-        FigureCanvasAgg(figure)
-        axes = figure.add_subplot()
-        names = sorted({name for row in self.history for name in row if name != "step"})
-        for name in names:
-            rows = [row for row in self.history if name in row]
-            style = "--" if name == LOGITS_AVOIDED else "-"
-            axes.plot(
-                [row["step"] for row in rows], [row[name] for row in rows], style, marker=".", label=name
-            )
-        axes.set_xlabel("step")
-        axes.set_ylabel("MiB")
-        axes.set_title("Memory per logged step")
-        axes.grid(alpha=0.3)
-        axes.legend(fontsize="small")
-        figure.tight_layout()
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        figure.savefig(path, format="png")
+        on_cuda = any(PEAK_ALLOCATED in row for row in self.history)
+        if on_cuda:
+            series = plot_series(self.history, PEAK_ALLOCATED, SAVED_BY_FUSED_HEAD, PEAK_RESERVED)
+            device = "GPU memory" + (f" ({self._device_name})" if self._device_name else "")
+            labels = {"device_label": device, "peak_label": "peak allocated", "capacity_label": "GPU"}
+        else:
+            series = plot_series(self.history, PEAK_RSS, SAVED_BY_FUSED_HEAD)
+            labels = {"device_label": "Process memory", "peak_label": "peak RSS", "capacity_label": "RAM"}
+        if not series.steps:
+            raise ValueError("`FLCEMemoryCallback.save_plot`: the history has no peak to draw.")
+        return save_memory_plot(
+            path, series, capacity_bytes=self.capacity_bytes, validation_steps=self.validation_steps, **labels
+        )
 
     @staticmethod
     def _should_log(trainer: pl.Trainer) -> bool:
@@ -355,28 +442,83 @@ class FLCEMemoryCallback(Callback):
                 RSS: None if rss is None else rss / _MIB,
             }
             headline = PEAK_RSS
-        logits_bytes = _logits_bytes(pl_module)
-        measured[LOGITS_AVOIDED] = None if logits_bytes is None else logits_bytes / _MIB
+        estimate, unfused, saved = self._head_figures(trainer, pl_module)
+        measured[UNFUSED_HEAD] = unfused
+        measured[SAVED_BY_FUSED_HEAD] = saved
+        measured[LOGITS_AVOIDED] = saved
 
         metrics = self._max_across_ranks(trainer, pl_module, measured)
         if metrics:
-            logger = bool(trainer.loggers)
-            if headline in metrics:
+            pl_module.log_dict(metrics, logger=bool(trainer.loggers), on_step=True, on_epoch=False)
+            if self.prog_bar and headline in metrics:
+                short = PROG_BAR_PEAK if headline == PEAK_ALLOCATED else PROG_BAR_PEAK_RSS
                 pl_module.log(
-                    headline,
-                    metrics[headline],
-                    prog_bar=self.prog_bar,
-                    logger=logger,
-                    on_step=True,
-                    on_epoch=False,
+                    short, metrics[headline] / 1024, prog_bar=True, logger=False, on_step=True, on_epoch=False
                 )
-            others = {name: value for name, value in metrics.items() if name != headline}
-            if others:
-                pl_module.log_dict(others, logger=logger, on_step=True, on_epoch=False)
         # 0-based like the loggers' `step` column: the index of the optimizer step just taken
-        self.history.append({"step": trainer.global_step - 1, **metrics})
+        step = trainer.global_step - 1
+        self.history.append({"step": step, **metrics})
+        if estimate is not None and (self.head_estimate is None or self._cuda_device is None):
+            self.head_estimate = estimate
         if self._cuda_device is not None:
+            peak = torch.cuda.max_memory_allocated(self._cuda_device)
+            cold = not self._logged_in_fit
+            kept = self.peak_breakdown
+            # the highest peak, from a window after the first step when there is one
+            if (
+                kept is None
+                or (self._breakdown_cold and not cold)
+                or (cold == self._breakdown_cold and peak > kept.peak_bytes)
+            ):
+                self.peak_breakdown = self.memory_breakdown(trainer, pl_module)
+                self._breakdown_cold = cold
+                if estimate is not None:
+                    self.head_estimate = estimate
             torch.cuda.reset_peak_memory_stats(self._cuda_device)
+        self._logged_in_fit = True
+
+    def _head_figures(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[Optional[HeadMemoryEstimate], Optional[float], Optional[float]]:
+        """The head's estimate of the last loss call, and its unfused and saved MiB (None: not reported)."""
+        shape = _logits_shape(pl_module)
+        reported = getattr(pl_module, "flce_last_logits_bytes", None)
+        if shape is None:
+            # a module of its own that states its saving in bytes: taken as it is
+            return (None, None, None) if reported is None else (None, reported / _MIB, reported / _MIB)
+        num_tokens, vocab_size = shape
+        # the mixin reports 0 bytes on its naive path, which builds the logits
+        naive = bool(getattr(pl_module, "flce_naive", False)) or reported == 0
+        estimate = self._head_model(trainer, pl_module, vocab_size).estimate(
+            num_tokens, vocab_size, naive=naive
+        )
+        return estimate, estimate.unfused_bytes / _MIB, estimate.saved_bytes / _MIB
+
+    def _head_model(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, vocab_size: int
+    ) -> HeadMemoryModel:
+        if self._head_weight is None or self._head_weight[0] != vocab_size:
+            self._head_weight = (vocab_size, _find_head_weight(pl_module, vocab_size))
+        weight = self._head_weight[1]
+        head_loss = getattr(pl_module, "flce_head_loss", None)  # FLCEMixin's FLCEHeadLoss: the loss's options
+        impl = getattr(head_loss, "impl", "auto")
+        weight_device = weight.device if weight is not None else torch.device("cpu")
+        if impl == "auto":  # the op's rule: Triton on CUDA
+            impl = "triton" if weight_device.type == "cuda" and _TRITON_AVAILABLE else "torch"
+        precision = getattr(trainer, "precision", "32-true")
+        weight_dtype = weight.dtype if weight is not None else precision_weight_dtype(precision)
+        accum_fp32 = getattr(head_loss, "accum_fp32", False) and weight_dtype != torch.float64
+        return HeadMemoryModel(
+            precision,
+            weight_dtype,
+            hidden_size=None if weight is None else weight.shape[1],
+            softcap=getattr(pl_module, "flce_softcap", None),
+            z_loss=getattr(head_loss, "z_loss", 0.0),
+            chunk_size=getattr(head_loss, "chunk_size", None),
+            impl=impl,
+            accum="fp32" if accum_fp32 else "auto",
+            device=weight_device,
+        )
 
     @staticmethod
     def _max_across_ranks(
@@ -400,27 +542,6 @@ class FLCEMemoryCallback(Callback):
             return {name: value for name, value in zip(names, reduced) if value >= 0}
         return {name: measured[name] for name in names if measured[name] is not None}
 
-    def _start_recording(self) -> None:
-        history = torch.cuda.memory._record_memory_history
-        try:
-            history(enabled="all", max_entries=self.snapshot_max_entries)
-            self._legacy_recording = False
-        except TypeError:
-            # torch < 2.1 only had the boolean form
-            history(True, trace_alloc_max_entries=self.snapshot_max_entries, trace_alloc_record_context=True)
-            self._legacy_recording = True
-        self._recording = True
-
-    def _stop_recording(self) -> None:
-        if not self._recording:
-            return
-        history = torch.cuda.memory._record_memory_history
-        if self._legacy_recording:
-            history(False)
-        else:
-            history(enabled=None)
-        self._recording = False
-
     def _finish_step_snapshot(self, trainer: pl.Trainer) -> None:
         path = self._dump_snapshot(trainer, f"step{self._snapshot_step}")
         rank_zero_info(
@@ -428,22 +549,18 @@ class FLCEMemoryCallback(Callback):
         )
         self._snapshot_step = None
         if not self.record_on_oom:
-            self._stop_recording()
+            self._allocator_history.stop()
 
     def _dump_snapshot(self, trainer: pl.Trainer, tag: str) -> str:
         directory = self.snapshot_dir or self._log_dir or trainer.default_root_dir
-        os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"memory_snapshot_{tag}_rank{trainer.global_rank}.pickle")
-        torch.cuda.memory._dump_snapshot(path)
+        self._allocator_history.dump(path)
         self.snapshot_paths.append(path)
         return path
 
 
-def _logits_bytes(pl_module: pl.LightningModule) -> Optional[int]:
-    """The bytes of the fp32 ``[N, V]`` logits the module's last loss call avoided, if it reports them."""
-    logits_bytes = getattr(pl_module, "flce_last_logits_bytes", None)
-    if logits_bytes is not None:
-        return int(logits_bytes)
+def _logits_shape(pl_module: pl.LightningModule) -> Optional[tuple[int, int]]:
+    """The module's ``flce_last_logits_shape`` ``(N, V)``, checked; None if it does not report one."""
     shape = getattr(pl_module, "flce_last_logits_shape", None)
     if shape is None:
         return None
@@ -455,7 +572,31 @@ def _logits_bytes(pl_module: pl.LightningModule) -> Optional[int]:
         raise ValueError(
             f"`flce_last_logits_shape` must be a pair of non-negative ints (N, V), got {shape!r}."
         )
-    return num_tokens * vocab_size * 4
+    return num_tokens, vocab_size
+
+
+def _find_head_weight(pl_module: pl.LightningModule, vocab_size: int) -> Optional[torch.Tensor]:
+    """The module's ``[V, H]`` parameter (the LM head's, or the embedding tied to it), if it has one."""
+    parameters = getattr(pl_module, "parameters", None)
+    if parameters is None:
+        return None
+    for parameter in parameters():
+        if parameter.dim() == 2 and parameter.shape[0] == vocab_size:
+            return parameter
+    return None
+
+
+def _capacity_bytes(cuda_device: Optional[torch.device]) -> Optional[int]:
+    if cuda_device is not None:
+        return torch.cuda.get_device_properties(cuda_device).total_memory
+    if _PSUTIL_AVAILABLE:
+        import psutil
+
+        return psutil.virtual_memory().total
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _peak_rss_bytes() -> Optional[int]:
