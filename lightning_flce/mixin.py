@@ -474,11 +474,11 @@ class FLCEMixin:
         super().on_predict_start()
 
     def on_validation_epoch_start(self) -> None:
-        self._flce_check_eval_logged()
+        self._flce_start_eval_epoch(len(self.trainer.num_val_batches))
         super().on_validation_epoch_start()
 
     def on_test_epoch_start(self) -> None:
-        self._flce_check_eval_logged()
+        self._flce_start_eval_epoch(len(self.trainer.num_test_batches))
         super().on_test_epoch_start()
 
     def on_validation_epoch_end(self) -> None:
@@ -599,14 +599,17 @@ class FLCEMixin:
             sync_dist=True,
         )
 
-    def _flce_check_eval_logged(self) -> None:
+    def _flce_start_eval_epoch(self, num_dataloaders: int) -> None:
         stage, self._flce_eval_stage = self._flce_eval_stage, None
-        if stage is not None and self.flce_eval_metrics.pending:
+        metrics = self.flce_eval_metrics
+        if stage is not None and metrics.pending:
             rank_zero_warn(
                 f"FLCEMixin: the {stage} metrics of an earlier evaluation were never logged; an overridden"
                 " on_validation_epoch_end / on_test_epoch_end must call super() (it logs and resets them). They"
                 " now mix evaluations."
             )
+        # the sums the steps add to (made here, so that a compiled step finds them and does not recompile)
+        metrics.start([None] if num_dataloaders <= 1 else range(num_dataloaders), self.device)
 
     def _flce_log_eval(self, prefix: str) -> None:
         """Logs ``{prefix}/loss``, ``/perplexity`` and ``/token_accuracy`` (``.../dataloader_idx_N`` for each of
