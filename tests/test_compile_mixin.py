@@ -113,3 +113,14 @@ def test_a_compiled_training_step_normalizes_like_the_eager_one():
     for (name, got), want in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
     torch._dynamo.reset()
+
+
+def test_compiled_validation_metrics_equal_the_eager_ones():
+    """aot_eager, so the metrics' in-place sums go through AOTAutograd's handling of mutated inputs."""
+    torch._dynamo.reset()
+    want = trainer().validate(FusedLM(), loader(3), verbose=False)
+    got = trainer().validate(torch.compile(FusedLM(), backend="aot_eager"), loader(3), verbose=False)
+    assert got[0].keys() == want[0].keys() == {"val/loss", "val/perplexity", "val/token_accuracy"}
+    for name, value in want[0].items():
+        assert got[0][name] == pytest.approx(value, rel=1e-6), name
+    torch._dynamo.reset()
