@@ -1,9 +1,13 @@
 """The implementations bench_flce.py compares. Each provider is ``fn(x, W, t) -> scalar mean loss``; the
-benchmark calls ``loss.backward()`` and reads ``x.grad`` (dX) and ``W.grad`` (dW).
+benchmark calls ``loss.backward()`` and reads ``x.grad`` (dX) and ``W.grad`` (dW). A ``weighted`` provider
+is ``fn(x, W, t, token_weight)``: the mean loss with every token's summand multiplied by its weight (the
+denominator stays the number of non-ignored tokens); the benchmark gates it against a weighted reference.
 
 To add or change a variant of this project's op, edit ``FLCE_VARIANTS`` (name -> keyword arguments of
-``lightning_flce.fused_linear_cross_entropy``), or pass ``--flce-variant NAME='{"chunk_size": 2048}'`` on the
-command line. Everything is imported lazily inside ``build`` so a missing library only disables its row.
+``lightning_flce.fused_linear_cross_entropy``; ``FLCE_NAMED_VARIANTS`` for rows that run only when named),
+or pass ``--flce-variant NAME='{"chunk_size": 2048}'`` on the command line. ``flce_base`` is the op of
+another commit, loaded beside this one (``make_baseline.py``). Everything is imported lazily inside
+``build`` so a missing library only disables its row.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[..., torch.Tensor]  # (x, W, t) -> loss; weighted providers: (x, W, t, token_weight)
 IGNORE_INDEX = -100
 
 # name -> kwargs for lightning_flce.fused_linear_cross_entropy. The lead adjusts these.
@@ -27,6 +31,16 @@ FLCE_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce": {},
     # Minimum-memory setting: dW accumulated in place in the weight's dtype ("param"), smaller chunks.
     "flce_minmem": {"chunk_size": 512, "accum_dtype": "param"},
+}
+# Timed samples of the slow named rows: the fp32 head runs fp32 GEMMs (TF32 off), ~15x the default's time, and
+# its cost row has no tight goal; 4 samples keep the issue-18/23 run inside ~5 minutes.
+FLCE_MAX_SAMPLES: Dict[str, int] = {"flce_fp32head": 4}
+# Variants that run only when named (not part of `--providers all`): the logits-precision options of issue 23.
+FLCE_NAMED_VARIANTS: Dict[str, Dict[str, Any]] = {
+    # Each chunk's logits kept in fp32 (the 16-bit GEMM accumulates and writes fp32).
+    "flce_fp32logits": {"logits_precision": "fp32"},
+    # The head's GEMMs themselves in fp32 (an fp32 head).
+    "flce_fp32head": {"logits_precision": "fp32_head"},
 }
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.
@@ -41,6 +55,10 @@ class Provider:
     needs_cuda: bool = False
     # Part of `--providers all`; the others run only when named.
     default: bool = True
+    # fn(x, W, t, token_weight): gated against the token-weighted reference.
+    weighted: bool = False
+    # Timed samples at most (None: --samples): a slow row whose time has no tight goal need not pay them all.
+    max_samples: Optional[int] = None
     # Filled by build_all(): the callable, or why it is unavailable.
     fn: Optional[LossFn] = field(default=None, repr=False)
     error: Optional[str] = None
@@ -51,6 +69,14 @@ class Provider:
 def _build_naive(device: torch.device) -> LossFn:
     def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=IGNORE_INDEX)
+
+    return fn
+
+
+def _build_naive_token_weighted(device: torch.device) -> LossFn:
+    def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
+        per_token = F.cross_entropy(F.linear(x, w).float(), t, ignore_index=IGNORE_INDEX, reduction="none")
+        return (per_token * tw).sum() / (t != IGNORE_INDEX).sum()
 
     return fn
 
@@ -233,14 +259,74 @@ def _build_flce(kwargs: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
     return build
 
 
+def _build_flce_token_weighted(device: torch.device) -> LossFn:
+    """The op with ``token_weight=`` (issue 18: the fast path, gradients computed in forward)."""
+    from lightning_flce import fused_linear_cross_entropy
+
+    def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
+        return fused_linear_cross_entropy(x, w, t, token_weight=tw)
+
+    return fn
+
+
+def _build_flce_none_times_weight(device: torch.device) -> LossFn:
+    """What a user writes without ``token_weight=``: per-token losses (the recompute path), then the weights."""
+    from lightning_flce import fused_linear_cross_entropy
+
+    def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
+        per_token = fused_linear_cross_entropy(x, w, t, reduction="none")
+        return (per_token * tw).sum() / (t != IGNORE_INDEX).sum()
+
+    return fn
+
+
+# ------------------------------------------------------------------------------------------ flce_base
+# Where benchmarks/make_baseline.py writes the renamed copy (an ignored folder, carried to the GPU).
+DEFAULT_BASELINE_DIR = Path(__file__).resolve().parent.parent / ".baseline"
+
+
+def _build_flce_base(baseline_dir: Path, baseline_commit: Optional[str]) -> Callable[[torch.device], LossFn]:
+    """The op of another commit with defaults, as package ``lightning_flce_base`` in this process.
+
+    With ``baseline_commit`` the package is materialized from git first (into a temporary folder); otherwise
+    it is read from ``baseline_dir`` (written by ``make_baseline.py``; the device machine has no git history).
+    """
+
+    def build(device: torch.device) -> LossFn:
+        import tempfile
+
+        import make_baseline
+
+        folder = baseline_dir
+        if baseline_commit:
+            folder = Path(tempfile.mkdtemp(prefix="flce_base_"))
+            make_baseline.materialize(baseline_commit, folder)
+        module = make_baseline.import_baseline(folder)
+        BASELINE_SOURCE["source"] = make_baseline.describe(folder)
+
+        def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return module.fused_linear_cross_entropy(x, w, t)
+
+        return fn
+
+    return build
+
+
+BASELINE_SOURCE: Dict[str, str] = {}
+
+
 # ---------------------------------------------------------------------------------------- registry
 def make_providers(
     flce_variants: Optional[Dict[str, Dict[str, Any]]] = None,
     torch213_dir: Path = DEFAULT_TORCH213_DIR,
     force_torch213_copy: bool = False,
+    baseline_dir: Path = DEFAULT_BASELINE_DIR,
+    baseline_commit: Optional[str] = None,
 ) -> List[Provider]:
     """All providers in table order."""
     variants = dict(FLCE_VARIANTS if flce_variants is None else flce_variants)
+    for name, kwargs in FLCE_NAMED_VARIANTS.items():
+        variants.setdefault(name, kwargs)
     providers = [
         Provider("naive", "F.cross_entropy(F.linear(x, W).float(), t): full [N, V] logits", _build_naive),
         Provider(
@@ -274,7 +360,46 @@ def make_providers(
             + ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
             + ")"
         )
-        providers.append(Provider(name, desc, _build_flce(kwargs)))
+        providers.append(
+            Provider(
+                name,
+                desc,
+                _build_flce(kwargs),
+                default=name not in FLCE_NAMED_VARIANTS,
+                max_samples=FLCE_MAX_SAMPLES.get(name),
+            )
+        )
+    providers += [
+        Provider(
+            "flce_base",
+            "lightning_flce.fused_linear_cross_entropy() of the baseline commit (lightning_flce_base); only when"
+            " named",
+            _build_flce_base(baseline_dir, baseline_commit),
+            default=False,
+        ),
+        Provider(
+            "naive_tw",
+            "(F.cross_entropy(F.linear(x, W).float(), t, reduction='none') * w).sum() / n_valid; only when named",
+            _build_naive_token_weighted,
+            default=False,
+            weighted=True,
+        ),
+        Provider(
+            "flce_tw",
+            "lightning_flce.fused_linear_cross_entropy(x, W, t, token_weight=w); only when named",
+            _build_flce_token_weighted,
+            default=False,
+            weighted=True,
+        ),
+        Provider(
+            "flce_none_x_w",
+            "(lightning_flce.fused_linear_cross_entropy(x, W, t, reduction='none') * w).sum() / n_valid; only"
+            " when named",
+            _build_flce_none_times_weight,
+            default=False,
+            weighted=True,
+        ),
+    ]
     return providers
 
 
@@ -292,3 +417,5 @@ def build_all(providers: List[Provider], device: torch.device) -> None:
             p.error = "unavailable: " + short_error(exc)
         if p.name == "torch_native":
             p.note = TORCH_NATIVE_SOURCE.get("source")
+        if p.name == "flce_base":
+            p.note = BASELINE_SOURCE.get("source")

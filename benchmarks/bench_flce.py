@@ -90,9 +90,13 @@ def make_data(
 
 @torch.no_grad()
 def reference(
-    x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, rows: int
+    x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, rows: int, token_weight: Optional[torch.Tensor] = None
 ) -> Tuple[float, torch.Tensor, torch.Tensor]:
-    """float64 mean loss, dX, dW of cross_entropy(x @ W.T, t, ignore_index=-100), ``rows`` tokens at a time."""
+    """float64 mean loss, dX, dW of cross_entropy(x @ W.T, t, ignore_index=-100), ``rows`` tokens at a time.
+
+    With ``token_weight`` ([N]) every token's summand is multiplied by its weight; the denominator stays the
+    number of non-ignored tokens (the op's ``token_weight=`` semantics).
+    """
     N, H = x.shape
     V = w.shape[0]
     w64 = w.detach().to(torch.float64)
@@ -100,22 +104,32 @@ def reference(
     dw = torch.zeros(V, H, dtype=torch.float64, device=x.device)
     valid_all = t != P.IGNORE_INDEX
     n_valid = max(int(valid_all.sum()), 1)
+    scale_all = valid_all.to(torch.float64)
+    if token_weight is not None:
+        scale_all = scale_all * token_weight.to(torch.float64)
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     for s in range(0, N, rows):
         xc = x.detach()[s : s + rows].to(torch.float64)
         tc = t[s : s + rows]
-        valid = valid_all[s : s + rows]
+        scale = scale_all[s : s + rows]
         tcl = tc.clamp(min=0).unsqueeze(1)
         logits = xc @ w64.t()
         lse = torch.logsumexp(logits, dim=1)
-        loss_sum += ((lse - logits.gather(1, tcl).squeeze(1)) * valid).sum()
+        loss_sum += ((lse - logits.gather(1, tcl).squeeze(1)) * scale).sum()
         grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place
         grad.scatter_add_(1, tcl, -torch.ones_like(tcl, dtype=grad.dtype))
-        grad.mul_((valid.to(grad.dtype) / n_valid).unsqueeze(1))
+        grad.mul_((scale / n_valid).unsqueeze(1))
         dx[s : s + rows] = grad @ w64
         dw.addmm_(grad.t(), xc)
         del xc, logits, grad, lse
     return float(loss_sum) / n_valid, dx, dw
+
+
+def make_token_weight(N: int, device: torch.device, seed: int) -> torch.Tensor:
+    """Per-token weights uniform in [-1, 2], float32, fixed per config (zero and negative ones included, as
+    policy-gradient advantages have them)."""
+    gen = torch.Generator(device=device).manual_seed(seed + 7919)
+    return torch.rand(N, device=device, generator=gen) * 3.0 - 1.0
 
 
 def ref_rows(N: int, V: int, budget_bytes: int) -> int:
@@ -131,10 +145,16 @@ def _clear_grads(x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def _fwd_bwd(
-    fn: P.LossFn, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, loss_scale: float = 1.0
+    fn: P.LossFn,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    t: torch.Tensor,
+    loss_scale: float = 1.0,
+    token_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One fwd+bwd; ``loss_scale`` is the grad_output (as torch's GradScaler gives it, for fp16)."""
-    loss = fn(x, w, t)
+    """One fwd+bwd; ``loss_scale`` is the grad_output (as torch's GradScaler gives it, for fp16); a weighted
+    provider gets ``token_weight``."""
+    loss = fn(x, w, t) if token_weight is None else fn(x, w, t, token_weight)
     loss.backward(None if loss_scale == 1.0 else torch.full_like(loss, loss_scale))
     return loss.detach()
 
@@ -170,6 +190,7 @@ def _blank_record(provider: P.Provider, cfg: Dict[str, Any]) -> Dict[str, Any]:
         "dx_rel_err": None,
         "dw_rel_err": None,
         "dw_dtype": None,
+        "token_weighted": provider.weighted,
         "gate": None,
         "error": provider.error,
         "note": provider.note,
@@ -202,26 +223,41 @@ def run_config(
     tol_loss, tol_grad = TOLERANCES[dtype_name]
 
     x, w, t = make_data(shape, dtype, dist, device, seed, args.ignore_frac, args.target_loss)
-    ref_loss, ref_dx, ref_dw = reference(x, w, t, ref_rows(N, V, args.ref_chunk_mib * C.MIB))
+    rows = ref_rows(N, V, args.ref_chunk_mib * C.MIB)
+    # Weighted providers get the same per-token weights and are gated against the weighted reference.
+    tw = make_token_weight(N, device, seed) if any(p.weighted for p in providers) else None
+    refs: Dict[bool, Tuple[float, torch.Tensor, torch.Tensor]] = {}
+    if any(not p.weighted for p in providers):
+        refs[False] = reference(x, w, t, rows)
+    if tw is not None:
+        refs[True] = reference(x, w, t, rows, token_weight=tw)
+    ref_loss = refs[False][0] if False in refs else refs[True][0]
     cfg["ref_loss"] = ref_loss
-    for r in records.values():
-        r["ref_loss"] = ref_loss
+    if True in refs:
+        cfg["ref_loss_token_weighted"] = refs[True][0]
+    for p in providers:
+        records[p.name]["ref_loss"] = refs[p.weighted][0]
+
+    def weights_of(p: P.Provider) -> Optional[torch.Tensor]:
+        return tw if p.weighted else None
 
     # 2. correctness gate (first call of each provider: includes its compilation).
     passed: List[P.Provider] = []
+    ref_dx = ref_dw = None
     for p in providers:
         rec = records[p.name]
         if p.fn is None:
             continue
+        p_ref_loss, ref_dx, ref_dw = refs[p.weighted]
         try:
             _clear_grads(x, w)
-            loss = _fwd_bwd(p.fn, x, w, t, loss_scale)
+            loss = _fwd_bwd(p.fn, x, w, t, loss_scale, weights_of(p))
             C.synchronize(device)
             rec["loss"] = float(loss.float())
             if x.grad is None or w.grad is None:
                 raise RuntimeError("backward produced no dX or no dW")
             rec["dw_dtype"] = C.DTYPE_NAMES.get(w.grad.dtype, str(w.grad.dtype))
-            rec["loss_rel_err"] = abs(rec["loss"] - ref_loss) / max(abs(ref_loss), 1e-30)
+            rec["loss_rel_err"] = abs(rec["loss"] - p_ref_loss) / max(abs(p_ref_loss), 1e-30)
             rec["dx_rel_err"] = C.rel_l2(x.grad, ref_dx, ref_scale=loss_scale)
             rec["dw_rel_err"] = C.rel_l2(w.grad, ref_dw, ref_scale=loss_scale)
             errs = [rec["loss_rel_err"], rec["dx_rel_err"], rec["dw_rel_err"]]
@@ -239,7 +275,7 @@ def run_config(
             _clear_grads(x, w)
             loss = None
             C.free_memory(device)
-    del ref_dx, ref_dw
+    del refs, ref_dx, ref_dw
     C.free_memory(device)
 
     # 3. peak memory, one provider at a time.
@@ -247,7 +283,9 @@ def run_config(
         rec = records[p.name]
         try:
             _clear_grads(x, w)
-            rec["peak_mib"] = C.measure_peak_mib(lambda p=p: _fwd_bwd(p.fn, x, w, t, loss_scale), device)
+            rec["peak_mib"] = C.measure_peak_mib(
+                lambda p=p: _fwd_bwd(p.fn, x, w, t, loss_scale, weights_of(p)), device
+            )
             if rec["peak_mib"] is not None:
                 rec["peak_over_mem_floor"] = rec["peak_mib"] / cfg["mem_floor_mib"]
         except Exception as exc:  # noqa: BLE001
@@ -263,13 +301,15 @@ def run_config(
 
     def one_round(order: Sequence[P.Provider], timed: bool) -> None:
         for p in order:
-            if p not in active:
+            if p not in active or (
+                timed and p.max_samples is not None and len(timers[p.name]) >= p.max_samples
+            ):
                 continue
             try:
                 _clear_grads(x, w)
                 tm = C.Timer(device)
                 tm.start()
-                _fwd_bwd(p.fn, x, w, t, loss_scale)
+                _fwd_bwd(p.fn, x, w, t, loss_scale, weights_of(p))
                 tm.stop()
                 if timed:
                     timers[p.name].append(tm)
@@ -296,7 +336,7 @@ def run_config(
         rec["p80_ms"] = C.percentile(times, 80)
         if cfg["floor_ms"] is not None:
             rec["pct_flop_floor"] = 100.0 * cfg["floor_ms"] / rec["ms"]
-    x = w = t = None  # drop the inputs before emptying the cache
+    x = w = t = tw = None  # drop the inputs before emptying the cache
     C.free_memory(device)
     return list(records.values())
 
@@ -351,6 +391,7 @@ def summary_lines(
                     row.append("-" if pk is None else f"{pk:.0f} ({ratio:.2f}x)")
             rows.append(row)
         lines += [f"== {title}"] + C.text_table(["config"] + provider_names, rows) + [""]
+    lines += ratio_lines(configs, by_key)
     errors = [r for r in records if r.get("error") and not (r["error"] or "").startswith("skipped")]
     seen = set()
     if errors:
@@ -365,6 +406,56 @@ def summary_lines(
                 break
             lines.append(f"  {r['provider']} @ {r['shape']} {r['dtype']} {r['dist']}: {r['error'][:220]}")
     return lines
+
+
+# (row, against it, goal on the time ratio, what it checks): the "must hold" of issue 18 and the cost rows
+# of issue 23, printed when both providers of a pair ran.
+RATIO_GOALS: List[Tuple[str, str, float, str]] = [
+    ("flce", "flce_base", 1.02, "the op within 2% of the baseline commit's"),
+    ("flce_tw", "flce", 1.03, "token_weight within 3% of the unweighted op"),
+    ("flce_tw", "flce_none_x_w", 1 / 1.15, "token_weight >= 15% faster than reduction='none' * w"),
+    ("flce_fp32logits", "flce", 1.10, "fp32 logits <= 10% slower than the default"),
+    ("flce_fp32head", "flce", None, "fp32 head against the default (no goal)"),
+]
+
+
+def ratio_lines(
+    configs: List[Tuple[str, str, str]], by_key: Dict[Tuple[str, str, str, str], Dict[str, Any]]
+) -> List[str]:
+    """Per config: time ratio a / b (and peak difference a - b in MiB) of the pairs in ``RATIO_GOALS``."""
+    pairs = [
+        g for g in RATIO_GOALS if any(key + (g[0],) in by_key and key + (g[1],) in by_key for key in configs)
+    ]
+    if not pairs:
+        return []
+    rows = []
+    verdicts: Dict[str, List[bool]] = {f"{a}/{b}": [] for a, b, _, _ in pairs}
+    for key in configs:
+        row: List[Any] = [f"{key[0]} {key[1]} {key[2]}"]
+        for a, b, goal, _ in pairs:
+            ra, rb = by_key.get(key + (a,)), by_key.get(key + (b,))
+            if ra is None or rb is None or _cell_status(ra) or _cell_status(rb):
+                row.append("-")
+                continue
+            ratio = ra["ms"] / rb["ms"]
+            dpeak = (
+                None
+                if ra.get("peak_mib") is None or rb.get("peak_mib") is None
+                else ra["peak_mib"] - rb["peak_mib"]
+            )
+            ok = goal is None or ratio <= goal
+            if goal is not None:
+                verdicts[f"{a}/{b}"].append(ok)
+            row.append(f"{ratio:.3f}{'' if ok else '!'}" + ("" if dpeak is None else f" ({dpeak:+.0f})"))
+        rows.append(row)
+    lines = ["== time ratio (peak difference MiB); '!' = misses the goal"]
+    lines += C.text_table(["config"] + [f"{a}/{b}" for a, b, _, _ in pairs], rows)
+    for a, b, goal, what in pairs:
+        got = verdicts[f"{a}/{b}"]
+        if goal is None or not got:
+            continue
+        lines.append(f"goal {a}/{b} <= {goal:.3f} ({what}): {sum(got)}/{len(got)} configs")
+    return lines + [""]
 
 
 def markdown(
@@ -388,6 +479,7 @@ def markdown(
         *[
             f"- `{p.name}`: {p.description}"
             + (f" [{p.note}]" if p.note else "")
+            + (f" ({p.max_samples} timed samples at most)" if p.max_samples else "")
             + (f" — {p.error}" if p.error else "")
             for p in providers
         ],
@@ -398,7 +490,9 @@ def markdown(
         "",
         "Columns: ms = median fwd+bwd (p20/p80); %floor = FLOP floor / ms; peak = max_memory_allocated increase "
         "over one fwd+bwd; xfloor = peak / (dX + dW bytes in input dtype); errors vs float64 "
-        "(loss: relative; dX, dW: relative L2).",
+        "(loss: relative; dX, dW: relative L2). Token-weighted rows (`*_tw`, `flce_none_x_w`: per-token weights "
+        "uniform in [-1, 2], the same for every such row of a config) are gated against the weighted float64 "
+        "reference, and their `ref loss` is its loss.",
         "",
     ]
     rows = []
@@ -520,6 +614,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="use the copied modules even if this torch has F.linear_cross_entropy (testing)",
     )
     p.add_argument(
+        "--baseline-dir",
+        type=Path,
+        default=P.DEFAULT_BASELINE_DIR,
+        help="folder holding lightning_flce_base/ for the flce_base row (benchmarks/make_baseline.py REV)",
+    )
+    p.add_argument(
+        "--baseline-commit",
+        default=None,
+        metavar="REV",
+        help="flce_base = the op of git revision REV, materialized now (needs git history; else --baseline-dir)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="GPU: shapes 0,2, bf16, both dists, warm-up 1; CPU: one tiny shape, fp32+bf16, 3 samples",
@@ -561,7 +667,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if d not in DISTS:
             parser.error(f"unknown dist {d!r}")
     providers = P.make_providers(
-        parse_variants(args.flce_variant), args.torch213_dir, args.force_torch213_copy
+        parse_variants(args.flce_variant),
+        args.torch213_dir,
+        args.force_torch213_copy,
+        baseline_dir=args.baseline_dir,
+        baseline_commit=args.baseline_commit,
     )
     if args.providers != "all":
         wanted = [s.strip() for s in args.providers.split(",") if s.strip()]

@@ -4,7 +4,7 @@
 # are passed through) under `timeout`, then print the summary table last. The whole script ends inside
 # E2E_TOTAL_S (default 540 s = 9 min, for a 10-minute device call).
 #
-#   bash benchmarks/gpu_e2e.sh                                  # ~1.2 B Llama, seq 4096, batch 4, flce,naive,liger
+#   bash benchmarks/gpu_e2e.sh                                  # ~1.2 B Llama, seq 4096, batch 4, hf,liger,flce
 #   bash benchmarks/gpu_e2e.sh --batch-size 8 --steps 6         # more tokens per step
 #   bash benchmarks/gpu_e2e.sh --providers flce,liger,liger_all
 #

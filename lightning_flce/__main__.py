@@ -1,4 +1,4 @@
-"""``python -m lightning_flce fit --config configs/default.yaml``: same as the ``lightning-flce`` command."""
+"""``python -m lightning_flce fit --config default``: same as the ``lightning-flce`` command."""
 
 from lightning_flce.cli import main
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_flce.adapters import is_peft_lora_head, lora_head_loss
 from lightning_flce.functional import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import softmax_dtype
 from lightning_flce.options import FLCEOptions
@@ -240,6 +241,13 @@ class FLCEHeadLoss(nn.Module):
             return self._vocab_parallel_loss_of(
                 module, hidden, labels, options=options, with_stats=with_stats, logit_scale=logit_scale
             )
+        if is_peft_lora_head(module):
+            # a PEFT LoRA head: the loss of one linear map with the same logits (lightning_flce/adapters.py)
+            options = dict(reduction=reduction, with_stats=with_stats, regularized=regularized)
+            options.update(logit_scale=logit_scale, softcap=softcap)
+            return lora_head_loss(
+                module, hidden, lambda operands, h: self._loss_of(operands, h, labels, **options)
+            )
         weight = module.weight
         bias = getattr(module, "bias", None)
         if hidden.shape[-1] != weight.shape[1]:
@@ -360,6 +368,8 @@ def _active_module_to_save(wrapper: nn.Module) -> nn.Module:
 
 
 def _check_linear_head(module: nn.Module) -> None:
+    if is_peft_lora_head(module):  # raises for the PEFT layers the fused loss cannot compute
+        return
     is_linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
     if not (is_linear or isinstance(module, (nn.Embedding, VocabParallelHead))):
         raise TypeError(

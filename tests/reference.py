@@ -45,9 +45,21 @@ def loss_of_logits(
     class_weight: Optional[torch.Tensor] = None,
     lse_square_scale: float = 0.0,
     softcap: Optional[float] = None,
+    token_weight: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Cross-entropy (``F.cross_entropy``'s options) plus the z-loss term, in the logits' dtype; "none" gives
-    one loss per token in the target's shape."""
+    one loss per token in the target's shape. ``token_weight`` multiplies each token's loss (CE and z-loss);
+    "mean" keeps F.cross_entropy's unweighted denominators."""
+    if token_weight is not None:
+        return _token_weighted(
+            logits,
+            target,
+            token_weight,
+            ignore_index,
+            reduction,
+            class_weight,
+            **{"label_smoothing": label_smoothing, "lse_square_scale": lse_square_scale, "softcap": softcap},
+        )
     token_shape = target.shape
     logits = logits.reshape(-1, logits.shape[-1])
     target = target.reshape(-1)
@@ -102,3 +114,38 @@ def assert_matches_reference(got, want, dtype: torch.dtype, tol: float) -> None:
         if ref_grad is not None:
             assert grad.dtype == dtype, (index, grad.dtype)
             assert relative_error(grad, ref_grad) < tol, (index, relative_error(grad, ref_grad))
+
+
+def _token_weighted(logits, target, token_weight, ignore_index, reduction, class_weight, **options):
+    per_token = loss_of_logits(
+        logits, target, ignore_index=ignore_index, reduction="none", class_weight=class_weight, **options
+    )
+    weighted = per_token * token_weight.to(per_token.dtype)
+    if reduction == "none":
+        return weighted
+    if reduction == "sum":
+        return weighted.sum()
+    # "mean": F.cross_entropy's denominators, without the token weights: the summed class weight of the valid
+    # targets for the CE term, their count for the z-loss term (equal without class weights)
+    valid = (target != ignore_index).reshape(-1)
+    count = valid.sum()
+    if class_weight is None or not options.get("lse_square_scale"):
+        norm = (
+            count
+            if class_weight is None
+            else class_weight[torch.where(valid, target.reshape(-1), 0)][valid].sum()
+        )
+        return weighted.sum() / norm
+    ce = loss_of_logits(
+        logits,
+        target,
+        ignore_index=ignore_index,
+        reduction="none",
+        class_weight=class_weight,
+        label_smoothing=options["label_smoothing"],
+        softcap=options["softcap"],
+    )
+    z = per_token - ce
+    w = token_weight.to(per_token.dtype)
+    ce_norm = class_weight[torch.where(valid, target.reshape(-1), 0)][valid].sum()
+    return (ce * w).sum() / ce_norm + (z * w).sum() / count

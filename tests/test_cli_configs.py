@@ -5,15 +5,13 @@ import importlib.util
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from lightning_flce.cli import FLCELightningCLI, main
+from lightning_flce.cli import CONFIG_DIR, FLCELightningCLI, main
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 # Overlays only change another config (see their header comments); they are parsed on top of their base.
 OVERLAYS = {"naive.yaml": "compare_naive.yaml"}
 CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))

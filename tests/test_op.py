@@ -17,8 +17,8 @@ from reference import assert_matches_reference, grads_of, reference_loss, relati
 
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.engine import default_chunk_size
-from lightning_flce.op import BackwardArgs, ForwardArgs
 from lightning_flce.kernels import BACKENDS, backend_for
+from lightning_flce.op import BackwardArgs, ForwardArgs
 
 FP32_TOL = 1e-5
 # fp64 rounding is 1.1e-16 per operation; grown over these reductions (logsumexp over V <= 1000, GEMMs over
@@ -42,7 +42,6 @@ FEATURES = {
         "softcap": 3.0,
     },
 }
-
 
 
 def op_args(x, weight, target, bias, **overrides) -> ForwardArgs:
@@ -71,6 +70,7 @@ def op_args(x, weight, target, bias, **overrides) -> ForwardArgs:
     }
     args.update(overrides)
     return ForwardArgs(**args)
+
 
 def make_problem(n_rows, hidden, vocab, *, dtype=torch.float32, ignore_frac=0.2, seed=0, lead_shape=None):
     gen = torch.Generator().manual_seed(seed)
@@ -306,6 +306,7 @@ def test_float64_gradcheck(reduction, feature_name):
 
 def test_float64_runs_the_torch_softmax_also_for_triton():
     """The Triton kernels compute in fp32: fp64 GEMMs take the PyTorch twin whatever the impl (on CUDA too)."""
+
     def chunk_kernels_use_triton(impl, dtype):
         return backend_for(BACKENDS[impl], dtype).name == "triton"
 
@@ -594,7 +595,9 @@ def test_autocast_fp32_hidden_states_keep_grad_input_in_gemm_dtype(autocast_dtyp
     GEMM in fp64: there dX is kept in fp32.)"""
     x, weight, target, bias, _ = make_problem(64, 32, 200, seed=10)
     for accum, saved_dtype in ((None, autocast_dtype), (torch.float64, torch.float32)):
-        args = op_args(x, weight, target, bias, compute_dtype=autocast_dtype, accum_dtype=accum, chunk_size=16)
+        args = op_args(
+            x, weight, target, bias, compute_dtype=autocast_dtype, accum_dtype=accum, chunk_size=16
+        )
         saved_dx = torch.ops.lightning_flce.flce_forward.default(*args)[4]
         assert saved_dx.dtype == saved_dtype
 

@@ -188,6 +188,45 @@ def test_op_triton_path_matches_float64(reduction, feature_name):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("logits_precision", ["input", "fp32"])
+def test_op_triton_path_token_weight_matches_float64(reduction, logits_precision):
+    """Per-token weights (negative and zero ones too) through the Triton kernel's per-row scales, and the
+    fp32-logits option (an fp32 logits buffer; the gradient handed to the GEMMs in their dtype)."""
+    x, weight, target, bias, class_weight = make_problem(128, 64, 1000, seed=12)
+    gen = torch.Generator().manual_seed(3)
+    token_weight = torch.rand(128, generator=gen) * 3 - 1
+    token_weight[5] = 0.0
+    kwargs = {"label_smoothing": 0.1, "lse_square_scale": 1e-3, "softcap": 20.0, "class_weight": class_weight}
+    grad_output = torch.randn(128) if reduction == "none" else torch.tensor(1.3)
+    x.requires_grad_(), weight.requires_grad_(), bias.requires_grad_()
+
+    def op(x_, w_, b_):
+        return fused_linear_cross_entropy(
+            x_,
+            w_,
+            target,
+            b_,
+            reduction=reduction,
+            token_weight=token_weight,
+            logits_precision=logits_precision,
+            impl="triton",
+            chunk_size=48,
+            **kwargs,
+        )
+
+    def ref(x_, w_, b_):
+        return reference_loss(
+            x_, w_, target, b_, reduction=reduction, token_weight=token_weight.double(), **kwargs
+        )
+
+    loss, grads = grads_of(op, x, weight, bias, grad_output=grad_output)
+    ref_loss, ref_grads = grads_of(ref, x.double(), weight.double(), bias.double(), grad_output=grad_output)
+    assert relative_error(loss, ref_loss) < FP32_TOL
+    for got, want in zip(grads, ref_grads):
+        assert relative_error(got, want) < FP32_TOL
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_op_triton_impl_runs_fp64_in_fp64(monkeypatch, reduction):
     """fp64 with impl="triton": the fp32-only chunk kernel never runs (the PyTorch twin computes in fp64), and
     backward's grad_output scaling stays fp64 (the scale kernel multiplies fp64 tensors in fp64)."""
@@ -388,6 +427,8 @@ def test_vocab_parallel_triton_path(tmp_path, feature_name, reduction, dtype):
     b = bias if feature.pop("bias", False) else None
     feature.pop("class_weight", None)
     kwargs = {"reduction": reduction, **feature}
+    if feature_name == "all":  # per-token weights ride on the same per-row scales
+        kwargs["token_weight"] = torch.linspace(-1.0, 2.0, 96, dtype=dtype)
     grad_output = torch.rand(96, dtype=dtype) if reduction == "none" else None
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -14,6 +14,7 @@ softmax: ~1e-15 here, where one fp32 step shows as ~1e-8). Ignored-only batches 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -85,6 +86,13 @@ def cases(world: int) -> dict[str, dict]:
         "lead_shape": (3, 11),
     }
     out["empty-mean"] = {"kind": "loss", "feature": "bias", "reduction": "mean", "lead_shape": (0,)}
+    for reduction in REDUCTIONS:  # per-token weights (negative ones too), the same on every rank
+        out[f"token_weight-all-{reduction}"] = {
+            "kind": "loss",
+            "feature": "all",
+            "reduction": reduction,
+            "token_weight": True,
+        }
     if world == 3:
         for reduction in REDUCTIONS:
             out[f"explicit_start-all-{reduction}"] = {
@@ -111,6 +119,14 @@ def cases(world: int) -> dict[str, dict]:
             "feature": "all",
             "reduction": reduction,
             "lead_shape": (36,),
+        }
+    for reduction in ("mean", "none"):
+        out[f"sequence_parallel-token_weight-{reduction}"] = {
+            "kind": "sp",
+            "feature": "all",
+            "reduction": reduction,
+            "lead_shape": (36,),
+            "token_weight": True,
         }
     out["sequence_parallel-stats"] = {
         "kind": "sp",
@@ -141,6 +157,8 @@ def cases(world: int) -> dict[str, dict]:
     out["error-vocab_start_overlap"] = {"kind": "error", "error": "overlap"}
     out["error-chunk_size_differs"] = {"kind": "error", "error": "chunk"}
     out["error-loss_options_differ"] = {"kind": "error", "error": "options"}
+    out["error-token_weights_differ"] = {"kind": "error", "error": "token_weight"}
+    out["error-token_weight_on_rank0_only"] = {"kind": "error", "error": "token_weight_rank0"}
     out["error-fp16_and_bf16_ranks"] = {"kind": "error", "error": "half_kinds"}
     out["error-dtensor_mesh_not_in_rank_order"] = {"kind": "error", "error": "permuted_mesh"}
     out["error-fp16_and_bf16_ranks_sequence_parallel"] = {"kind": "error", "error": "half_kinds_sp"}
@@ -213,7 +231,15 @@ def op_kwargs(spec: dict) -> dict:
     feature = FEATURES[spec.get("feature", "plain")]
     kwargs = {k: v for k, v in feature.items() if k != "bias"}
     kwargs["reduction"] = spec.get("reduction", "mean")
+    if spec.get("token_weight"):
+        kwargs["token_weight"] = token_weights(spec.get("lead_shape", (37,)))
     return kwargs
+
+
+def token_weights(shape) -> torch.Tensor:
+    """Per-token weights in [-1, 2] (some negative, one zero), the same on every rank."""
+    n = math.prod(shape)
+    return torch.linspace(-1.0, 2.0, n).reshape(shape)
 
 
 def shard_rows(spec: dict, world: int, rank: int) -> tuple[int, int]:
@@ -271,6 +297,9 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         x_local = x.detach()[rows].clone().requires_grad_()
         op = vocab_parallel_fused_linear_cross_entropy_with_stats if spec.get("stats") else None
         call = op or vocab_parallel_fused_linear_cross_entropy
+        kwargs = op_kwargs(spec)
+        if "token_weight" in kwargs:  # this rank's tokens' weights
+            kwargs["token_weight"] = kwargs["token_weight"][rows]
         out = call(
             x_local,
             w_shard,
@@ -278,7 +307,7 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             b_shard,
             chunk_size=chunk_size,
             sequence_parallel=True,
-            **op_kwargs(spec),
+            **kwargs,
         )
         loss = out.loss if op else out
         _backward(loss, grad_output[rows] if grad_output.dim() else grad_output)
@@ -395,6 +424,10 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
             kwargs["chunk_size"] = chunk_size + rank  # chunk boundaries would not line up
         elif error == "options":
             kwargs["label_smoothing"] = 0.1 * rank  # each rank would compute a different loss
+        elif error == "token_weight":
+            kwargs["token_weight"] = token_weights(target.shape) * (1 + rank)
+        elif error == "token_weight_rank0":
+            kwargs["token_weight"] = token_weights(target.shape) if rank == 0 else None
         elif error == "permuted_mesh":  # mesh coordinates in reverse rank order
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -692,6 +725,8 @@ def test_vocab_parallel(results, world, name):
             "overlap": ("ValueError", "do not tile"),
             "chunk": ("ValueError", "disagree on their chunk_size"),
             "options": ("ValueError", "disagree on their ignore_index, label_smoothing"),
+            "token_weight": ("ValueError", "disagree on their token_weight"),
+            "token_weight_rank0": ("ValueError", "bias or token_weight (given or not)"),
             "half_kinds": ("ValueError", "disagree on their input or compute dtypes"),
             "permuted_mesh": ("ValueError", "mesh must list its ranks in ascending order"),
             "half_kinds_sp": ("ValueError", "same hidden size and input dtype"),

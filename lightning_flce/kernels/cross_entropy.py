@@ -25,10 +25,10 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from lightning_flce._compat import TRITON_INTERPRET
 from lightning_flce.kernels import ChunkOutputs, LossOptions
+from lightning_flce.kernels.triton_math import exp, load_logits, log, online_lse_step, tanh
 
 # Elements of a row handled per loop iteration, 32 per thread (one warp per 1024): more loads in flight per
 # thread. H200 sweep (benchmarks/tune_ce_kernel.py, results/*_run14_*): 13-23% less kernel time than 8192
@@ -48,62 +48,6 @@ class LaunchConfig(NamedTuple):
 def default_launch_config(vocab: int) -> LaunchConfig:
     block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
     return LaunchConfig(block_v, max(4, block_v // _ELEMENTS_PER_WARP))
-
-
-@triton.jit
-def _tanh(x):
-    # exp-based tanh (portable, interpreter included; exact at both tails: exp -> inf gives 1), and an odd
-    # Taylor polynomial near 0, where 1 - 2 / (exp(2x) + 1) cancels: a large softcap c puts z / c there,
-    # and c * tanh(z / c) would inherit an absolute error of ~1e-7 c. Terms to x^11: < 1e-9 relative at 0.3.
-    x2 = x * x
-    poly = x * (
-        1.0
-        + x2
-        * (-1.0 / 3 + x2 * (2.0 / 15 + x2 * (-17.0 / 315 + x2 * (62.0 / 2835 + x2 * (-1382.0 / 155925)))))
-    )
-    return tl.where(tl.abs(x) < 0.3, poly, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    # tl.exp is ex2.approx on an argument scaled by log2(e): fine for 16-bit logits, but for fp32 it
-    # makes the gradient measurably less accurate than torch's. libdevice is not in the interpreter.
-    if PRECISE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _online_lse_step(z, m, d, PRECISE: tl.constexpr):
-    """One block ``z`` of a row's online log-sum-exp: from the running max ``m`` and ``d = sum(exp(z - m))``,
-    returns the new ``(m, d)``, the block's ``exp(z - m_new)``, the factor ``exp(m - m_new)`` that carries
-    earlier sums over, and the block's max."""
-    block_max = tl.max(z, 0)
-    m_new = tl.maximum(m, block_max)
-    # Exponents relative to 0 until a finite logit shows up (exp(-inf - -inf) is NaN): a row may start with a
-    # block masked to -inf (a bias mask, a padded vocabulary).
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    rescale = _exp(m - m_ref, PRECISE)
-    e = _exp(z - m_ref, PRECISE)
-    return m_new, d * rescale + tl.sum(e, 0), e, rescale, block_max
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
-
-
-@triton.jit
-def _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
-    z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-    if HAS_SOFTCAP:
-        # Re-mask: tanh(-inf) is -1, not -inf.
-        z = tl.where(mask, softcap * _tanh(z / softcap), float("-inf"))
-    return z
 
 
 @triton.jit
@@ -161,8 +105,8 @@ def _cross_entropy_chunk_kernel(
         for start in range(0, V, BLOCK_V):
             cols = start + offsets
             mask = cols < V
-            z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-            m_new, d, e, rescale, block_max = _online_lse_step(z, m, d, PRECISE)
+            z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+            m_new, d, e, rescale, block_max = online_lse_step(z, m, d, PRECISE)
             # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
             z_finite = tl.where(mask, z, 0.0)
             if HAS_SMOOTHING:
@@ -178,11 +122,11 @@ def _cross_entropy_chunk_kernel(
                 best_idx = tl.where(block_max > best, start + block_arg, best_idx)
                 best = tl.maximum(best, block_max)
             m = m_new
-        lse = m + _log(d, PRECISE)
+        lse = m + log(d, PRECISE)
 
         z_target = tl.load(row_ptr + target).to(tl.float32)
         if HAS_SOFTCAP:
-            z_target = softcap * _tanh(z_target / softcap)
+            z_target = softcap * tanh(z_target / softcap)
         if HAS_CLASS_WEIGHT:
             w_target = tl.load(class_weight_ptr + target)
             w_total = tl.load(class_weight_sum_ptr)
@@ -215,8 +159,8 @@ def _cross_entropy_chunk_kernel(
             for done in range(0, V, BLOCK_V):
                 cols = LAST_BLOCK_START - done + offsets
                 mask = cols < V
-                z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-                grad = _exp(z - lse, PRECISE) * p_coef
+                z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+                grad = exp(z - lse, PRECISE) * p_coef
                 if HAS_SMOOTHING:
                     if HAS_CLASS_WEIGHT:
                         w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)

@@ -24,13 +24,8 @@ import triton.language as tl
 
 from lightning_flce._compat import TRITON_INTERPRET
 from lightning_flce.kernels import ShardRowStats
-from lightning_flce.kernels.cross_entropy import (
-    _exp,
-    _load_logits,
-    _online_lse_step,
-    _tanh,
-    default_launch_config,
-)
+from lightning_flce.kernels.cross_entropy import default_launch_config
+from lightning_flce.kernels.triton_math import exp, load_logits, online_lse_step, tanh
 
 
 @triton.jit
@@ -63,8 +58,8 @@ def _shard_row_stats_kernel(
     for start in range(0, V_LOCAL, BLOCK_V):
         cols = start + offsets
         mask = cols < V_LOCAL
-        z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-        m_new, d, e, rescale, block_max = _online_lse_step(z, m, d, PRECISE)
+        z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+        m_new, d, e, rescale, block_max = online_lse_step(z, m, d, PRECISE)
         # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
         z_finite = tl.where(mask, z, 0.0)
         if HAS_SMOOTHING:
@@ -82,7 +77,7 @@ def _shard_row_stats_kernel(
     # Clamped so the load stays in the row; the value is used only where this shard holds the target.
     z_target = tl.load(row_ptr + tl.where(held, local_target, 0)).to(tl.float32)
     if HAS_SOFTCAP:
-        z_target = softcap * _tanh(z_target / softcap)
+        z_target = softcap * tanh(z_target / softcap)
     tl.store(z_target_ptr + row, tl.where(held, z_target, 0.0))
     if HAS_SMOOTHING:
         tl.store(z_sum_ptr + row, z_sum)
@@ -120,8 +115,8 @@ def _shard_grad_kernel(
     for start in range(0, V_LOCAL, BLOCK_V):
         cols = start + offsets
         mask = cols < V_LOCAL
-        z = _load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-        grad = _exp(z - lse, PRECISE) * p_coef - smoothing
+        z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+        grad = exp(z - lse, PRECISE) * p_coef - smoothing
         grad = tl.where(cols == local_target, grad - target_coef, grad)
         if HAS_SOFTCAP:
             capped = tl.where(mask, z, 0.0) / softcap

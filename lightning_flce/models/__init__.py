@@ -2,5 +2,6 @@
 
 from lightning_flce.models.gpt import TinyGPT
 from lightning_flce.models.hf import HFCausalLM, compile_decoder_layers
+from lightning_flce.models.litgpt import LitGPTCausalLM, litgpt_hidden_states
 
-__all__ = ["HFCausalLM", "TinyGPT", "compile_decoder_layers"]
+__all__ = ["HFCausalLM", "LitGPTCausalLM", "TinyGPT", "compile_decoder_layers", "litgpt_hidden_states"]

@@ -12,10 +12,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_flce.data.dataset import check_label_format
+from lightning_flce.flops import ThroughputFlops, decoder_flops
 from lightning_flce.mixin import FLCEMixin
 
 
-class TinyGPT(FLCEMixin, pl.LightningModule):
+class TinyGPT(FLCEMixin, ThroughputFlops, pl.LightningModule):
     r"""Small GPT-style decoder: learned token and position embeddings, pre-LN blocks with causal
     self-attention (``F.scaled_dot_product_attention``) and a GELU MLP, a final LayerNorm and an LM head
     tied to the token embedding by default.
@@ -47,6 +48,7 @@ class TinyGPT(FLCEMixin, pl.LightningModule):
         trainer = L.Trainer(max_steps=500)
         trainer.fit(model, datamodule)
         logits = model(input_ids)  # [B, T, vocab_size]
+        model.estimate_flops(batch_size=16, seq_len=128)  # one training step's FLOPs (ThroughputMonitor)
 
     .. code-block:: yaml
 
@@ -109,6 +111,21 @@ class TinyGPT(FLCEMixin, pl.LightningModule):
 
         head = None if self.lm_head.weight is self.tok_emb.weight else self.lm_head
         fully_shard_lm(self, self.device_mesh["data_parallel"], blocks=self.blocks, head=head)
+
+    def estimate_flops(self, batch_size: int, seq_len: int, training: bool = True) -> int:
+        """FLOPs of a batch of ``batch_size`` sequences of ``seq_len`` tokens from the configuration
+        (:func:`~lightning_flce.flops.decoder_flops`): per block ``12 · d_model²`` weights (qkv 3, output 1,
+        MLP 4 + 4) and the head's ``vocab_size · d_model``; forward + backward when ``training``. It is
+        ``flops_per_batch`` during fit (:class:`~lightning_flce.flops.ThroughputFlops`)."""
+        hp = self.hparams
+        return decoder_flops(
+            batch_size=batch_size,
+            seq_len=seq_len,
+            linear_params=hp.n_layers * 12 * hp.d_model**2 + hp.vocab_size * hp.d_model,
+            n_layers=hp.n_layers,
+            attention_width=hp.d_model,
+            training=training,
+        )
 
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """Final hidden states [B, T, d_model] (after the last LayerNorm)."""

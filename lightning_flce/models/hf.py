@@ -7,11 +7,12 @@ import lightning.pytorch as pl
 from torch import Tensor, nn
 
 from lightning_flce.data.dataset import check_label_format
+from lightning_flce.flops import ThroughputFlops, decoder_flops, linear_weight_count
 from lightning_flce.mixin import _NARROW_INT_DTYPES, FLCEMixin
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 
 
-class HFCausalLM(FLCEMixin, pl.LightningModule):
+class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
     r"""A Hugging Face causal LM (``AutoModelForCausalLM``) whose training and validation loss is computed
     from the decoder's hidden states and ``get_output_embeddings()`` by :class:`FLCEMixin`, so the logits are
     never built for the loss. The model is not patched: ``forward`` and ``generate`` (through ``self.model``)
@@ -145,6 +146,32 @@ class HFCausalLM(FLCEMixin, pl.LightningModule):
         wrapper: ``strategy="ddp_spawn"`` workers, deep copies)."""
         if self.hparams.get("compile_layers") and not _layers_compiled(self.model):
             compile_decoder_layers(self.model)
+
+    def estimate_flops(self, batch_size: int, seq_len: int, training: bool = True) -> int:
+        """FLOPs of a batch of ``batch_size`` sequences of ``seq_len`` tokens
+        (:func:`~lightning_flce.flops.decoder_flops`): the weights of the model's linear layers (the LM head's
+        included), ``num_hidden_layers`` attention layers of ``num_attention_heads · head_dim``; forward +
+        backward when ``training`` (weight gradients of frozen layers included). It is ``flops_per_batch``
+        during fit (:class:`~lightning_flce.flops.ThroughputFlops`). Mixture-of-experts models, whose tokens
+        each use a few of the experts' weights, are refused."""
+        config = self.model.config
+        if any(
+            getattr(config, name, None) for name in ("num_local_experts", "num_experts", "n_routed_experts")
+        ):
+            raise NotImplementedError(
+                f"estimate_flops counts every linear layer, which overcounts the experts of {type(self.model).__name__}"
+                "; set `flops_per_batch` to your own count"
+            )
+        n_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        return decoder_flops(
+            batch_size=batch_size,
+            seq_len=seq_len,
+            linear_params=linear_weight_count(self.model),
+            n_layers=config.num_hidden_layers,
+            attention_width=n_heads * head_dim,
+            training=training,
+        )
 
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, **decoder_kwargs: Any

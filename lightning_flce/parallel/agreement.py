@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_flce._compat import dtensor_api
 from lightning_flce.engine import chunk_rows
-from lightning_flce.options import FLCEOptions
+from lightning_flce.options import LOGITS_PRECISIONS, FLCEOptions
 
 _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
 # Columns of the per-rank row of the agreement all-reduce.
@@ -124,7 +124,7 @@ def agreement_row(
         options.label_smoothing,
         options.lse_square_scale,
         options.softcap or 0.0,
-        options.logits_precision,
+        LOGITS_PRECISIONS.index(options.logits_precision),  # not the str: its hash differs per process
     )
     flat_target = target.reshape(-1).long()
     n_tokens = flat_target.numel()
@@ -271,7 +271,7 @@ def layout(
         (_C_FLAGS, "reduction, stats, bias or token_weight (given or not) or input.requires_grad"),
         (
             _C_OPTIONS,
-            "ignore_index, label_smoothing, lse_square_scale, softcap, logits_precision or target shape",
+            "ignore_index, label_smoothing, lse_square_scale, logits_precision, softcap or target shape",
         ),
         (_C_TOKEN_WEIGHT, "token_weight"),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),

@@ -6,14 +6,18 @@ K = V long. At 4096x512x32003, 576-row chunks gave 1.34x naive's dX error, 512 a
 script computes ``G @ W`` for several M with ``torch.backends.cuda.matmul.allow_{fp16,bf16}_reduced_precision_reduction``
 on (torch's default) and off, and prints the relative L2 error of each against float64.
 
-    python3 benchmarks/split_k_precision.py --dtype fp16    # writes $OUT/split_k_fp16_512x32003.{json,md}
+    python3 benchmarks/experiments/split_k_precision.py --dtype fp16    # writes $OUT/split_k_fp16_512x32003.{json,md}
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import _common
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common and the benchmarks
+
+import _common  # noqa: E402
 import torch
 
 # fp16: the op scales the logit gradient to at most 2^10 and takes 2^-6 of it back out in the dX GEMM's epilogue

@@ -1,6 +1,6 @@
 """Sustained load vs short bursts: does a workload slow down when it runs back to back (power-capped clocks)?
 
-    python benchmarks/sustained_clocks.py [--seconds 12] [--shape 8192,2304,256000] [--out DIR]
+    python benchmarks/experiments/sustained_clocks.py [--seconds 12] [--shape 8192,2304,256000] [--out DIR]
 
 Runs, one after the other, for ``--seconds`` each: the bf16 matmul-rate probe (8192^3 ``torch.mm``, the FLOP
 floor's denominator in bench_flce.py) and flce's fwd+bwd at ``--shape`` (bf16, random data, 10% ignored), each
@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
-import _common as C
-import torch
-from bench_flce import make_data
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common and the benchmarks
+
+import _common as C  # noqa: E402
+import torch  # noqa: E402
+from bench_flce import make_data  # noqa: E402
 
 QUERY = "clocks.sm,power.draw,temperature.gpu"
 

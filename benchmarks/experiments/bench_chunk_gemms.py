@@ -17,17 +17,21 @@ Each row gives ms, % of its floor (2 C H V FLOPs at the 8192^3 ``torch.mm`` rate
 read + write bytes at the measured copy bandwidth) and the accumulator bytes moved per call. Needs CUDA and
 torch >= 2.8 (``addmm(..., out_dtype=)``).
 
-GPU: python3 benchmarks/bench_chunk_gemms.py [--shapes 2048x2304x256000] [--reps 20]
+GPU: python3 benchmarks/experiments/bench_chunk_gemms.py [--shapes 2048x2304x256000] [--reps 20]
 Writes ``$OUT/chunk_gemms.json`` and ``$OUT/chunk_gemms.md`` ($OUT defaults to ./bench_out).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
-import _common as C
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common and the benchmarks
+
+import _common as C  # noqa: E402
 import torch
 
 # (C, H, V): the op's default chunk at each bench_flce.py shape (about 10% of the rows ignored)

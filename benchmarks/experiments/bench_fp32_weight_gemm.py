@@ -10,8 +10,8 @@ Each in two orientations: the weight as the dot's second operand (``tl.dot(x, w.
 (``tl.dot(w, x.T)``, the transposed product, stored transposed), where Hopper's wgmma can take the converted
 tile from registers. Compared with cuBLAS on the bf16 copy (and the copy's cast) at the e2e chunk shape.
 
-    python benchmarks/bench_fp32_weight_gemm.py                 # H200: all configs, JSON + table under $OUT
-    TRITON_INTERPRET=1 python benchmarks/bench_fp32_weight_gemm.py --device cpu --check-only
+    python benchmarks/experiments/bench_fp32_weight_gemm.py                 # H200: all configs, JSON + table under $OUT
+    TRITON_INTERPRET=1 python benchmarks/experiments/bench_fp32_weight_gemm.py --device cpu --check-only
 """
 
 from __future__ import annotations

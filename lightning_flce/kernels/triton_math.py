@@ -1,0 +1,65 @@
+"""Triton device functions shared by the chunk kernel (:mod:`~lightning_flce.kernels.cross_entropy`) and the
+vocab-parallel shard kernels (:mod:`~lightning_flce.kernels.cross_entropy_shard`): the softcap's tanh, exp and
+log (precise for fp32 logits), one step of the online log-sum-exp, and a block of (softcapped) logits."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def tanh(x):
+    # exp-based tanh (portable, interpreter included; exact at both tails: exp -> inf gives 1), and an odd
+    # Taylor polynomial near 0, where 1 - 2 / (exp(2x) + 1) cancels: a large softcap c puts z / c there,
+    # and c * tanh(z / c) would inherit an absolute error of ~1e-7 c. Terms to x^11: < 1e-9 relative at 0.3.
+    x2 = x * x
+    poly = x * (
+        1.0
+        + x2
+        * (-1.0 / 3 + x2 * (2.0 / 15 + x2 * (-17.0 / 315 + x2 * (62.0 / 2835 + x2 * (-1382.0 / 155925)))))
+    )
+    return tl.where(tl.abs(x) < 0.3, poly, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+
+
+@triton.jit
+def exp(x, PRECISE: tl.constexpr):
+    # tl.exp is ex2.approx on an argument scaled by log2(e): fine for 16-bit logits, but for fp32 it
+    # makes the gradient measurably less accurate than torch's. libdevice is not in the interpreter.
+    if PRECISE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def online_lse_step(z, m, d, PRECISE: tl.constexpr):
+    """One block ``z`` of a row's online log-sum-exp: from the running max ``m`` and ``d = sum(exp(z - m))``,
+    returns the new ``(m, d)``, the block's ``exp(z - m_new)``, the factor ``exp(m - m_new)`` that carries
+    earlier sums over, and the block's max."""
+    block_max = tl.max(z, 0)
+    m_new = tl.maximum(m, block_max)
+    # Exponents relative to 0 until a finite logit shows up (exp(-inf - -inf) is NaN): a row may start with a
+    # block masked to -inf (a bias mask, a padded vocabulary).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    rescale = exp(m - m_ref, PRECISE)
+    e = exp(z - m_ref, PRECISE)
+    return m_new, d * rescale + tl.sum(e, 0), e, rescale, block_max
+
+
+@triton.jit
+def log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
+    z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_SOFTCAP:
+        # Re-mask: tanh(-inf) is -1, not -inf.
+        z = tl.where(mask, softcap * tanh(z / softcap), float("-inf"))
+    return z

@@ -1,0 +1,75 @@
+"""The bounded search of benchmarks/bench_max_tokens.py against a synthetic linear memory model (no training:
+the search's bookkeeping alone, in milliseconds)."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+bench = pytest.importorskip("bench_max_tokens")
+
+
+def _search(limit_tokens, start, step, cap=2**21, resolution=1 / 16, min_res=4096, noise=0.0):
+    """Run the search against peak = base + slope * tokens with capacity reached at ``limit_tokens``."""
+    base, capacity = 20_000.0, 140_000.0
+    slope = (capacity - base) / limit_tokens
+    tries = []
+    for _ in range(60):
+        nxt = bench.next_tokens(tries, start, step, resolution, min_res, cap, 0.97)
+        if nxt is None:
+            return tries
+        assert nxt % step == 0 and nxt not in {t["tokens"] for t in tries}
+        peak = base + slope * nxt * (1 + noise)
+        fit = peak <= capacity
+        tries.append(
+            {
+                "tokens": nxt,
+                "status": "fit" if fit else "OOM",
+                "peak_mib": peak if fit else None,
+                "capacity_mib": capacity,
+            }  # fmt: skip
+        )
+    raise AssertionError(f"search did not end: {[(t['tokens'], t['status']) for t in tries]}")
+
+
+@pytest.mark.parametrize("limit", [79_000, 445_000, 12_288, 1_000_000])
+@pytest.mark.parametrize("axis_step,start", [(4096, 4096), (1024, 16384)])
+def test_search_brackets_the_limit_to_the_resolution(limit, axis_step, start):
+    tries = _search(limit, start, axis_step)
+    lo, hi, stop = bench.search_state(tries)
+    assert stop is None and lo is not None and hi is not None
+    assert lo <= limit < hi
+    assert hi - lo <= max(4096, lo / 16 + axis_step)
+    # Doubling, then at most a few tries near the edge (the linear prediction lands next to the limit).
+    assert len(tries) <= 12
+
+
+def test_search_with_a_superlinear_peak_still_converges():
+    tries = _search(200_000, 4096, 4096, noise=0.1)  # the prediction overshoots: bisection takes over
+    lo, hi, _ = bench.search_state(tries)
+    assert lo is not None and hi is not None and hi - lo <= max(4096, lo / 16 + 4096)
+
+
+def test_search_stops_at_the_cap_and_after_an_error():
+    tries = _search(10**9, 4096, 4096, cap=65536)
+    lo, hi, _ = bench.search_state(tries)
+    assert lo == 65536 and hi is None
+    err = [{"tokens": 4096, "status": "error", "peak_mib": None, "capacity_mib": None}]
+    assert bench.next_tokens(err, 4096, 4096, 1 / 16, 4096, 2**21, 0.97) is None
+
+
+def test_nothing_fits_halves_down_to_one_granule():
+    tries = _search(3000, 16384, 1024)
+    lo, hi, _ = bench.search_state(tries)
+    assert lo is not None and lo <= 3000 < hi
+
+
+def test_probes_ask_for_the_other_providers_maxima():
+    hf = [{"provider": "hf", "axis": "seq", "checkpointing": True, "tokens": t, "status": s}
+          for t, s in ((16384, "fit"), (32768, "fit"), (65536, "fit"), (81920, "OOM"), (73728, "fit"))]  # fmt: skip
+    fl = [{"provider": "flce", "axis": "seq", "checkpointing": True, "tokens": t, "status": s}
+          for t, s in ((16384, "fit"), (65536, "fit"), (131072, "fit"), (262144, "OOM"))]  # fmt: skip
+    done = {("hf", "seq", True): True, ("flce", "seq", True): True}
+    assert bench.probe_tokens(("flce", "seq", True), hf + fl, done) == [73728]
+    assert bench.probe_tokens(("hf", "seq", True), hf + fl, done) == []
