@@ -243,10 +243,12 @@ class FLCEHeadLoss(nn.Module):
             )
         if is_peft_lora_head(module):
             # a PEFT LoRA head: the loss of one linear map with the same logits (lightning_flce/adapters.py)
-            options = dict(reduction=reduction, with_stats=with_stats, regularized=regularized)
-            options.update(logit_scale=logit_scale, softcap=softcap)
             return lora_head_loss(
-                module, hidden, lambda operands, h: self._loss_of(operands, h, labels, **options)
+                module,
+                hidden,
+                lambda operands, h: self._loss_of(
+                    operands, h, labels, options=options, with_stats=with_stats, logit_scale=logit_scale
+                ),
             )
         weight = module.weight
         bias = getattr(module, "bias", None)
