@@ -173,8 +173,9 @@ class FLCEHeadLoss(nn.Module):
             options = options._replace(label_smoothing=0.0, lse_square_scale=0.0)
         if token_weight is not None:
             options = options.replace(token_weight=token_weight)
-            # here, before any head call: the naive path has no op to check it
-            options.check_tensors(0, labels, hidden.device)
+            # here, before any head call: the naive path has no op to check it (class weights: the op's or
+            # F.cross_entropy's own check, against the vocabulary this call cannot see outside the head)
+            options._replace(class_weight=None).check_tensors(0, labels, hidden.device)
 
         module = unwrap_head(head)
         _check_linear_head(module)
