@@ -59,6 +59,16 @@ class FusedLM(FLCEMixin, PlainLM):
         return self.flce_loss(self.hidden_states(batch["input_ids"]), batch["labels"])
 
 
+class WeightedFusedLM(FusedLM):
+    """Per-token weights and a softcap: more per-call options, still no graph."""
+
+    def loss(self, batch):
+        token_weight = (batch["labels"] % 3).float() - 0.5
+        return self.flce_loss(
+            self.hidden_states(batch["input_ids"]), batch["labels"], token_weight=token_weight
+        )
+
+
 def loader(num_batches):
     generator = torch.Generator().manual_seed(0)
     batches = []
@@ -104,6 +114,11 @@ def test_the_mixin_adds_no_graph_to_a_compiled_module(stage, normalize):
     fused, model = graphs(FusedLM, stage, flce_normalize=normalize)
     assert plain >= 1
     assert fused == plain
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_token_weights_and_a_softcap_add_no_graph(stage):
+    assert graphs(WeightedFusedLM, stage, flce_softcap=5.0)[0] == graphs(PlainLM, stage)[0]
 
 
 def test_a_compiled_training_step_normalizes_like_the_eager_one():
