@@ -8,6 +8,7 @@ inputs differ from it by rounding (~1e-6 relative).
 
 import copy
 import logging
+import pickle
 
 import lightning.pytorch as L
 import pytest
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from lightning_flce.head import FLCEHeadLoss
 from lightning_flce.models.gpt import TinyGPT
+from lightning_flce.options import FLCEOptions
 
 VOCAB, HIDDEN, SEQ = 41, 16, 8
 FP32 = {"rtol": 2e-5, "atol": 2e-6}
@@ -211,3 +213,30 @@ def test_logits_precision_option_reaches_the_op():
             expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         errors[precision] = abs(loss.double().item() - expected.item()) / expected.item()
     assert errors["fp32_head"] < 1e-6 and errors["input"] > 100 * errors["fp32_head"]
+
+
+def test_the_loss_options_are_one_record():
+    """FLCEHeadLoss and FLCEMixin carry one FLCEOptions record (copied and pickled with the module); the old
+    attribute names read it, and the mixin's options fill its fields."""
+    head_loss = FLCEHeadLoss(
+        ignore_index=-1, label_smoothing=0.1, z_loss=1e-3, accum_fp32=True, chunk_size=64
+    )
+    assert head_loss.options == FLCEOptions(
+        ignore_index=-1, label_smoothing=0.1, lse_square_scale=1e-3, accum_dtype=torch.float32, chunk_size=64
+    )
+    assert (head_loss.ignore_index, head_loss.label_smoothing, head_loss.z_loss) == (-1, 0.1, 1e-3)
+    assert head_loss.accum_fp32 and head_loss.chunk_size == 64 and head_loss.impl == "auto"
+    with pytest.raises(AttributeError):
+        head_loss.z_loss = 0.5  # read-only: the record is the one copy
+    assert FLCEHeadLoss.from_options(head_loss.options).options is head_loss.options
+    with pytest.raises(TypeError, match="FLCEOptions record"):
+        FLCEHeadLoss.from_options({"ignore_index": -1})
+
+    model = tiny_gpt(flce_z_loss=1e-3, flce_softcap=30.0, flce_logits_precision="fp32", flce_ignore_index=-1)
+    assert model.flce_options is model.flce_head_loss.options
+    assert model.flce_options._replace(lse_square_scale=0.0, softcap=None, logits_precision="input") == (
+        FLCEOptions(ignore_index=-1)
+    )
+    assert (model.flce_ignore_index, model.flce_softcap, model.flce_normalize) == (-1, 30.0, "step")
+    assert pickle.loads(pickle.dumps(model)).flce_options == model.flce_options
+    assert copy.deepcopy(model).flce_options == model.flce_options
