@@ -90,6 +90,44 @@ def test_head_loss_weights_every_summand(reduction, naive, logit_scale):
         torch.testing.assert_close(param.grad.double(), getattr(reference_head, name).grad, **FP32, msg=name)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_head_loss_weights_every_summand_on_cuda(reduction, dtype):
+    """The Triton path against float64 of the same operands, with the op's CUDA tolerances
+    (``test_op_cuda.py``): fp32 1e-5 relative; bf16 1e-3 (loss) and 2e-2 (gradients), its logits being rounded
+    to bf16. Non-negative weights here, so that the relative error of the weighted sum is meaningful."""
+    loss_tol, grad_tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-3, 2e-2)
+    torch.manual_seed(0)
+    head = nn.Linear(64, 1000, device="cuda", dtype=dtype)
+    hidden = torch.randn(4, 256, 64, device="cuda", dtype=dtype, requires_grad=True)
+    labels, token_weight = weights_and_labels((4, 256))
+    labels, token_weight = (labels % 1000).cuda(), token_weight.abs().cuda()
+    labels[0, :5] = -100
+    head_loss = FLCEHeadLoss(label_smoothing=0.1, z_loss=1e-2, chunk_size=300, impl="triton", softcap=30.0)
+    loss = head_loss(head, hidden, labels, reduction=reduction, token_weight=token_weight)
+    loss.backward()
+    reference_head = copy.deepcopy(head).double()
+    reference_hidden = hidden.detach().double().requires_grad_()
+    expected = weighted_reference(
+        reference_head(reference_hidden),
+        labels,
+        token_weight,
+        reduction=reduction,
+        label_smoothing=0.1,
+        z_loss=1e-2,
+        softcap=30.0,
+    )
+    expected.backward()
+
+    def relative_error(got, want):
+        return ((got.double() - want).norm() / want.norm()).item()
+
+    assert relative_error(loss, expected) < loss_tol
+    assert relative_error(hidden.grad, reference_hidden.grad) < grad_tol
+    assert relative_error(head.weight.grad, reference_head.weight.grad) < grad_tol
+
+
 def test_head_loss_refuses_bad_token_weights_before_any_kernel():
     head = nn.Linear(HIDDEN, VOCAB)
     hidden = torch.randn(2, SEQ, HIDDEN)
