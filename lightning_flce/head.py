@@ -59,6 +59,12 @@ class FLCEHeadLoss(nn.Module):
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
         naive: compute the plain logits and ``F.cross_entropy`` instead (same result, [N, V] memory),
             for comparisons.
+        softcap: logit soft-capping ``c * tanh(logits / c)`` of every call that passes none.
+        logits_precision: ``"input"``, ``"fp32"`` or ``"fp32_head"`` (see
+            :func:`~lightning_flce.fused_linear_cross_entropy`).
+
+    The options are kept as one :class:`~lightning_flce.options.FLCEOptions` record, ``self.options``
+    (:meth:`from_options` takes a record); the attributes of the same names read it.
 
     Example::
 
@@ -77,27 +83,45 @@ class FLCEHeadLoss(nn.Module):
         chunk_size: Optional[int] = None,
         impl: str = "auto",
         naive: bool = False,
+        softcap: Optional[float] = None,
+        logits_precision: str = "input",
     ) -> None:
         super().__init__()
         # validated once, by the options record (its errors name this module's arguments)
         self.options = FLCEOptions.named(
-            {"lse_square_scale": "z_loss"},
+            {"lse_square_scale": "z_loss", "accum_dtype": "accum_fp32"},
             ignore_index=ignore_index,
             label_smoothing=label_smoothing,
             lse_square_scale=z_loss,
+            softcap=softcap,
+            logits_precision=logits_precision,
+            accum_dtype=torch.float32 if accum_fp32 else None,
             chunk_size=chunk_size,
             impl=impl,
         )
-        self.ignore_index = ignore_index
-        self.label_smoothing = label_smoothing
-        self.z_loss = z_loss
-        self.accum_fp32 = accum_fp32
-        self.chunk_size = chunk_size
-        self.impl = impl
         self.naive = naive
         #: (tokens, vocab) of the logits of the last call; read inside the head call, so never a shard size.
         self.last_logits_shape: Optional[tuple[int, int]] = None
         self._warned_output_hooks = False
+
+    @classmethod
+    def from_options(cls, options: FLCEOptions, *, naive: bool = False) -> FLCEHeadLoss:
+        """The head loss of an options record (its ``reduction`` and ``token_weight`` are given per call)."""
+        if not isinstance(options, FLCEOptions):
+            raise TypeError(f"options must be an FLCEOptions record, got {type(options).__name__}")
+        head_loss = cls(naive=naive)
+        head_loss.options = options
+        return head_loss
+
+    # read-only views of the record, under the names of the constructor's arguments
+    ignore_index = property(lambda self: self.options.ignore_index)
+    label_smoothing = property(lambda self: self.options.label_smoothing)
+    z_loss = property(lambda self: self.options.lse_square_scale)
+    accum_fp32 = property(lambda self: self.options.accum_dtype == torch.float32)
+    chunk_size = property(lambda self: self.options.chunk_size)
+    impl = property(lambda self: self.options.impl)
+    softcap = property(lambda self: self.options.softcap)
+    logits_precision = property(lambda self: self.options.logits_precision)
 
     def forward(
         self,
@@ -110,6 +134,7 @@ class FLCEHeadLoss(nn.Module):
         regularized: bool = True,
         logit_scale: Optional[float] = None,
         softcap: Optional[float] = None,
+        token_weight: Optional[Tensor] = None,
     ) -> Union[Tensor, FLCEOutput]:
         """Loss of ``head`` on ``hidden`` [..., H] against ``labels`` [...].
 
@@ -124,7 +149,11 @@ class FLCEHeadLoss(nn.Module):
                 (what validation perplexity is computed from).
             logit_scale: logits are multiplied by this factor (Cohere/Granite-style models); applied to
                 the hidden states and bias, so no scaled copy of the [V, H] weight is made.
-            softcap: logits -> ``softcap * tanh(logits / softcap)``, after ``logit_scale``.
+            softcap: logits -> ``softcap * tanh(logits / softcap)``, after ``logit_scale``; None: the
+                ``softcap`` option.
+            token_weight: optional float weights of the labels' shape (no gradient): each token's loss (its
+                cross-entropy and z-loss term) is multiplied by its weight; ``"mean"`` still divides by the
+                number of non-ignored tokens.
 
         """
         if hidden.dim() < 2:
@@ -137,6 +166,16 @@ class FLCEHeadLoss(nn.Module):
             raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+        options = self.options._replace(reduction=reduction)
+        if softcap is not None:
+            options = options.replace(softcap=softcap)
+        if not regularized:  # the plain cross-entropy (validation perplexity)
+            options = options._replace(label_smoothing=0.0, lse_square_scale=0.0)
+        if token_weight is not None:
+            options = options.replace(token_weight=token_weight)
+            # here, before any head call: the naive path has no op to check it (class weights: the op's or
+            # F.cross_entropy's own check, against the vocabulary this call cannot see outside the head)
+            options._replace(class_weight=None).check_tensors(0, labels, hidden.device)
 
         module = unwrap_head(head)
         _check_linear_head(module)
@@ -150,11 +189,9 @@ class FLCEHeadLoss(nn.Module):
                 module,
                 head_input,
                 labels.long(),
-                reduction=reduction,
+                options=options,
                 with_stats=with_stats,
-                regularized=regularized,
                 logit_scale=logit_scale,
-                softcap=softcap,
             )
             # a plain tuple: hooks that rebuild their outputs (FSDP, ZeRO-3) may not handle NamedTuples
             return tuple(output) if with_stats else output
@@ -197,29 +234,22 @@ class FLCEHeadLoss(nn.Module):
         hidden: Tensor,
         labels: Tensor,
         *,
-        reduction: str,
+        options: FLCEOptions,
         with_stats: bool,
-        regularized: bool,
         logit_scale: Optional[float],
-        softcap: Optional[float],
     ) -> Union[Tensor, FLCEOutput]:
         if isinstance(module, VocabParallelHead):
             return self._vocab_parallel_loss_of(
-                module,
-                hidden,
-                labels,
-                reduction=reduction,
-                with_stats=with_stats,
-                regularized=regularized,
-                logit_scale=logit_scale,
-                softcap=softcap,
+                module, hidden, labels, options=options, with_stats=with_stats, logit_scale=logit_scale
             )
         if is_peft_lora_head(module):
             # a PEFT LoRA head: the loss of one linear map with the same logits (lightning_flce/adapters.py)
-            options = dict(reduction=reduction, with_stats=with_stats, regularized=regularized)
-            options.update(logit_scale=logit_scale, softcap=softcap)
             return lora_head_loss(
-                module, hidden, lambda operands, h: self._loss_of(operands, h, labels, **options)
+                module,
+                hidden,
+                lambda operands, h: self._loss_of(
+                    operands, h, labels, options=options, with_stats=with_stats, logit_scale=logit_scale
+                ),
             )
         weight = module.weight
         bias = getattr(module, "bias", None)
@@ -231,40 +261,10 @@ class FLCEHeadLoss(nn.Module):
             hidden = hidden * logit_scale
             bias = None if bias is None else bias * logit_scale
         self.last_logits_shape = (hidden.numel() // hidden.shape[-1], weight.shape[0])
-        label_smoothing = self.label_smoothing if regularized else 0.0
-        z_loss = self.z_loss if regularized else 0.0
         if self.naive:
-            return _plain_loss(
-                hidden,
-                weight,
-                labels,
-                bias,
-                ignore_index=self.ignore_index,
-                reduction=reduction,
-                label_smoothing=label_smoothing,
-                z_loss=z_loss,
-                softcap=softcap,
-                with_stats=with_stats,
-            )
+            return _plain_loss(hidden, weight, labels, bias, options=options, with_stats=with_stats)
         op = fused_linear_cross_entropy_with_stats if with_stats else fused_linear_cross_entropy
-        return op(
-            hidden,
-            weight,
-            labels,
-            bias,
-            ignore_index=self.ignore_index,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
-            lse_square_scale=z_loss,
-            softcap=softcap,
-            accum_dtype=self._accum_dtype(weight),
-            chunk_size=self.chunk_size,
-            impl=self.impl,
-        )
-
-    def _accum_dtype(self, weight: Tensor) -> Optional[torch.dtype]:
-        # accum_fp32 widens, never narrows: an fp64 weight keeps the op's fp64 accumulator
-        return torch.float32 if self.accum_fp32 and weight.dtype != torch.float64 else None
+        return op(hidden, weight, labels, bias, **_for_weight(options, weight)._asdict())
 
     def _vocab_parallel_loss_of(
         self,
@@ -272,11 +272,9 @@ class FLCEHeadLoss(nn.Module):
         hidden: Tensor,
         labels: Tensor,
         *,
-        reduction: str,
+        options: FLCEOptions,
         with_stats: bool,
-        regularized: bool,
         logit_scale: Optional[float],
-        softcap: Optional[float],
     ) -> Union[Tensor, FLCEOutput]:
         """The head's vocab-parallel loss (collectives over ``module.group``; every rank must call it)."""
         if hidden.shape[-1] != module.in_features:
@@ -285,16 +283,7 @@ class FLCEHeadLoss(nn.Module):
                 f" {module.in_features}"
             )
         self.last_logits_shape = (hidden.numel() // hidden.shape[-1], module.vocab_size)
-        options = {
-            "ignore_index": self.ignore_index,
-            "reduction": reduction,
-            "label_smoothing": self.label_smoothing if regularized else 0.0,
-            "lse_square_scale": self.z_loss if regularized else 0.0,
-            "softcap": softcap,
-            "accum_dtype": self._accum_dtype(module.weight),
-            "chunk_size": self.chunk_size,
-            "impl": self.impl,
-        }
+        options = _for_weight(options, module.weight)._asdict()
         if logit_scale is not None:
             hidden = hidden * logit_scale
             if module.bias is not None:
@@ -312,6 +301,13 @@ class FLCEHeadLoss(nn.Module):
         if with_stats:
             return module.loss_with_stats(hidden, labels, **options)
         return module.loss(hidden, labels, **options)
+
+
+def _for_weight(options: FLCEOptions, weight: Tensor) -> FLCEOptions:
+    # accum_fp32 widens, never narrows: an fp64 weight keeps the op's fp64 accumulator
+    if options.accum_dtype == torch.float32 and weight.dtype == torch.float64:
+        return options._replace(accum_dtype=None)
+    return options
 
 
 def _check_vocab_parallel_options(head_loss: FLCEHeadLoss) -> None:
@@ -428,34 +424,51 @@ def _plain_loss(
     labels: Tensor,
     bias: Optional[Tensor],
     *,
-    ignore_index: int,
-    reduction: str,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: Optional[float],
+    options: FLCEOptions,
     with_stats: bool,
 ) -> Union[Tensor, FLCEOutput]:
     """The reference path: materialises the [N, V] logits in the op's softmax dtype (fp32; fp64 for fp64)."""
-    logits = F.linear(hidden, weight, bias)
+    if options.logits_precision == "input":
+        logits = F.linear(hidden, weight, bias)
+    else:  # fp32 logits: the GEMM widened (outside autocast, which would narrow it again)
+        wide = torch.promote_types(hidden.dtype, torch.float32)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden.to(wide), weight.to(wide), None if bias is None else bias.to(wide))
     logits = logits.to(softmax_dtype(logits.dtype)).flatten(0, -2)
+    softcap = options.softcap
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     token_shape = labels.shape
     labels = labels.flatten()
+    ignore_index = options.ignore_index
     valid = labels != ignore_index
     per_token = F.cross_entropy(
-        logits, labels, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+        logits,
+        labels,
+        weight=options.class_weight,
+        ignore_index=ignore_index,
+        reduction="none",
+        label_smoothing=options.label_smoothing,
     )
     lse = torch.logsumexp(logits, dim=-1)
-    if z_loss:
-        per_token = per_token + z_loss * lse.square() * valid
+    if options.lse_square_scale:
+        per_token = per_token + options.lse_square_scale * lse.square() * valid
+    if options.token_weight is not None:
+        per_token = per_token * options.token_weight.flatten().to(per_token.dtype)
+    reduction = options.reduction
     if reduction == "none":
         loss = per_token.view(token_shape)
     elif reduction == "sum":
         loss = per_token.sum()
     else:
-        # the sum stays connected to the graph when every token is ignored (0 / 1 instead of 0 / 0)
-        loss = per_token.sum() / valid.sum().clamp(min=1)
+        # F.cross_entropy's denominator (the class weights of the targets, else their count), never the token
+        # weights; the sum stays connected to the graph when every token is ignored (0 / 1 instead of 0 / 0)
+        if options.class_weight is None:
+            denominator = valid.sum().clamp(min=1)
+        else:
+            denominator = (options.class_weight[torch.where(valid, labels, 0)] * valid).sum()
+            denominator = torch.where(valid.any(), denominator, torch.ones_like(denominator))
+        loss = per_token.sum() / denominator
     if not with_stats:
         return loss
     with torch.no_grad():

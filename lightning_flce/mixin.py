@@ -3,21 +3,35 @@
 import difflib
 import functools
 import inspect
-import math
 from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor, nn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 
-from lightning_flce.head import FLCEHeadLoss, forward_bound_to, unwrap_head
-from lightning_flce.parallel import VocabParallelHead, register_fsdp_step_methods
+from lightning_flce.eval_metrics import TokenMetrics
+from lightning_flce.fsdp import register_fsdp_step_methods
+from lightning_flce.head import FLCEHeadLoss, unwrap_head
+from lightning_flce.head_discovery import head_logits, resolve_head
+from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch, scale_gradients
+from lightning_flce.options import FLCEOptions
+from lightning_flce.parallel import VocabParallelHead
 
-_NORMALIZE_MODES = ("step", "micro_batch")
+# the record's fields under the mixin's option names (its errors name what the user wrote)
+_OPTION_NAMES = {
+    "ignore_index": "flce_ignore_index",
+    "label_smoothing": "flce_label_smoothing",
+    "lse_square_scale": "flce_z_loss",
+    "softcap": "flce_softcap",
+    "logits_precision": "flce_logits_precision",
+    "accum_dtype": "flce_accum_fp32",
+    "chunk_size": "flce_chunk_size",
+    "impl": "flce_impl",
+}
 _NARROW_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
@@ -37,22 +51,6 @@ def _check_no_unknown_flce_options(kwargs: dict, later_classes: tuple) -> None:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
             hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {', '.join(known)}"
             raise TypeError(f"FLCEMixin got an unknown option {name!r}{hint}")
-
-
-class _Float64Mean(MeanMetric):
-    """A ``MeanMetric`` whose states stay float64. Lightning's "16-true"/"bf16-true" plugins call
-    ``module.to(dtype)``, which torchmetrics (unlike ``.half()``) lets convert metric states: an fp16 sum of
-    token losses overflows after a few thousand tokens, a bf16 one rounds."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.set_dtype(torch.float64)
-
-    def _apply(self, fn, *args, **kwargs):
-        this = super()._apply(fn, *args, **kwargs)
-        if not self._dtype_convert and this.dtype != torch.float64:
-            this.set_dtype(torch.float64)
-        return this
 
 
 class _NormalizeBeforeCallbacks(Callback):
@@ -111,6 +109,8 @@ class FLCEMixin:
         flce_accum_fp32: always accumulate the head weight gradient over chunks in float32
             (``accum_dtype=torch.float32``); ``False`` keeps the op's default (one step wider than the
             GEMM operands when there are several chunks, see :func:`~lightning_flce.fused_linear_cross_entropy`).
+        flce_logits_precision: ``"input"``, ``"fp32"`` or ``"fp32_head"``: the precision of each chunk's logits
+            (``logits_precision`` of :func:`~lightning_flce.fused_linear_cross_entropy`).
         flce_impl: ``"auto"``, ``"triton"`` or ``"torch"``.
         flce_naive: compute plain logits and ``F.cross_entropy`` instead (same normalization and logging),
             to compare memory and results.
@@ -120,9 +120,11 @@ class FLCEMixin:
             ranks, so micro-batches with few tokens weigh as much as full ones).
 
     How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses over a divisor ``D``
-    (1 unless the gradients are fp16, below), and the mixin counts its non-ignored tokens when that sum is
-    back-propagated (a ``training_step`` that returns None to skip a batch adds neither its loss nor its
-    tokens). After the last backward of the step (wrapping the optimizer closure in :meth:`optimizer_step`, or
+    (1 unless the gradients are fp16, below), and the mixin counts its non-ignored tokens at the call and adds
+    them to the step when Lightning back-propagates the step's loss (``on_before_backward``; a
+    ``training_step`` that returns None to skip a batch adds neither its loss nor its tokens). No tensor hook:
+    ``torch.compile(model)`` traces a training step without a graph break from the mixin. The arithmetic is
+    :class:`~lightning_flce.normalization.StepNormalizer`'s. After the last backward of the step (wrapping the optimizer closure in :meth:`optimizer_step`, or
     in :meth:`on_before_optimizer_step` if that override is bypassed; before gradient clipping either way) one
     ``all_reduce`` sums the step's loss, token and micro-batch counts over the ranks, and the gradients of the
     optimizer's parameters are multiplied by ``accumulate_grad_batches * world_size * D / tokens_of_step``
@@ -148,7 +150,8 @@ class FLCEMixin:
 
       Being a power of two, ``D`` changes no rounding: the final fp32 gradients equal those of ``D = 1``.
     - Overridden hooks the mixin uses must call ``super()``: ``on_fit_start`` (step totals, FSDP2 step
-      methods), ``on_validation_epoch_end`` / ``on_test_epoch_end`` (they log and reset ``val/*`` /
+      methods), ``on_train_batch_start`` and ``on_before_backward`` (a micro-batch's tokens join the step
+      there), ``on_validation_epoch_end`` / ``on_test_epoch_end`` (they log and reset ``val/*`` /
       ``test/*``; the mixin warns when an epoch's metrics were never logged).
     - If you override ``optimizer_step`` and ``on_before_optimizer_step``, call ``super()`` in one of them;
       the next training step raises otherwise. Callbacks' ``on_before_optimizer_step`` run after the
@@ -191,9 +194,17 @@ class FLCEMixin:
     Logs ``train/loss`` (mean over the tokens of the optimizer step, all ranks; per step and per epoch, so the
     loggers get ``train/loss_step`` and ``train/loss_epoch``), and ``val/loss``, ``val/perplexity``,
     ``val/token_accuracy`` (``test/...`` under ``trainer.test``) from torchmetrics ``MeanMetric`` weighted by
-    token counts; several validation dataloaders are pooled into one value of each. Validation uses the plain
-    cross-entropy (no label smoothing, no z-loss) so perplexity keeps its meaning. Inference keeps the model's normal logits path
-    (:meth:`flce_logits` gives the logits with the same scale/softcap as the loss).
+    token counts. Several validation (or test) dataloaders get one set each, under Lightning's keys
+    ``val/loss/dataloader_idx_N``, ...; the steps then need Lightning's ``dataloader_idx`` argument. ``val/loss``
+    is shown in the progress bar, and after each validation (not the sanity check) and at the end of fit a
+    rank-zero line sums the metrics up (``lightning.pytorch``'s logger, level INFO). Validation uses the plain
+    cross-entropy (no label smoothing, no z-loss) so perplexity keeps its meaning; ``token_weight`` weights it
+    too. Inference keeps the model's normal logits path (:meth:`flce_logits` gives the logits with the same
+    scale/softcap as the loss).
+
+    ``torch.compile(model)`` (Lightning compiles ``training_step``, ``validation_step``, ...): the mixin adds
+    no graph break to the training step nor to the validation step (the metrics add plain tensor sums in the
+    step and update their torchmetrics means once per dataloader at epoch end).
 
     After each call, ``self.flce_last_logits_shape = (N, V)`` (tokens of the call, ignored ones included, and
     the head's rows) and ``self.flce_last_logits_bytes = N * V * 4`` describe the float32 logits the loss did
@@ -212,6 +223,7 @@ class FLCEMixin:
         flce_z_loss: float = 0.0,
         flce_softcap: Optional[float] = None,
         flce_accum_fp32: bool = False,
+        flce_logits_precision: Literal["input", "fp32", "fp32_head"] = "input",
         flce_impl: Literal["auto", "triton", "torch"] = "auto",
         flce_naive: bool = False,
         flce_normalize: Literal["step", "micro_batch"] = "step",
@@ -220,51 +232,71 @@ class FLCEMixin:
         mro = type(self).__mro__
         _check_no_unknown_flce_options(kwargs, mro[mro.index(FLCEMixin) + 1 :])
         super().__init__(*args, **kwargs)
-        if flce_normalize not in _NORMALIZE_MODES:
-            raise ValueError(f"flce_normalize must be one of {_NORMALIZE_MODES}, got {flce_normalize!r}")
-        if flce_softcap is not None and not 0.0 < flce_softcap < math.inf:
-            raise ValueError(f"flce_softcap must be finite and > 0, or None, got {flce_softcap}")
+        if flce_normalize not in NORMALIZE_MODES:
+            raise ValueError(f"flce_normalize must be one of {NORMALIZE_MODES}, got {flce_normalize!r}")
+        # the loss options: one record, validated once, its errors naming the flce_* options
+        options = FLCEOptions.named(
+            _OPTION_NAMES,
+            ignore_index=flce_ignore_index,
+            label_smoothing=flce_label_smoothing,
+            lse_square_scale=flce_z_loss,
+            softcap=flce_softcap,
+            logits_precision=flce_logits_precision,
+            accum_dtype=torch.float32 if flce_accum_fp32 else None,
+            chunk_size=flce_chunk_size,
+            impl=flce_impl,
+        )
         self.flce_head = flce_head
-        self.flce_ignore_index = flce_ignore_index
-        self.flce_softcap = flce_softcap
-        self.flce_naive = flce_naive
-        self.flce_normalize = flce_normalize
-        try:
-            self.flce_head_loss = FLCEHeadLoss(
-                ignore_index=flce_ignore_index,
-                label_smoothing=flce_label_smoothing,
-                z_loss=flce_z_loss,
-                accum_fp32=flce_accum_fp32,
-                chunk_size=flce_chunk_size,
-                impl=flce_impl,
-                naive=flce_naive,
-            )
-        except ValueError as error:  # FLCEHeadLoss names its arguments without the mixin's prefix
-            raise ValueError(f"flce_{error}") from None
-        # token-weighted means; their states are not persistent, so checkpoints do not change
-        self.flce_eval_loss = _Float64Mean()
-        self.flce_eval_accuracy = _Float64Mean()
-        # which evaluation the unlogged metric updates are from (see _flce_check_eval_logged)
-        self._flce_eval_pending: Optional[tuple] = None
+        self.flce_head_loss = FLCEHeadLoss.from_options(options, naive=flce_naive)
+        #: the arithmetic of flce_normalize (token totals of the optimizer step, fp16 divisor, gradient scale)
+        self.flce_step_normalizer = StepNormalizer(flce_normalize)
+        self._flce_unweighted_term_watch = UnweightedTermWatch()
+        #: token-weighted val/test metrics, one set per dataloader
+        self.flce_eval_metrics = TokenMetrics()
+        self._flce_eval_stage: Optional[str] = None  # the stage whose metrics are not logged yet
+        #: the metrics logged at the end of the last validation (``{"val/loss": ..., ...}``)
+        self.flce_last_eval_metrics: dict[str, float] = {}
         self.flce_last_logits_shape: Optional[tuple[int, int]] = None
         self.flce_last_logits_bytes: Optional[int] = None
         self.flce_last_num_tokens: Optional[Tensor] = None
         self._flce_last_loss_weight: Optional[Tensor] = None
-        # "step": the autograd nodes of this micro-batch's flce_loss outputs, and whether the step read
-        # flce_last_loss_weight (see on_before_backward)
-        self._flce_loss_nodes: list = []
-        self._flce_loss_weight_read = False
-        self._flce_warned_unweighted_term = False
-        # [loss sum, token count, micro-batches] of the optimizer step in progress, and its global step
-        self._flce_step_totals: Optional[Tensor] = None
-        # "step": the power of two the micro-batches' token sums are divided by (D in the class docstring);
-        # None until agreed over the ranks (fp16 gradients)
-        self._flce_grad_divisor: Optional[float] = 1.0
-        self._flce_step_index: Optional[int] = None
+
+    # read-only views of the options record (one copy, in flce_head_loss.options)
+    @property
+    def flce_options(self) -> FLCEOptions:
+        """The loss options as one :class:`~lightning_flce.options.FLCEOptions` record."""
+        return self.flce_head_loss.options
+
+    @property
+    def flce_ignore_index(self) -> int:
+        return self.flce_options.ignore_index
+
+    @property
+    def flce_softcap(self) -> Optional[float]:
+        return self.flce_options.softcap
+
+    @property
+    def flce_naive(self) -> bool:
+        return self.flce_head_loss.naive
+
+    @property
+    def flce_normalize(self) -> str:
+        return self.flce_step_normalizer.mode
+
+    @property
+    def flce_eval_loss(self) -> MeanMetric:
+        """The token-weighted mean loss of the (first) evaluation dataloader."""
+        return self.flce_eval_metrics.loaders["0"].loss
+
+    @property
+    def flce_eval_accuracy(self) -> MeanMetric:
+        return self.flce_eval_metrics.loaders["0"].accuracy
 
     # ------------------------------------------------------------------ loss
 
-    def flce_loss(self, hidden: Tensor, labels: Tensor, *, shift: bool = False) -> Tensor:
+    def flce_loss(
+        self, hidden: Tensor, labels: Tensor, *, shift: bool = False, token_weight: Optional[Tensor] = None
+    ) -> Tensor:
         """LM loss of ``hidden`` [..., H] against ``labels`` [...], without the logits.
 
         Args:
@@ -272,6 +304,10 @@ class FLCEMixin:
             labels: target token ids, same leading shape as ``hidden``; ``flce_ignore_index`` is ignored.
             shift: ``labels`` are the input ids (Hugging Face convention): position t is scored against
                 label t + 1, the last position of each sequence is ignored.
+            token_weight: optional float weights of the labels' shape (no gradient; shifted with them when
+                ``shift``): each token's loss (its cross-entropy with label smoothing, and its z-loss term) is
+                multiplied by its weight. The means stay over the non-ignored tokens, unweighted (so under
+                ``"step"`` the weighted token sum is divided by the step's token count).
 
         Returns:
             The mean over the non-ignored tokens (0 if there are none). During ``fit`` with
@@ -284,23 +320,34 @@ class FLCEMixin:
                 f"flce_loss takes the final hidden states and the labels as tensors, got {type(hidden).__name__}"
                 f" and {type(labels).__name__} (a model output tuple? pass its hidden-state tensor)"
             )
+        if token_weight is not None:
+            # checked before the shift, which would keep a wrong shape but hide whose shape it was
+            if not isinstance(token_weight, Tensor):
+                raise TypeError(f"token_weight must be a tensor or None, got {type(token_weight).__name__}")
+            if token_weight.shape != labels.shape:
+                raise ValueError(
+                    f"token_weight must have the labels' shape {tuple(labels.shape)}, got {tuple(token_weight.shape)}"
+                )
         if labels.dtype in _NARROW_INT_DTYPES:  # ignore_index (-100) does not fit uint8, say
             labels = labels.long()
         if shift:
             # shift the labels rather than the hidden states: no copy of the [B, T, H] activations
-            labels = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=self.flce_ignore_index)
+            labels = F.pad(labels[..., 1:], (0, 1), value=self.flce_ignore_index)
+            if token_weight is not None:
+                token_weight = F.pad(token_weight[..., 1:], (0, 1), value=0)
         stage = self._flce_stage()
-        head, logit_scale, softcap = self._flce_resolve_head()
+        head = resolve_head(self, self.flce_head, self.flce_softcap)
         evaluating = stage in ("val", "test")
         output = self.flce_head_loss(
-            head,
+            head.module,
             hidden,
             labels,
             reduction="sum",
             with_stats=evaluating,
             regularized=not evaluating,
-            logit_scale=logit_scale,
-            softcap=softcap,
+            logit_scale=head.logit_scale,
+            softcap=head.softcap,
+            token_weight=token_weight,
         )
         loss_sum = output.loss if evaluating else output
         num_tokens = (labels != self.flce_ignore_index).sum()
@@ -309,67 +356,37 @@ class FLCEMixin:
         # the naive path builds the logits it reports: nothing avoided
         self.flce_last_logits_bytes = 0 if self.flce_naive else num_logits[0] * num_logits[1] * 4
         self.flce_last_num_tokens = num_tokens
-        step_normalized = stage == "train" and self.flce_normalize == "step"
-        if not step_normalized:
-            self._flce_last_loss_weight = torch.ones((), device=num_tokens.device)
-        mean = loss_sum / num_tokens.clamp(min=1)
 
-        if evaluating:
-            self._flce_check_eval_logged(stage)
-            weight = num_tokens.to(torch.float32)
-            self.flce_eval_loss.update(mean.detach().float(), weight)
-            self.flce_eval_accuracy.update(output.correct.sum() / num_tokens.clamp(min=1), weight)
-            return mean
+        normalizer = self.flce_step_normalizer
         if stage != "train":
-            return mean
-        if step_normalized and self._flce_grad_divisor is None:
-            self._flce_grad_divisor = self._flce_first_grad_divisor(labels.numel(), num_tokens.device)
-        totals = torch.stack(
-            [loss_sum.detach().double(), num_tokens.double(), num_tokens.new_ones((), dtype=torch.float64)]
-        )
-        if loss_sum.requires_grad:
-            # counted when back-propagated: a training_step that returns None (a skipped batch) adds nothing
-            loss_sum.register_hook(functools.partial(self._flce_count_backward, totals))
-        else:
-            self._flce_add_to_step(totals)
-        if step_normalized:
-            divisor = self._flce_grad_divisor
-            self._flce_last_loss_weight = num_tokens.float() / divisor
-            # value: the micro-batch mean; gradient: the token sum's / divisor (normalized at the optimizer step)
-            loss = mean.detach() + (loss_sum - loss_sum.detach()) / divisor
-            watch = not self._flce_warned_unweighted_term and not torch.compiler.is_compiling()
-            if watch and loss.grad_fn is not None:
-                # bounded: hooks overridden without super() never clear the list
-                self._flce_loss_nodes = [*self._flce_loss_nodes[-15:], loss.grad_fn]
-            return loss
-        return mean
+            self._flce_last_loss_weight = torch.ones((), device=num_tokens.device)
+            if evaluating:
+                self.flce_eval_metrics.add(
+                    self._flce_dataloader_idx(), loss_sum, output.correct.sum(), num_tokens
+                )
+                self._flce_eval_stage = stage
+            return loss_sum / num_tokens.clamp(min=1)
+        if normalizer.needs_divisor:
+            normalizer.agree_first_divisor(labels.numel(), self._flce_mean_over_ranks(num_tokens.device))
+        normalizer.count(loss_sum, num_tokens)
+        if not loss_sum.requires_grad:  # nothing to back-propagate: counted now
+            normalizer.commit(self.trainer.global_step)
+        loss, self._flce_last_loss_weight = normalizer.loss_to_backward(loss_sum, num_tokens)
+        if normalizer.rescales:
+            self._flce_unweighted_term_watch.record(loss)
+        return loss
 
     @property
     def flce_last_loss_weight(self) -> Optional[Tensor]:
         """Weight that makes another loss term (a micro-batch mean) count per token like the last ``flce_loss``
         output: its tokens over ``D`` under ``flce_normalize="step"`` in training, else 1 (a 0-d tensor; None
         before the first call). See the class docstring."""
-        self._flce_loss_weight_read = True
+        self._flce_unweighted_term_watch.mark_weight_read()
         return self._flce_last_loss_weight
 
     def flce_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the head on ``hidden`` with the loss's logit scale and softcap (inference path)."""
-        head, logit_scale, softcap = self._flce_resolve_head()
-        module = unwrap_head(head)
-        if isinstance(module, VocabParallelHead):
-            # its own call gives this rank's columns only: all-gather the full [..., V]
-            logits = module.gather_logits(hidden)
-        elif isinstance(module, nn.Embedding):
-            # the output matrix of a tied head: called (hooks gather a sharded weight) with a linear forward
-            with forward_bound_to(module, lambda h: F.linear(h, module.weight)):
-                logits = head(hidden)
-        else:
-            logits = head(hidden)
-        if logit_scale is not None:
-            logits = logits * logit_scale
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        return logits
+        return head_logits(resolve_head(self, self.flce_head, self.flce_softcap), hidden)
 
     # ----------------------------------------------------------------- hooks
 
@@ -408,10 +425,8 @@ class FLCEMixin:
     def on_fit_start(self) -> None:
         # FSDP2 unshards parameters only around forward(); the loss runs in the step methods.
         register_fsdp_step_methods(self)
-        self._flce_step_totals = None
-        self._flce_step_index = None
-        # fp16 gradients: agreed afresh at the first training call (this fit's ranks and batches may differ)
-        self._flce_grad_divisor = None if self._flce_fp16_gradients() else 1.0
+        # fp16 gradients: D is agreed afresh at the first training call (this fit's ranks and batches may differ)
+        self.flce_step_normalizer.start_fit(fp16_gradients=self._flce_fp16_gradients())
         if self.flce_normalize == "step" and "DeepSpeed" in type(self.trainer.strategy).__name__:
             raise ValueError(
                 "flce_normalize='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
@@ -426,22 +441,17 @@ class FLCEMixin:
         super().on_fit_start()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
-        self._flce_loss_nodes = []  # a skipped backward leaves its nodes (and their graph) behind
-        self._flce_loss_weight_read = False
+        # what a skipped batch (training_step returned None) counted is never back-propagated: forget it
+        self.flce_step_normalizer.discard_pending()
+        self._flce_unweighted_term_watch.reset()
         return super().on_train_batch_start(batch, batch_idx)
 
     def on_before_backward(self, loss: Tensor) -> None:
+        # the micro-batch's flce_loss calls are back-propagated now: their tokens join the optimizer step
+        self.flce_step_normalizer.commit(self.trainer.global_step)
         # "step" rescales every gradient at the optimizer step for the LM loss's token sum, so a term added to
         # flce_loss's output without flce_last_loss_weight is silently weighted ~1 / tokens: warn once.
-        nodes, self._flce_loss_nodes = self._flce_loss_nodes, []
-        weight_read, self._flce_loss_weight_read = self._flce_loss_weight_read, False
-        if (
-            nodes
-            and not weight_read
-            and not self._flce_warned_unweighted_term
-            and _has_other_terms(loss, nodes)
-        ):
-            self._flce_warned_unweighted_term = True
+        if self._flce_unweighted_term_watch.should_warn(loss):
             rank_zero_warn(
                 "FLCEMixin: the loss back-propagated in this training step has terms besides flce_loss's output."
                 " With flce_normalize='step' every gradient is rescaled at the optimizer step for the LM loss's"
@@ -463,6 +473,14 @@ class FLCEMixin:
         register_fsdp_step_methods(self)
         super().on_predict_start()
 
+    def on_validation_epoch_start(self) -> None:
+        self._flce_start_eval_epoch(len(self.trainer.num_val_batches))
+        super().on_validation_epoch_start()
+
+    def on_test_epoch_start(self) -> None:
+        self._flce_start_eval_epoch(len(self.trainer.num_test_batches))
+        super().on_test_epoch_start()
+
     def on_validation_epoch_end(self) -> None:
         self._flce_log_eval("val")
         super().on_validation_epoch_end()
@@ -470,6 +488,11 @@ class FLCEMixin:
     def on_test_epoch_end(self) -> None:
         self._flce_log_eval("test")
         super().on_test_epoch_end()
+
+    def on_fit_end(self) -> None:
+        if self.flce_last_eval_metrics:
+            rank_zero_info(f"FLCEMixin: last validation: {_summary(self.flce_last_eval_metrics)}")
+        super().on_fit_end()
 
     # --------------------------------------------------------------- helpers
 
@@ -485,39 +508,10 @@ class FLCEMixin:
             return "test"
         return None
 
-    def _flce_resolve_head(self) -> tuple[nn.Module, Optional[float], Optional[float]]:
-        """(head module, logit scale, softcap), resolved at each call."""
-        hf_model = self._flce_hf_model()
-        if self.flce_head is not None:
-            head = self
-            for name in self.flce_head.split("."):
-                if not hasattr(head, name):
-                    raise AttributeError(
-                        f"flce_head={self.flce_head!r}: {type(head).__name__} has no attribute {name!r}"
-                    )
-                head = getattr(head, name)
-        elif hf_model is not None:
-            head = hf_model.get_output_embeddings()
-            if head is None:
-                raise AttributeError(
-                    f"{type(hf_model).__name__}.get_output_embeddings() returned None; set flce_head"
-                )
-        else:
-            head = getattr(self, "lm_head", None)
-            if head is None:
-                raise AttributeError(
-                    f"{type(self).__name__} has no `lm_head`; set flce_head to the attribute path of the LM head"
-                )
-        if not isinstance(head, nn.Module):
-            raise TypeError(f"The LM head must be an nn.Module, got {type(head).__name__}")
-        if hf_model is None or head is not hf_model.get_output_embeddings():
-            return head, None, self.flce_softcap
-        return head, *self._flce_hf_logit_transform(hf_model)
-
     def _flce_check_vocab_parallel_layout(self) -> None:
         """Raises for the strategies that cannot train a vocab-parallel head (see the class docstring)."""
         try:
-            module = unwrap_head(self._flce_resolve_head()[0])
+            module = unwrap_head(resolve_head(self, self.flce_head, self.flce_softcap).module)
         except (AttributeError, TypeError, ValueError):
             return  # no usable head yet: flce_loss raises its own error when it is called
         if not isinstance(module, VocabParallelHead):
@@ -544,64 +538,19 @@ class FLCEMixin:
                 f" group size {tp_size}; the head's group must be a tensor-parallel group inside the world"
             )
 
-    def _flce_hf_model(self) -> Optional[nn.Module]:
-        """The Hugging Face model that is this module or its only direct child with an LM head."""
-
-        def is_hf_model(module: Any) -> bool:
-            return callable(getattr(module, "get_output_embeddings", None)) and hasattr(module, "config")
-
-        if is_hf_model(self):
-            return self
-        found = [child for child in self.children() if is_hf_model(child)]
-        return found[0] if len(found) == 1 else None
-
-    def _flce_hf_logit_transform(self, hf_model: nn.Module) -> tuple[Optional[float], Optional[float]]:
-        """(logit scale, softcap) that the Hugging Face model applies after its LM head."""
-        config = hf_model.config
-        softcap = getattr(config, "final_logit_softcapping", None)
-        if self.flce_softcap is not None and self.flce_softcap != softcap:
-            raise ValueError(
-                f"flce_softcap={self.flce_softcap} differs from the model's config.final_logit_softcapping={softcap};"
-                " set the softcap in the model config so that inference applies it too"
-            )
-        scale = getattr(hf_model, "logit_scale", None)  # Cohere: logits * logit_scale
-        if isinstance(scale, Tensor):
-            raise NotImplementedError(
-                f"{type(hf_model).__name__} has a tensor logit_scale (per-vocab or learned); FLCE supports scalars"
-            )
-        logits_scaling = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
-        if logits_scaling is not None:
-            scale = (1.0 if scale is None else scale) / logits_scaling
-        return (None if scale is None or scale == 1.0 else float(scale)), softcap
+    def _flce_dataloader_idx(self) -> Optional[int]:
+        """The evaluation dataloader of the batch in progress; None when there is only one."""
+        results = getattr(self._trainer, "_results", None)
+        return getattr(results, "dataloader_idx", None)
 
     def _flce_fp16_gradients(self) -> bool:
         return str(getattr(self.trainer, "precision", "")) in ("16-mixed", "16-true")
 
-    def _flce_first_grad_divisor(self, labels: int, device: torch.device) -> float:
-        """fp16: the divisor of a fit's first step, from the ranks' mean size of their first micro-batch."""
-        size = torch.tensor(float(labels), dtype=torch.float64, device=device)
+    def _flce_mean_over_ranks(self, device: torch.device) -> Optional[Callable[[Tensor], Tensor]]:
         trainer = self.trainer
-        if trainer.world_size > 1:
-            size = trainer.strategy.reduce(size, reduce_op="mean")
-        return _power_of_two_at_least(size.item())
-
-    def _flce_count_backward(self, totals: Tensor, grad: Tensor) -> None:
-        self._flce_add_to_step(totals)
-
-    def _flce_add_to_step(self, totals: Tensor) -> None:
-        """Adds a micro-batch's [loss sum, token count, 1] to the optimizer step's."""
-        step = self.trainer.global_step
-        if self._flce_step_totals is not None and self._flce_step_index != step:
-            if self.flce_normalize == "step":
-                raise RuntimeError(
-                    "The optimizer stepped without FLCEMixin normalizing the gradients of the step: an override of"
-                    " `optimizer_step` or `on_before_optimizer_step` must call super() (one of the two is enough)"
-                )
-            self._flce_step_totals = None
-        if self._flce_step_totals is None:
-            self._flce_step_totals, self._flce_step_index = totals, step
-        else:
-            self._flce_step_totals = self._flce_step_totals + totals
+        if trainer.world_size == 1:
+            return None
+        return lambda size: trainer.strategy.reduce(size.to(device), reduce_op="mean")
 
     def _flce_closure_then_normalize(self, closure: Callable[[], Any], optimizer: Optimizer) -> Any:
         result = closure()
@@ -617,103 +566,87 @@ class FLCEMixin:
         """Sums the step's loss and tokens over ranks, logs ``train/loss`` and (``"step"``) rescales the grads:
         those of ``optimizer`` under automatic optimization (its only optimizer), else of every parameter
         (manual optimization may step several optimizers, and normalizes at the first)."""
-        totals = self._flce_step_totals
-        if totals is None:
-            return
-        self._flce_step_totals = None
         trainer = self.trainer
         # With a VocabParallelHead inside a DP x TP world, each token is counted once per TP rank here, and
-        # world_size (below) includes the TP ranks too: the TP factor cancels in the scale and the logged mean.
+        # world_size includes the TP ranks too: the TP factor cancels in the scale and the logged mean.
         # With one single-device Trainer per TP rank, world_size is 1 and the local count is the step's count.
-        if trainer.world_size > 1:
-            totals = trainer.strategy.reduce(totals, reduce_op="sum")
-        loss_sum, num_tokens, micro_batches = totals.tolist()
-        if self.flce_normalize == "step":
-            accumulation = trainer.accumulate_grad_batches if self.automatic_optimization else 1
-            scale = accumulation * trainer.world_size * self._flce_grad_divisor / max(num_tokens, 1.0)
-            if self._flce_fp16_gradients():
-                # these totals are the same on every rank, so is the next step's divisor
-                per_micro_batch = _power_of_two_at_least(num_tokens / max(micro_batches, 1.0))
-                self._flce_grad_divisor = max(self._flce_grad_divisor, per_micro_batch)
+        finished = self.flce_step_normalizer.finish(
+            world_size=trainer.world_size,
+            accumulation=trainer.accumulate_grad_batches if self.automatic_optimization else 1,
+            fp16_gradients=self._flce_fp16_gradients(),
+            sum_over_ranks=(
+                (lambda totals: trainer.strategy.reduce(totals, reduce_op="sum"))
+                if trainer.world_size > 1
+                else None
+            ),
+        )
+        if finished is None:
+            return
+        if finished.grad_scale is not None:
             if self.automatic_optimization and optimizer is not None:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
             else:
                 params = list(self.parameters())
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, scale)
+            scale_gradients(params, finished.grad_scale)
         self.log(
             "train/loss",
-            loss_sum / max(num_tokens, 1.0),
+            finished.mean_loss,
             on_step=True,
             on_epoch=True,
             prog_bar=True,
-            batch_size=max(int(num_tokens), 1),
+            batch_size=max(int(finished.num_tokens), 1),
             # the value is global already: Lightning's sync averages equal values (and does not warn)
             sync_dist=True,
         )
 
-    def _flce_check_eval_logged(self, stage: str) -> None:
-        # which evaluation this update belongs to: stage, trainer (a token object kept alive here, so a new
-        # trainer at a reused address still differs), epoch, step
-        trainer = self._trainer
-        token = None
-        if trainer is not None:
-            token = trainer.__dict__.setdefault("_flce_eval_token", object())
-        key = (stage, token, getattr(trainer, "current_epoch", None), getattr(trainer, "global_step", None))
-        pending = self._flce_eval_pending
-        if pending is not None and pending != key:
+    def _flce_start_eval_epoch(self, num_dataloaders: int) -> None:
+        stage, self._flce_eval_stage = self._flce_eval_stage, None
+        metrics = self.flce_eval_metrics
+        if stage is not None and metrics.pending:
             rank_zero_warn(
-                f"FLCEMixin: the {pending[0]} metrics of an earlier evaluation were never logged; an overridden"
+                f"FLCEMixin: the {stage} metrics of an earlier evaluation were never logged; an overridden"
                 " on_validation_epoch_end / on_test_epoch_end must call super() (it logs and resets them). They"
                 " now mix evaluations."
             )
-        self._flce_eval_pending = key
+        # the sums the steps add to (made here, so that a compiled step finds them and does not recompile)
+        metrics.start([None] if num_dataloaders <= 1 else range(num_dataloaders), self.device)
 
     def _flce_log_eval(self, prefix: str) -> None:
-        self._flce_eval_pending = None
-        if self.flce_eval_loss.update_count == 0:
+        """Logs ``{prefix}/loss``, ``/perplexity`` and ``/token_accuracy`` (``.../dataloader_idx_N`` for each of
+        several dataloaders, as Lightning names metrics logged in their steps), and a one-line summary."""
+        self._flce_eval_stage = None
+        metrics = {}
+        for dataloader_idx, values in self.flce_eval_metrics.compute().items():
+            suffix = "" if dataloader_idx is None else f"/dataloader_idx_{dataloader_idx}"
+            metrics.update({f"{prefix}/{name}{suffix}": value for name, value in values.items()})
+        if not metrics:
             return
-        loss = self.flce_eval_loss.compute()
-        accuracy = self.flce_eval_accuracy.compute()
-        self.flce_eval_loss.reset()
-        self.flce_eval_accuracy.reset()
-        self.log_dict(
-            {
-                f"{prefix}/loss": loss,
-                f"{prefix}/perplexity": torch.exp(loss),
-                f"{prefix}/token_accuracy": accuracy,
-            },
-            prog_bar=False,
-            sync_dist=True,  # torchmetrics synced them: equal on every rank, as above
-        )
+        trainer = self._trainer
+        for name, value in metrics.items():
+            self.log(
+                name,
+                value,
+                prog_bar=name.startswith(f"{prefix}/loss"),
+                sync_dist=True,  # torchmetrics synced them: equal on every rank, as above
+                add_dataloader_idx=False,  # named above (epoch end is outside any dataloader)
+            )
+        if trainer is not None and trainer.sanity_checking:
+            return
+        values = {name: float(value) for name, value in metrics.items()}
+        if prefix == "val":
+            self.flce_last_eval_metrics = values
+        where = "" if trainer is None else f" (epoch {trainer.current_epoch}, step {trainer.global_step})"
+        rank_zero_info(f"FLCEMixin {prefix}{where}: {_summary(values)}")
 
 
-def _power_of_two_at_least(value: float) -> float:
-    return 2.0 ** math.ceil(math.log2(max(value, 1.0)))
-
-
-# Scalar arithmetic a loss goes through between flce_loss and backward (Lightning divides by
-# accumulate_grad_batches; users scale or add flce_loss outputs, e.g. two heads).
-_ARITHMETIC_NODES = frozenset(
-    {"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0", "NegBackward0"}
-)
-
-
-def _has_other_terms(loss: Tensor, flce_nodes: list) -> bool:
-    """Whether ``loss``'s graph, followed through arithmetic only, reaches one of ``flce_nodes`` (the ``grad_fn``
-    of this micro-batch's ``flce_loss`` outputs) and something else but constants. A graph the walk cannot see
-    into (a compiled region, say) counts as no: the warning is for the plain case, never a false alarm."""
-    found_flce = found_other = False
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None:
-            continue
-        if any(node is flce_node for flce_node in flce_nodes):
-            found_flce = True
-        elif type(node).__name__ in _ARITHMETIC_NODES:
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        else:
-            found_other = True
-    return found_flce and found_other
+def _summary(metrics: dict[str, float]) -> str:
+    """``loss 5.1300, perplexity 169.0, token accuracy 0.2310`` (per dataloader: ``[dataloader 1] ...``)."""
+    groups: dict[str, list] = {}
+    for name, value in metrics.items():
+        stem, _, loader = name.partition("/dataloader_idx_")
+        label = stem.split("/", 1)[1].replace("_", " ")
+        text = f"{label} {value:.4f}" if label != "perplexity" else f"{label} {value:.4g}"
+        groups.setdefault(loader, []).append(text)
+    return "; ".join(
+        (f"[dataloader {loader}] " if loader else "") + ", ".join(texts) for loader, texts in groups.items()
+    )

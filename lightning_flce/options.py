@@ -65,6 +65,10 @@ class FLCEOptions(_OptionFields):
         passed."""
         return _validated(_OptionFields.__new__(cls, **values), names)
 
+    def __getnewargs_ex__(self) -> tuple:
+        # copy and pickle rebuild the record by keyword (its __new__ takes no positional values)
+        return (), self._asdict()
+
     @classmethod
     def field_names(cls) -> tuple:
         """The option names, in declaration order."""

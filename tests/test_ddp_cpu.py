@@ -7,6 +7,8 @@ The reference is a float64 copy of the model on all samples at once. fp32 tolera
 (rounding through a 1-layer model, about 1e-6 relative; the gloo all-reduce adds one fp32 rounding);
 ``16-mixed`` (fp16 autocast on the CPU, Lightning's GradScaler at 2^16) within 1e-2 relative L2 per gradient:
 1.1e-3 measured, and 0.34 when the ranks take their own fp16 divisors in ``FLCEMixin`` instead of agreeing.
+With per-token weights (the batch key ``token_weight``), the step's loss is the weighted token sum over the
+unweighted token count of both ranks.
 """
 
 import copy
@@ -40,12 +42,13 @@ def tiny_gpt() -> TinyGPT:
 SHORT = (1, 3)  # samples that end after 3 tokens (their later labels ignored)
 
 
-def samples() -> list[dict[str, torch.Tensor]]:
+def samples(weighted: bool = False) -> list[dict[str, torch.Tensor]]:
     """Sample i ignores its first i labels, samples 5 and 7 all of theirs, samples 1 and 3 every label after
     the third. :class:`EveryOtherSample` gives rank 1 the odd samples, so its second micro-batch ([5, 7]) has no label
     at all, and its first ([1, 3]) is cut to 3 positions by :func:`trim`: 6 labels against rank 0's 16, so
     under fp16 the ranks must agree on one divisor (16), not take 8 and 16."""
     generator = torch.Generator().manual_seed(2)
+    weights = torch.Generator().manual_seed(3)
     data = []
     for index in range(NUM_SAMPLES):
         tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=generator)
@@ -54,6 +57,8 @@ def samples() -> list[dict[str, torch.Tensor]]:
         if index in SHORT:
             labels[3:] = -100
         data.append({"input_ids": tokens[:-1], "labels": labels})
+        if weighted:  # negative and zero weights too (advantages)
+            data[-1]["token_weight"] = torch.randn(SEQ, generator=weights).clamp(min=-0.5)
     return data
 
 
@@ -74,7 +79,10 @@ def trim(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     labels = torch.stack([s["labels"] for s in batch])
     used = (labels != -100).any(0).nonzero()
     length = int(used.max()) + 1 if used.numel() else 1
-    return {"input_ids": input_ids[:, :length], "labels": labels[:, :length]}
+    trimmed = {"input_ids": input_ids[:, :length], "labels": labels[:, :length]}
+    if "token_weight" in batch[0]:
+        trimmed["token_weight"] = torch.stack([s["token_weight"] for s in batch])[:, :length]
+    return trimmed
 
 
 class SaveStep(Callback):
@@ -93,7 +101,7 @@ class SaveStep(Callback):
             self.grads = None
 
 
-def run_ddp(out_dir: str, precision: str) -> None:
+def run_ddp(out_dir: str, precision: str, weighted: bool) -> None:
     torch.set_num_threads(1)  # two processes on a small CPU
     # Trainer(precision="16-mixed") turns into bf16-mixed on the CPU; the plugin keeps fp16 and its scaler
     fp16 = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))] if precision == "16-mixed" else []
@@ -112,14 +120,19 @@ def run_ddp(out_dir: str, precision: str) -> None:
         callbacks=[SaveStep(out_dir)],
         use_distributed_sampler=False,  # EveryOtherSample: Lightning's would shuffle
     )
-    trainer.fit(tiny_gpt(), DataLoader(samples(), batch_size=2, sampler=EveryOtherSample(), collate_fn=trim))
+    loader = DataLoader(samples(weighted), batch_size=2, sampler=EveryOtherSample(), collate_fn=trim)
+    trainer.fit(tiny_gpt(), loader)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-def test_ddp_step_equals_one_process_on_the_global_batch(tmp_path, precision):
+@pytest.mark.parametrize(
+    ("precision", "weighted"),
+    [("32-true", False), ("16-mixed", False), ("32-true", True)],
+    ids=["32-true", "16-mixed", "32-true-token-weights"],
+)
+def test_ddp_step_equals_one_process_on_the_global_batch(tmp_path, precision, weighted):
     result = subprocess.run(
-        [sys.executable, __file__, str(tmp_path), precision],
+        [sys.executable, __file__, str(tmp_path), precision, str(int(weighted))],
         capture_output=True,
         text=True,
         timeout=180,
@@ -128,10 +141,13 @@ def test_ddp_step_equals_one_process_on_the_global_batch(tmp_path, precision):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     reference = copy.deepcopy(tiny_gpt()).double()
-    data = samples()
+    data = samples(weighted)
     input_ids = torch.stack([s["input_ids"] for s in data])
-    labels = torch.stack([s["labels"] for s in data])
-    loss = F.cross_entropy(reference(input_ids).reshape(-1, VOCAB), labels.reshape(-1))
+    labels = torch.stack([s["labels"] for s in data]).reshape(-1)
+    per_token = F.cross_entropy(reference(input_ids).reshape(-1, VOCAB), labels, reduction="none")
+    if weighted:
+        per_token = per_token * torch.stack([s["token_weight"] for s in data]).reshape(-1).double()
+    loss = per_token.sum() / (labels != -100).sum()
     loss.backward()
 
     for rank in range(2):
@@ -151,7 +167,7 @@ def test_ddp_step_equals_one_process_on_the_global_batch(tmp_path, precision):
 
 
 if __name__ == "__main__":
-    run_ddp(sys.argv[1], sys.argv[2])
+    run_ddp(sys.argv[1], sys.argv[2], bool(int(sys.argv[3])))
     # Both ranks end here: skip gloo's teardown at interpreter exit, which sometimes aborted a rank
     # ("terminate called without an active exception") after everything had been saved.
     if torch.distributed.is_initialized():

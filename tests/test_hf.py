@@ -349,3 +349,46 @@ def test_a_model_instance_and_model_kwargs():
         HFCausalLM(model=instance, model_kwargs={"attn_implementation": "eager"})
     with pytest.raises(TypeError, match="model_kwargs"):
         HFCausalLM(config={**TINY, "model_type": "llama"}, torch_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma2_softcap"])
+def test_a_token_weight_batch_key_is_shifted_with_the_labels(variant):
+    """``token_weight`` aligned with ``input_ids`` like ``labels``: position t's loss (against token t + 1)
+    gets weight t + 1; the mean stays over the unweighted count of the non-ignored tokens."""
+    model = tiny_hf(variant)
+    batch = make_batch(5)
+    token_weight = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(5))
+    ref = copy.deepcopy(model).double()
+    logits = ref(batch["input_ids"], batch["attention_mask"])
+    labels = batch["labels"].masked_fill(batch["attention_mask"] == 0, -100)[:, 1:].flatten()
+    per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), labels, reduction="none")
+    expected = (per_token * token_weight[:, 1:].flatten().double()).sum() / (labels != -100).sum()
+    expected.backward()
+    loss = model._loss({**batch, "token_weight": token_weight})
+    loss.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=FP32_TOL)
+    expected_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert_grads_close({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, expected_grads)
+    with pytest.raises(ValueError, match="token_weight must have the labels' shape"):
+        model._loss({**batch, "token_weight": token_weight[:, 1:]})
+
+
+def test_several_validation_dataloaders():
+    """Each loader's metrics under Lightning's /dataloader_idx_N keys, equal to validating it alone."""
+    model = tiny_hf()
+    loaders = [DataLoader([make_batch(6)], batch_size=None), DataLoader([make_batch(7)], batch_size=None)]
+    options = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    alone = [
+        L.Trainer(**options).validate(copy.deepcopy(model), loader, verbose=False)[0] for loader in loaders
+    ]
+    results = L.Trainer(**options).validate(model, loaders, verbose=False)
+    for index, single in enumerate(alone):
+        for name in ("loss", "perplexity", "token_accuracy"):
+            got = results[index][f"val/{name}/dataloader_idx_{index}"]
+            assert got == pytest.approx(single[f"val/{name}"], rel=1e-6)
+    assert alone[0]["val/loss"] != pytest.approx(alone[1]["val/loss"], rel=1e-3)

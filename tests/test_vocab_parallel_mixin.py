@@ -130,6 +130,18 @@ def fit(model: TinyLM, **trainer_kwargs) -> tuple[pl.Trainer, SaveSteps]:
     return trainer, save
 
 
+def weighted_loss_and_grads(model: TinyLM) -> dict:
+    """flce_loss with per-token weights (negative and zero ones too), outside a Trainer: the mean of the
+    weighted token losses over the unweighted token count, and its gradients."""
+    batch = batches()[1]
+    token_weight = torch.randn(BATCH, SEQ, generator=torch.Generator().manual_seed(9))
+    token_weight[0, :2] = 0.0
+    loss = model.flce_loss(model.hidden(batch["input_ids"]), batch["labels"], token_weight=token_weight)
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.detach(), "grads": grads}
+
+
 def _error_of(fn) -> str | None:
     try:
         fn()
@@ -173,6 +185,8 @@ def worker(out_dir: str, world: int, rank: int) -> None:
     result["val"] = {key: metrics[key] for key in ("val/loss", "val/token_accuracy")}
     with torch.no_grad():
         result["logits"] = model.flce_logits(model.hidden(batches()[0]["input_ids"]))
+
+    result["weighted"] = weighted_loss_and_grads(TinyLM(vocab_parallel=True, **OPTIONS))
 
     naive = TinyLM(vocab_parallel=True, flce_naive=True)
     result["naive_error"] = _error_of(lambda: fit(naive))
@@ -266,6 +280,18 @@ def test_validation_and_logits(ranks, reference):
         )
         assert r["logits"].shape == (BATCH, SEQ, VOCAB)
         _close(r["logits"], reference["logits"], "flce_logits")
+
+
+def test_token_weights_through_the_vocab_parallel_head(ranks):
+    expected = weighted_loss_and_grads(TinyLM(flce_naive=True, **OPTIONS).double())
+    for rank, r in enumerate(ranks):
+        _close(r["weighted"]["loss"], expected["loss"], f"rank {rank} weighted loss")
+        for name, grad in expected["grads"].items():
+            if not name.startswith("lm_head"):
+                _close(r["weighted"]["grads"][name], grad, f"rank {rank} d{name}")
+    for name in ("lm_head.weight", "lm_head.bias"):
+        full = _full_head(ranks, [r["weighted"]["grads"][name] for r in ranks])
+        _close(full, expected["grads"][name], f"weighted d{name} (gathered shards)")
 
 
 def test_unsupported_options_and_strategies_raise_on_every_rank(ranks):

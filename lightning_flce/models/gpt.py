@@ -23,7 +23,8 @@ class TinyGPT(FLCEMixin, ThroughputFlops, pl.LightningModule):
 
     Batches are dicts ``{"input_ids": LongTensor[B, T], "labels": LongTensor[B, T]}`` whose labels are
     already aligned with the positions (``labels[t]`` is the token after ``input_ids[t]``, -100 ignored),
-    so the model does not shift. The loss never builds the logits (:class:`FLCEMixin`); ``forward`` returns
+    so the model does not shift; an optional ``token_weight`` (float, the shape of ``labels``) weights each
+    token's loss (:meth:`~lightning_flce.mixin.FLCEMixin.flce_loss`). The loss never builds the logits (:class:`FLCEMixin`); ``forward`` returns
     them for inference.
 
     Args:
@@ -144,13 +145,18 @@ class TinyGPT(FLCEMixin, ThroughputFlops, pl.LightningModule):
         return self.flce_logits(self.hidden_states(input_ids))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.flce_loss(self.hidden_states(batch["input_ids"]), batch["labels"])
+        return self._loss(batch)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.flce_loss(self.hidden_states(batch["input_ids"]), batch["labels"])
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        # several dataloaders: the mixin keeps metrics per dataloader (val/loss/dataloader_idx_N, ...)
+        return self._loss(batch)
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return self.flce_loss(self.hidden_states(batch["input_ids"]), batch["labels"])
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._loss(batch)
+
+    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
+        hidden = self.hidden_states(batch["input_ids"])
+        return self.flce_loss(hidden, batch["labels"], token_weight=batch.get("token_weight"))
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """Logits [B, T, vocab_size] of ``batch["input_ids"]`` (``trainer.predict``)."""

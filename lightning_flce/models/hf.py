@@ -21,7 +21,9 @@ class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
 
     Batches follow the Hugging Face convention: ``{"input_ids", "attention_mask", "labels"}`` with
     ``labels`` a copy of ``input_ids`` (the model shifts them); positions with ``attention_mask == 0``
-    and labels equal to ``flce_ignore_index`` are ignored. ``labels`` defaults to ``input_ids``. Every other
+    and labels equal to ``flce_ignore_index`` are ignored. ``labels`` defaults to ``input_ids``. An optional
+    ``token_weight`` (float, the shape of ``labels``; advantages, soft masks) weights each token's loss, shifted
+    with the labels (see :meth:`~lightning_flce.mixin.FLCEMixin.flce_loss`). Every other
     key of the batch goes to the decoder as a keyword (``position_ids`` of packed sequences, say), as
     ``model(**batch)`` would pass it (Hugging Face decoders take extra keywords without checking them).
 
@@ -190,10 +192,11 @@ class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self._loss(batch)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        # several dataloaders: the mixin keeps metrics per dataloader (val/loss/dataloader_idx_N, ...)
         return self._loss(batch)
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         return self._loss(batch)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -215,12 +218,13 @@ class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
         input_ids = batch.pop("input_ids")
         attention_mask = batch.pop("attention_mask", None)
         labels = batch.pop("labels", input_ids)
+        token_weight = batch.pop("token_weight", None)
         if labels.dtype in _NARROW_INT_DTYPES:
             labels = labels.long()  # the -100 written below must fit (uint8 ids)
         if attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, self.flce_ignore_index)
         hidden = self.hidden_states(input_ids, attention_mask, **batch)  # position_ids, ...
-        return self.flce_loss(hidden, labels, shift=True)
+        return self.flce_loss(hidden, labels, shift=True, token_weight=token_weight)
 
 
 def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> int:

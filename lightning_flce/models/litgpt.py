@@ -155,24 +155,20 @@ class LitGPTCausalLM(FLCEMixin, pl.LightningModule):
         self.model = model
         if tie_embeddings:
             self.model.transformer.wte.weight = self.model.lm_head.weight
-        self._check_softcap(self._requested_softcap)
+        self._check_softcap(self.flce_options.softcap)  # the flce_softcap option, as passed
 
     @property
     def flce_softcap(self) -> Optional[float]:
         """The softcap of the loss: always the config's ``final_logit_softcapping``, which ``GPT.forward``
         applies to the logits (read at each loss, so an edited config is followed)."""
         model = self.__dict__.get("_modules", {}).get("model")
-        if model is None:  # during FLCEMixin.__init__, before the model exists
-            return self._requested_softcap
+        if model is None:  # during __init__, before the model exists: the option
+            return self.flce_options.softcap
         return getattr(model.config, "final_logit_softcapping", None)
 
     @flce_softcap.setter
     def flce_softcap(self, value: Optional[float]) -> None:
-        # FLCEMixin.__init__ sets the flce_softcap option before the model exists: checked once it does
-        if "model" in self.__dict__.get("_modules", {}):
-            self._check_softcap(value)
-        else:
-            self._requested_softcap = value
+        self._check_softcap(value)  # the config decides; a different value is an error
 
     def _check_softcap(self, value: Optional[float]) -> None:
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
@@ -197,10 +193,11 @@ class LitGPTCausalLM(FLCEMixin, pl.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         return self._loss(batch)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        # several dataloaders: the mixin keeps metrics per dataloader (val/loss/dataloader_idx_N, ...)
         return self._loss(batch)
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         return self._loss(batch)
 
     def predict_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
