@@ -122,7 +122,9 @@ def main() -> None:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(_common.REPO_ROOT / "configs" / "cuda_bf16.yaml"))
+    parser.add_argument(
+        "--config", default=str(_common.REPO_ROOT / "lightning_flce" / "configs" / "cuda_bf16.yaml")
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--precisions", default="bf16-mixed,32-true")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")

@@ -32,8 +32,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from lightning_flce.kernels import chunk_kernels_use_triton, softmax_dtype
-from lightning_flce.op import balanced_chunk_rows, default_chunk_size, saved_grad_weight_dtype
+from lightning_flce.engine import balanced_chunk_rows, default_chunk_size, saved_grad_weight_dtype
+from lightning_flce.kernels import BACKENDS, backend_for, softmax_dtype
 
 _MIB = 2**20
 # autocast's dtype for each mixed precision; the other precisions run the head in the weight's dtype
@@ -163,7 +163,8 @@ class HeadMemoryModel:
 
     def _fused_bytes(self, num_tokens: int, vocab_size: int, hidden_size: int) -> tuple[int, int, int]:
         itemsize = self.compute_dtype.itemsize
-        use_triton = chunk_kernels_use_triton(self.impl, self.compute_dtype)
+        backend = backend_for(BACKENDS[self.impl], self.compute_dtype)
+        use_triton = backend.large_chunks  # the softmax works in place on the chunk (Triton)
         # the op's own rule, balanced over the chunks as the op does (up to its alignment of the rows)
         rows = self.chunk_size
         if not rows:
@@ -180,8 +181,9 @@ class HeadMemoryModel:
         # (one element on the weight's device, whose GPU model decides between an fp32 and an fp64 accumulator)
         hidden = torch.empty((num_tokens, hidden_size), dtype=self.compute_dtype, device="meta")
         weight = torch.empty((), dtype=self.weight_dtype, device=self.device).expand(vocab_size, hidden_size)
+        accum_dtype = torch.float32 if self.accum == "fp32" else None
         accumulator = saved_grad_weight_dtype(
-            hidden, weight, self.compute_dtype, self.accum, self.chunk_size or 0, self.impl
+            hidden, weight, self.compute_dtype, accum_dtype, self.chunk_size, backend.large_chunks
         )
         grad_weight = vocab_size * hidden_size * accumulator.itemsize
         if accumulator == torch.float64 and self.compute_dtype != torch.float64:
