@@ -152,8 +152,10 @@ def test_bad_logits_precision_is_refused():
     "shape", [(16384, 4096, 32000), (8192, 2304, 256000)], ids=lambda s: "x".join(map(str, s))
 )
 def test_cuda_fp32_logits_at_benchmark_shapes(shape):
-    """On the GPU (the native fp32-output GEMM on torch >= 2.8): bf16 inputs with bias and softcap, per-token
-    loss within 1e-5 absolute of float64; dX/dW no less accurate than the default's."""
+    """On the GPU (the native fp32-output GEMM on torch >= 2.8): bf16 inputs with bias and softcap at the
+    benchmark shapes. The per-token loss is as exact as an fp32 head's (F.linear of the widened bf16 values in
+    fp32, TF32 off): its largest error against float64 at most that head's + 1e-6, and 1e-5 on average. (At
+    H = 4096 the fp32 sums of the logits themselves carry up to ~5e-5: no fp32 head does better.)"""
     n, h, v = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
@@ -161,10 +163,22 @@ def test_cuda_fp32_logits_at_benchmark_shapes(shape):
     b = (0.1 * torch.randn(v, device="cuda", generator=gen)).bfloat16()
     t = torch.randint(0, v, (n,), device="cuda", generator=gen)
     got = fused_linear_cross_entropy(x, w, t, b, softcap=30.0, reduction="none", logits_precision="fp32")
+    default = fused_linear_cross_entropy(x, w, t, b, softcap=30.0, reduction="none")
+    want = torch.empty(n, dtype=torch.float64, device="cuda")
+    fp32_head = torch.empty(n, dtype=torch.float64, device="cuda")
     with torch.no_grad():
-        want = torch.empty(n, dtype=torch.float64, device="cuda")
         for rows in torch.arange(n, device="cuda").split(2048):
-            logits = F.linear(x[rows].double(), w.double(), b.double())
-            logits = 30.0 * torch.tanh(logits / 30.0)
-            want[rows] = F.cross_entropy(logits, t[rows], reduction="none")
-    assert (got.double() - want).abs().max() <= 1e-5
+            for dtype, out in ((torch.float64, want), (torch.float32, fp32_head)):
+                logits = F.linear(x[rows].to(dtype), w.to(dtype), b.to(dtype))
+                logits = 30.0 * torch.tanh(logits / 30.0)
+                out[rows] = F.cross_entropy(logits, t[rows], reduction="none").double()
+    error = (got.double() - want).abs()
+    fp32_head_error = (fp32_head - want).abs()
+    default_error = (default.double() - want).abs()
+    print(
+        f"max |error|: fp32 logits {error.max():.2e}, fp32 head {fp32_head_error.max():.2e},"
+        f" default {default_error.max():.2e}; mean {error.mean():.2e}"
+    )
+    assert error.max() <= fp32_head_error.max() + 1e-6
+    assert error.mean() <= 1e-5
+    assert error.max() < default_error.max() / 10
