@@ -32,7 +32,7 @@ _OPTION_NAMES = {
     "chunk_size": "flce_chunk_size",
     "impl": "flce_impl",
 }
-_NARROW_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
+NARROW_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
 def _check_no_unknown_flce_options(kwargs: dict, later_classes: tuple) -> None:
@@ -328,7 +328,7 @@ class FLCEMixin:
                 raise ValueError(
                     f"token_weight must have the labels' shape {tuple(labels.shape)}, got {tuple(token_weight.shape)}"
                 )
-        if labels.dtype in _NARROW_INT_DTYPES:  # ignore_index (-100) does not fit uint8, say
+        if labels.dtype in NARROW_INT_DTYPES:  # ignore_index (-100) does not fit uint8, say
             labels = labels.long()
         if shift:
             # shift the labels rather than the hidden states: no copy of the [B, T, H] activations

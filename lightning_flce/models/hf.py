@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from lightning_flce.data.dataset import check_label_format
 from lightning_flce.flops import ThroughputFlops, decoder_flops, linear_weight_count
-from lightning_flce.mixin import _NARROW_INT_DTYPES, FLCEMixin
+from lightning_flce.mixin import NARROW_INT_DTYPES, FLCEMixin
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 
 
@@ -219,7 +219,7 @@ class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
         attention_mask = batch.pop("attention_mask", None)
         labels = batch.pop("labels", input_ids)
         token_weight = batch.pop("token_weight", None)
-        if labels.dtype in _NARROW_INT_DTYPES:
+        if labels.dtype in NARROW_INT_DTYPES:
             labels = labels.long()  # the -100 written below must fit (uint8 ids)
         if attention_mask is not None:
             labels = labels.masked_fill(attention_mask == 0, self.flce_ignore_index)
