@@ -71,7 +71,7 @@ def column(name):
 
 
 val, accuracy, train = column("val/loss"), column("val/token_accuracy"), column("train/loss_step")
-rss, avoided = column("memory/peak_rss_mib"), column("memory/logits_avoided_mib")
+rss, avoided = column("memory/peak_rss_mib"), column("memory/saved_by_fused_head_mib")
 real = next(line.split("\t")[1].strip() for line in open(out / "time.txt") if line.startswith("real"))
 lines = [
     f"# Main job on commit {(out / 'commit.txt').read_text().strip()}",
@@ -82,7 +82,7 @@ lines = [
     "- token accuracy: " + " → ".join(f"{100 * v:.0f}%" for _, v in accuracy),
     f"- train loss: {train[0][1]:.2f} → {train[-1][1]:.2f}" if train else "- train loss: not logged",
     f"- peak RSS: {min(v for _, v in rss):.0f}–{max(v for _, v in rss):.0f} MiB" if rss else "- peak RSS: not logged",
-    f"- logits avoided per step: {avoided[-1][1]:.0f} MiB" if avoided else "- logits avoided: not logged",
+    f"- saved by the fused head per step (estimate): {avoided[-1][1]:.0f} MiB" if avoided else "- saving: not logged",
 ]
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
