@@ -32,6 +32,8 @@ from typing import Any, Callable, NamedTuple, Optional, TypeVar
 import torch
 from torch import Tensor, nn
 
+from lightning_flce.module_calls import forward_bound_to, has_call_hooks
+
 _Output = TypeVar("_Output")
 
 
@@ -89,7 +91,6 @@ def lora_head_loss(
     """``loss_of(operands, hidden)`` of the PEFT LoRA ``module`` on its input ``x`` [..., H]: the operands and
     hidden states of one linear map that gives the module's logits (see the module docstring). Disabled
     adapters give the base layer's operands, as do merged ones (the base weight holds them)."""
-    from lightning_flce.head import forward_bound_to  # head.py imports this module
 
     in_features = module.base_layer.in_features  # not its weight's shape: a sharded weight is empty here
     if x.shape[-1] != in_features:
@@ -130,25 +131,10 @@ def lora_head_loss(
         with forward_bound_to(modules[index], lambda own_input: call(index + 1, [*received, own_input])):
             return modules[index](module_inputs[index])
 
-    if not any(map(_has_call_hooks, modules)):
+    if not any(map(has_call_hooks, modules)):
         # nothing to run around the reads (and torch.compile traces this, not the forward rebinding)
         return innermost(module_inputs)
     return call(0, [])
-
-
-def _has_call_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs more than its forward (the rule of FLCEHeadLoss for the head itself)."""
-    hooks = nn.modules.module
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or hooks._global_forward_hooks
-        or hooks._global_forward_pre_hooks
-        or hooks._global_backward_hooks
-        or hooks._global_backward_pre_hooks
-    )
 
 
 def _unmerged_adapters(module: nn.Module) -> list[str]:

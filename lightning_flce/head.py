@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
-from collections.abc import Iterator, Mapping
-from typing import Any, Callable, Optional, Union
+from collections.abc import Mapping
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from torch import Tensor, nn
 from lightning_flce.adapters import is_peft_lora_head, lora_head_loss
 from lightning_flce.functional import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import softmax_dtype
+from lightning_flce.module_calls import forward_bound_to, has_call_hooks
 from lightning_flce.options import FLCEOptions
 from lightning_flce.outputs import FLCEOutput
 from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_cross_entropy_with_stats
@@ -196,7 +196,7 @@ class FLCEHeadLoss(nn.Module):
             # a plain tuple: hooks that rebuild their outputs (FSDP, ZeRO-3) may not handle NamedTuples
             return tuple(output) if with_stats else output
 
-        if head is module and "forward" not in module.__dict__ and not _has_call_hooks(module):
+        if head is module and "forward" not in module.__dict__ and not has_call_hooks(module):
             output = loss_as_forward(hidden)  # nothing to run around it (and torch.compile traces it)
         else:
             if not self._warned_output_hooks:
@@ -386,36 +386,6 @@ def _unwrap_partial(function: Callable) -> Callable:
     while isinstance(function, functools.partial):
         function = function.func
     return function
-
-
-def _has_call_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs more than its forward: its own or global forward (pre-)hooks, which
-    sharding (FSDP2, DeepSpeed ZeRO-3) uses to gather the weight, or backward hooks, which the call sets up."""
-    hooks = nn.modules.module
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or hooks._global_forward_hooks
-        or hooks._global_forward_pre_hooks
-        or hooks._global_backward_hooks
-        or hooks._global_backward_pre_hooks
-    )
-
-
-@contextlib.contextmanager
-def forward_bound_to(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
-    """Binds ``module.forward`` to ``forward`` for one call (an instance attribute shadows the class method)."""
-    own = module.__dict__.get("forward")
-    module.forward = forward
-    try:
-        yield
-    finally:
-        if own is None:
-            del module.forward
-        else:
-            module.forward = own
 
 
 def _plain_loss(
