@@ -18,7 +18,7 @@ from lightning_flce.fsdp import register_fsdp_step_methods
 from lightning_flce.head import FLCEHeadLoss, unwrap_head
 from lightning_flce.head_discovery import head_logits, resolve_head
 from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch, scale_gradients
-from lightning_flce.options import FLCEOptions
+from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.parallel import VocabParallelHead
 
 # the record's fields under the mixin's option names (its errors name what the user wrote)
@@ -223,8 +223,8 @@ class FLCEMixin:
         flce_z_loss: float = 0.0,
         flce_softcap: Optional[float] = None,
         flce_accum_fp32: bool = False,
-        flce_logits_precision: Literal["input", "fp32", "fp32_head"] = "input",
-        flce_impl: Literal["auto", "triton", "torch"] = "auto",
+        flce_logits_precision: LogitsPrecision = "input",
+        flce_impl: ImplName = "auto",
         flce_naive: bool = False,
         flce_normalize: Literal["step", "micro_batch"] = "step",
         **kwargs: Any,

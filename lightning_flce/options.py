@@ -16,7 +16,7 @@ import functools
 import inspect
 import math
 import operator
-from typing import Callable, Mapping, NamedTuple, Optional
+from typing import Callable, Literal, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -28,6 +28,9 @@ REDUCTIONS = ("mean", "sum", "none")
 IMPLS = ("auto", *BACKENDS)
 #: Valid ``logits_precision`` values (see :class:`FLCEOptions`).
 LOGITS_PRECISIONS = ("input", "fp32", "fp32_head")
+#: The types of the two for signatures that LightningCLI lists choices of (built from the tuples above).
+ImplName = Literal[IMPLS]
+LogitsPrecision = Literal[LOGITS_PRECISIONS]
 
 
 class _OptionFields(NamedTuple):
