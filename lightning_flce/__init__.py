@@ -4,15 +4,15 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 [N, V] logits never exist. Where things live:
 
 - the op: :func:`fused_linear_cross_entropy`, :func:`fused_linear_cross_entropy_with_stats`
-  (``functional.py``: API and checks; ``op.py``: chunk loop and custom ops);
-- the per-chunk kernels: ``kernels/cross_entropy.py`` (Triton), ``kernels/cross_entropy_torch.py``
-  (its PyTorch twin), ``kernels/cross_entropy_shard*.py`` (the vocab-parallel softmax), ``kernels/scale.py``;
+  (``functional.py``: the API; ``options.py``: the options record; ``validation.py``: input checks;
+  ``op.py``: the custom ops; ``engine.py``: the chunk engine);
+- the per-chunk kernels and their backends: ``kernels/`` (registry in ``kernels/__init__.py``);
 - the dW accumulation: ``accumulate.py``;
-- the head sharded over V across ranks: ``parallel.py`` (``vocab_parallel_fused_linear_cross_entropy``,
-  ``VocabParallelHead``);
-- Lightning: :class:`FLCEMixin` (``mixin.py``; the loss inside the head's own forward, for FSDP/ZeRO-3 and
-  Hugging Face heads: ``head.py``), :class:`FLCEMemoryCallback` (``callbacks/memory.py``), models in
-  ``models/``, data in ``data/``, the CLI in ``cli.py``.
+- the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);
+  FSDP2 helpers: ``fsdp.py``; PEFT LoRA heads: ``adapters.py``;
+- Lightning: :class:`FLCEMixin` (``mixin.py``, with ``normalization.py``, ``head_discovery.py``,
+  ``eval_metrics.py``; the loss inside the head's own forward: ``head.py``), :class:`FLCEMemoryCallback`
+  (``callbacks/``), models in ``models/``, data in ``data/``, the CLI in ``cli.py`` and its configs in ``configs/``.
 """
 
 import importlib
