@@ -103,7 +103,7 @@ def fused_linear_cross_entropy(
     computed in forward, before the loss scale exists, so fp16 logit gradients are scaled by a bounded
     power of two and unscaled in fp32 or in backward; dX/dW are as accurate as the unfused fp16 loss's.
     """
-    options = FLCEOptions(
+    options = FLCEOptions.of(
         ignore_index=ignore_index,
         reduction=reduction,
         label_smoothing=label_smoothing,
@@ -128,7 +128,7 @@ def fused_linear_cross_entropy_with_stats(
     Takes the same arguments. The statistics come from the same pass over each chunk's logits, so
     token accuracy or entropy monitoring costs no logits either.
     """
-    return _call(input, weight, target, bias, FLCEOptions(**kwargs), compute_stats=True)
+    return _call(input, weight, target, bias, FLCEOptions.of(**kwargs), compute_stats=True)
 
 
 def _call(

@@ -166,16 +166,16 @@ class FLCEHeadLoss(nn.Module):
             raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        options = self.options._replace(reduction=reduction)
+        options = self.options.replace(reduction=reduction)
         if softcap is not None:
             options = options.replace(softcap=softcap)
         if not regularized:  # the plain cross-entropy (validation perplexity)
-            options = options._replace(label_smoothing=0.0, lse_square_scale=0.0)
+            options = options.replace(label_smoothing=0.0, lse_square_scale=0.0)
         if token_weight is not None:
             options = options.replace(token_weight=token_weight)
             # here, before any head call: the naive path has no op to check it (class weights: the op's or
             # F.cross_entropy's own check, against the vocabulary this call cannot see outside the head)
-            options._replace(class_weight=None).check_tensors(0, labels, hidden.device)
+            options.replace(class_weight=None).check_tensors(0, labels, hidden.device)
 
         module = unwrap_head(head)
         _check_linear_head(module)
@@ -264,7 +264,7 @@ class FLCEHeadLoss(nn.Module):
         if self.naive:
             return _plain_loss(hidden, weight, labels, bias, options=options, with_stats=with_stats)
         op = fused_linear_cross_entropy_with_stats if with_stats else fused_linear_cross_entropy
-        return op(hidden, weight, labels, bias, **_for_weight(options, weight)._asdict())
+        return op(hidden, weight, labels, bias, **_for_weight(options, weight).as_kwargs())
 
     def _vocab_parallel_loss_of(
         self,
@@ -283,7 +283,7 @@ class FLCEHeadLoss(nn.Module):
                 f" {module.in_features}"
             )
         self.last_logits_shape = (hidden.numel() // hidden.shape[-1], module.vocab_size)
-        options = _for_weight(options, module.weight)._asdict()
+        options = _for_weight(options, module.weight).as_kwargs()
         if logit_scale is not None:
             hidden = hidden * logit_scale
             if module.bias is not None:
@@ -306,7 +306,7 @@ class FLCEHeadLoss(nn.Module):
 def _for_weight(options: FLCEOptions, weight: Tensor) -> FLCEOptions:
     # accum_fp32 widens, never narrows: an fp64 weight keeps the op's fp64 accumulator
     if options.accum_dtype == torch.float32 and weight.dtype == torch.float64:
-        return options._replace(accum_dtype=None)
+        return options.replace(accum_dtype=None)
     return options
 
 

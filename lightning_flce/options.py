@@ -33,7 +33,16 @@ ImplName = Literal[IMPLS]
 LogitsPrecision = Literal[LOGITS_PRECISIONS]
 
 
-class _OptionFields(NamedTuple):
+class FLCEOptions(NamedTuple):
+    """Options of one fused linear cross-entropy call (see :func:`~lightning_flce.fused_linear_cross_entropy`
+    for their meaning): an immutable tuple, a plain value that ``torch.compile`` traces through (torch 2.4's
+    included). Build it with :meth:`of` (or :meth:`named`), which validate and normalize the values; the
+    front ends do, and everything below reads the fields by name.
+
+    ``softcap=None`` is off; ``accum_dtype=None`` and ``chunk_size=None`` let the op choose. ``class_weight`` is
+    ``[V]``, ``token_weight`` the target's shape; both are float tensors that receive no gradient.
+    """
+
     ignore_index: int = -100
     reduction: str = "mean"
     label_smoothing: float = 0.0
@@ -46,40 +55,30 @@ class _OptionFields(NamedTuple):
     chunk_size: Optional[int] = None
     impl: str = "auto"
 
-
-class FLCEOptions(_OptionFields):
-    """Options of one fused linear cross-entropy call (see :func:`~lightning_flce.fused_linear_cross_entropy`
-    for their meaning), validated and normalized when the record is built (an immutable tuple: a plain value
-    that ``torch.compile`` traces through).
-
-    ``softcap=None`` is off; ``accum_dtype=None`` and ``chunk_size=None`` let the op choose. ``class_weight`` is
-    ``[V]``, ``token_weight`` the target's shape; both are float tensors that receive no gradient.
-    """
-
-    __slots__ = ()
-
-    def __new__(cls, **values) -> FLCEOptions:
-        return _validated(_OptionFields.__new__(cls, **values), {})
+    @classmethod
+    def of(cls, **values) -> FLCEOptions:
+        """The validated record of ``values`` (the fields by name; the others keep their defaults)."""
+        return _validated(cls(**values), {})
 
     @classmethod
     def named(cls, names: Mapping[str, str], **values) -> FLCEOptions:
         """The record from a front end whose arguments have other names (``names``: field -> the front end's
         name, e.g. ``{"lse_square_scale": "z_loss"}``): an invalid value's error names the argument the user
         passed."""
-        return _validated(_OptionFields.__new__(cls, **values), names)
-
-    def __getnewargs_ex__(self) -> tuple:
-        # copy and pickle rebuild the record by keyword (its __new__ takes no positional values)
-        return (), self._asdict()
+        return _validated(cls(**values), names)
 
     @classmethod
     def field_names(cls) -> tuple:
         """The option names, in declaration order."""
         return cls._fields
 
+    def as_kwargs(self) -> dict:
+        """The options as keyword arguments of the public functions."""
+        return _fields_of(self)
+
     def replace(self, **changes) -> FLCEOptions:
         """A copy with ``changes`` (validated)."""
-        return type(self)(**{**self._asdict(), **changes})
+        return type(self).of(**{**_fields_of(self), **changes})
 
     def check_tensors(self, vocab: int, target: Tensor, device: torch.device) -> None:
         """The checks that need the call's tensors: class and token weights against the vocabulary, the
@@ -161,13 +160,19 @@ def _validated(options: FLCEOptions, names: Mapping[str, str]) -> FLCEOptions:
         value = getattr(options, field)
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"{name(field)} must be a tensor or None, got {type(value).__name__}")
-    return options._replace(
-        ignore_index=ignore_index,
-        label_smoothing=float(options.label_smoothing),
-        lse_square_scale=float(options.lse_square_scale),
-        softcap=softcap,
-        chunk_size=chunk_size,
-    )
+    normalized = {
+        "ignore_index": ignore_index,
+        "label_smoothing": float(options.label_smoothing),
+        "lse_square_scale": float(options.lse_square_scale),
+        "softcap": softcap,
+        "chunk_size": chunk_size,
+    }
+    return type(options)(**{**_fields_of(options), **normalized})
+
+
+def _fields_of(options: FLCEOptions) -> dict:
+    # not NamedTuple's _asdict/_replace: torch 2.4's dynamo does not trace into collections' helpers
+    return {name: getattr(options, name) for name in FLCEOptions._fields}
 
 
 def check_chunk_size(chunk_size, name: str = "chunk_size") -> None:
@@ -192,7 +197,7 @@ def takes_options_of(loss_function: Callable) -> Callable[[Callable], Callable]:
     def decorate(function: Callable) -> Callable:
         @functools.wraps(function)
         def checked(*args, **kwargs):
-            unknown = kwargs.keys() - options
+            unknown = [name for name in kwargs if name not in options]  # (torch 2.4's dynamo: no set ops)
             if unknown:
                 raise TypeError(
                     f"{function.__name__}() got unexpected keyword arguments {sorted(unknown)};"

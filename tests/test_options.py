@@ -66,7 +66,7 @@ def test_every_option_is_an_op_argument():
 def test_impl_names_come_from_the_backend_registry():
     assert ("auto", *BACKENDS) == IMPLS
     with pytest.raises(ValueError, match="impl must be one of"):
-        FLCEOptions(impl="cuda")
+        FLCEOptions.of(impl="cuda")
 
 
 def test_named_errors_use_the_front_ends_names():
@@ -77,7 +77,7 @@ def test_named_errors_use_the_front_ends_names():
 def test_record_normalizes_and_replace_revalidates():
     import numpy as np
 
-    options = FLCEOptions(ignore_index=np.int64(-1), chunk_size=np.int32(64), softcap=30)
+    options = FLCEOptions.of(ignore_index=np.int64(-1), chunk_size=np.int32(64), softcap=30)
     assert (
         type(options.ignore_index) is int
         and type(options.chunk_size) is int

@@ -222,7 +222,7 @@ def _call(
     # rank must join (a rank raising before it would leave the others waiting there).
     failure = row = None
     try:
-        options = FLCEOptions(**options)
+        options = FLCEOptions.of(**options)
         if options.class_weight is not None:
             raise NotImplementedError(
                 "class_weight is not supported by the vocab-parallel op (its normalizer and smoothing term would"
