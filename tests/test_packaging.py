@@ -78,6 +78,7 @@ def test_shipped_configs_show_a_positive_epoch_total(tmp_path):
         trainer = yaml.safe_load(path.read_text()).get("trainer", {})
         if name != "naive":  # an overlay
             assert trainer["max_epochs"] >= 1000 and trainer["max_steps"] > 0, name
+    pytest.importorskip("rich")  # RichProgressBar's dependency (CI has it; a bare venv may not)
     from lightning.pytorch.callbacks import RichProgressBar
 
     cli = FLCELightningCLI(
