@@ -25,3 +25,24 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# The GPU, torch and the packages named as arguments (version and path), into $OUT/env.txt as well.
+print_environment() {
+    step "environment"
+    {
+        nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,temperature.gpu,power.draw \
+            --format=csv || echo "nvidia-smi failed"
+        "$PY" - "$@" <<'PYEOF'
+import importlib, platform, sys
+print("python", platform.python_version())
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+for name in sys.argv[1:]:
+    try:
+        mod = importlib.import_module(name)
+        print(f"{name:16s} {getattr(mod, '__version__', '?'):10s} {getattr(mod, '__file__', '')}")
+    except Exception as exc:
+        print(f"{name:16s} IMPORT FAILED: {type(exc).__name__}: {exc}")
+PYEOF
+    } 2>&1 | tee "$OUT/env.txt"
+}

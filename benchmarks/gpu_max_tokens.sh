@@ -20,23 +20,7 @@ TOTAL=${MAXTOK_TOTAL_S:-540}
 # shellcheck source=benchmarks/_gpu_env.sh
 source "$(dirname "$0")/_gpu_env.sh"
 
-step "environment"
-{
-    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,temperature.gpu,power.draw --format=csv \
-        || echo "nvidia-smi failed"
-    "$PY" - <<'PYEOF'
-import importlib, platform
-print("python", platform.python_version())
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
-for name in ["triton", "lightning", "transformers", "liger_kernel", "matplotlib", "lightning_flce"]:
-    try:
-        mod = importlib.import_module(name)
-        print(f"{name:16s} {getattr(mod, '__version__', '?'):10s} {getattr(mod, '__file__', '')}")
-    except Exception as exc:
-        print(f"{name:16s} IMPORT FAILED: {type(exc).__name__}: {exc}")
-PYEOF
-} 2>&1 | tee "$OUT/env.txt"
+print_environment triton lightning transformers liger_kernel matplotlib lightning_flce
 
 t=$((TOTAL - (SECONDS - START) - 15))
 STATUS="not run: only ${t}s left"

@@ -27,11 +27,10 @@ from torch import Tensor
 
 from lightning_flce._compat import TORCH_VERSION, resolved_annotations
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
-from lightning_flce.kernels import LossOptions, softmax_dtype
+from lightning_flce.kernels import LOW_PRECISION, LossOptions, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
 
 _MiB = 1 << 20
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 # A chunk's logits may take a quarter of the memory floor (dX + dW), within these bounds.
 _MIN_CHUNK_BYTES = 32 * _MiB
 _MAX_CHUNK_BYTES = 2048 * _MiB
@@ -512,9 +511,9 @@ def _write_rows(dest: Tensor, rows, values: Tensor) -> None:
 def loss_scales(
     target: Tensor,
     reduction: str,
-    options: LossOptions,
+    ignore_index: int,
+    class_weight: Optional[Tensor],
     token_weight: Optional[Tensor],
-    device: torch.device,
     dtype: torch.dtype,
 ) -> Tuple[Tensor, Tensor]:
     """The multipliers of each token's CE and z-loss terms in ``dtype`` (the softmax dtype), computed on the
@@ -526,22 +525,24 @@ def loss_scales(
     0, not NaN.
     """
     if reduction != "mean":
-        ce_scale = z_scale = torch.ones(1, dtype=dtype, device=device)
+        ce_scale = z_scale = torch.ones(1, dtype=dtype, device=target.device)
     else:
-        ce_scale, z_scale = _mean_scales(target, options, dtype)
+        ce_scale, z_scale = _mean_scales(target, ignore_index, class_weight, dtype)
     if token_weight is None:
         return ce_scale, z_scale
     weight = token_weight.reshape(-1).to(dtype)
     return ce_scale * weight, z_scale * weight
 
 
-def _mean_scales(target: Tensor, options: LossOptions, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+def _mean_scales(
+    target: Tensor, ignore_index: int, class_weight: Optional[Tensor], dtype: torch.dtype
+) -> Tuple[Tensor, Tensor]:
     target = target.reshape(-1)
-    valid = target != options.ignore_index
+    valid = target != ignore_index
     count = valid.sum(dtype=dtype).reshape(1)
-    if options.class_weight is not None:
+    if class_weight is not None:
         safe = torch.where(valid, target, 0)
-        ce_norm = (options.class_weight[safe] * valid).sum().reshape(1)
+        ce_norm = (class_weight.to(dtype)[safe] * valid).sum().reshape(1)
     else:
         ce_norm = count
     # A zero total weight gives 0 (F.cross_entropy gives NaN); a negative one is a valid, if odd, normalizer.

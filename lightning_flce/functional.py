@@ -14,9 +14,9 @@ from torch import Tensor
 
 from lightning_flce.kernels import backend_for, resolve_backend
 from lightning_flce.op import flce_forward, forward_args
-from lightning_flce.options import FLCEOptions, takes_options_of
+from lightning_flce.options import FLCEOptions, resolve_logits_precision, takes_options_of
 from lightning_flce.outputs import FLCEOutput, shaped_like_target
-from lightning_flce.validation import check_inputs, class_indices, resolve_logits_precision
+from lightning_flce.validation import check_inputs, class_indices
 
 __all__ = ["FLCEOutput", "fused_linear_cross_entropy", "fused_linear_cross_entropy_with_stats"]
 

@@ -245,9 +245,8 @@ def _saved_dtypes(args) -> Tuple[torch.dtype, torch.dtype]:
 
 
 def _token_scales(args, reduction: str) -> Tuple[Tensor, Tensor]:
-    options = kernel_options(args.ignore_index, 0.0, 0.0, 0.0, args.class_weight, args.compute_dtype)
     dtype = softmax_dtype(args.compute_dtype)
-    return loss_scales(args.target, reduction, options, args.token_weight, args.x.device, dtype)
+    return loss_scales(args.target, reduction, args.ignore_index, args.class_weight, args.token_weight, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Callable, Literal, Mapping, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lightning_flce.kernels import BACKENDS
+from lightning_flce.kernels import BACKENDS, LOW_PRECISION
 
 REDUCTIONS = ("mean", "sum", "none")
 #: Valid ``impl`` values: "auto" and the registered backends.
@@ -209,3 +209,12 @@ def takes_options_of(loss_function: Callable) -> Callable[[Callable], Callable]:
         return checked
 
     return decorate
+
+
+def resolve_logits_precision(options: FLCEOptions, compute_dtype: torch.dtype) -> tuple:
+    """``logits_precision="fp32_head"`` as what runs: fp32 GEMMs (16-bit operands widened) with an fp32 dW
+    accumulator unless one was given; the other settings as they are. Returns (options, compute dtype)."""
+    if options.logits_precision != "fp32_head" or compute_dtype not in LOW_PRECISION:
+        return options, compute_dtype
+    accum_dtype = options.accum_dtype if options.accum_dtype is not None else torch.float32
+    return options.replace(logits_precision="input", accum_dtype=accum_dtype), torch.float32

@@ -8,10 +8,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_flce.kernels import LOW_PRECISION
 from lightning_flce.options import FLCEOptions
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def check_inputs(
@@ -103,12 +103,3 @@ def check_accum_dtype(accum_dtype: Optional[torch.dtype], weight: Tensor, comput
             f"accum_dtype must be None, torch.float32, torch.float64 or the weight's dtype {weight.dtype},"
             f" got {accum_dtype}"
         )
-
-
-def resolve_logits_precision(options: FLCEOptions, compute_dtype: torch.dtype) -> tuple:
-    """``logits_precision="fp32_head"`` as what runs: fp32 GEMMs (16-bit operands widened) with an fp32 dW
-    accumulator unless one was given; the other settings as they are. Returns (options, compute dtype)."""
-    if options.logits_precision != "fp32_head" or compute_dtype not in LOW_PRECISION:
-        return options, compute_dtype
-    accum_dtype = options.accum_dtype if options.accum_dtype is not None else torch.float32
-    return options.replace(logits_precision="input", accum_dtype=accum_dtype), torch.float32

@@ -29,6 +29,9 @@ import torch
 
 from lightning_flce._compat import triton_usable
 
+#: The 16-bit GEMM dtypes (their products are widened to fp32 for the softmax and the dW accumulator).
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
 
 def softmax_dtype(logits_dtype: torch.dtype) -> torch.dtype:
     """The dtype the softmax, the loss and the statistics of ``logits_dtype`` logits run in: fp32 for

@@ -56,12 +56,11 @@ from lightning_flce.engine import (
 from lightning_flce.kernels import (
     Backend,
     ChunkOutputs,
-    LossOptions,
     backend_for,
     resolve_backend,
     softmax_dtype,
 )
-from lightning_flce.options import FLCEOptions, takes_options_of
+from lightning_flce.options import FLCEOptions, resolve_logits_precision, takes_options_of
 from lightning_flce.outputs import FLCEOutput, shaped_like_target
 from lightning_flce.parallel.agreement import (
     agree,
@@ -71,7 +70,7 @@ from lightning_flce.parallel.agreement import (
     layout,
     local_tensors,
 )
-from lightning_flce.validation import check_inputs, class_indices, resolve_logits_precision
+from lightning_flce.validation import check_inputs, class_indices
 
 __all__ = [
     "vocab_parallel_fused_linear_cross_entropy",
@@ -379,9 +378,8 @@ class _VocabParallelFLCE(torch.autograd.Function):
 
 
 def _token_scales(plan: _Plan, target: Tensor, reduction: str) -> Tuple[Tensor, Tensor]:
-    options = LossOptions(ignore_index=plan.options.ignore_index)
     dtype = softmax_dtype(plan.compute_dtype)
-    return loss_scales(target, reduction, options, plan.options.token_weight, target.device, dtype)
+    return loss_scales(target, reduction, plan.options.ignore_index, None, plan.options.token_weight, dtype)
 
 
 def _gather_rows(local: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
