@@ -207,9 +207,10 @@ class FLCEMixin:
     step and update their torchmetrics means once per dataloader at epoch end).
 
     After each call, ``self.flce_last_logits_shape = (N, V)`` (tokens of the call, ignored ones included, and
-    the head's rows) and ``self.flce_last_logits_bytes = N * V * 4`` describe the float32 logits the loss did
-    not materialise (:class:`~lightning_flce.callbacks.FLCEMemoryCallback` logs them); with
-    ``flce_naive=True`` the bytes are 0, since that path builds them.
+    the head's rows) and ``self.flce_last_logits_bytes = N * V * 4`` (one float32 copy of those logits; 0 with
+    ``flce_naive=True``, which builds them) describe the call's head;
+    :class:`~lightning_flce.callbacks.FLCEMemoryCallback` turns the shape and the precision into what the unfused
+    head would have added to the peak (about three such copies).
 
     """
 
