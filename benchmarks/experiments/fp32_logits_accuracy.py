@@ -176,7 +176,9 @@ def run(shape, dist, device, reps, softcap=30.0):
             print(f"  {name:20s} {rows[name]}", flush=True)
         del exact
         for precision in ("input", "fp32", "fp32_head"):
-            got = fused_linear_cross_entropy(x, w, t, b, softcap=softcap, reduction="none", logits_precision=precision)
+            got = fused_linear_cross_entropy(
+                x, w, t, b, softcap=softcap, reduction="none", logits_precision=precision
+            )
             err = (got.double() - truth).abs()
             rows[f"op_{precision}"] = {"loss_err_max": float(err.max()), "loss_err_mean": float(err.mean())}
             print(f"  op_{precision:17s} {rows[f'op_{precision}']}", flush=True)
