@@ -128,6 +128,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="CUDA: torch.cuda.set_per_process_memory_fraction to emulate a smaller GPU; CPU: a try whose peak RSS"
         " increase exceeds it counts as OOM (to exercise the search)",
     )
+    ap.add_argument(
+        "--snapshot-on-oom",
+        default="flce",
+        help="comma list of providers whose tries record the allocator's history (Python stacks) so that an OOM"
+        " names the live tensors (what limits the maximum); 'none' for no recording",
+    )
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--flce-chunk-size", type=int, default=None, help="flce_chunk_size (default: the op's)")
     ap.add_argument(
@@ -304,6 +310,9 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
     t0 = time.time()
     deadline = t0 + args.try_soft_s
     timer = StepTimer(1, device, deadline)
+    recording = cuda and spec["provider"] in str(getattr(args, "snapshot_on_oom", "")).split(",")
+    if recording:
+        _record_history(True)
     try:
         pl.seed_everything(args.seed, verbose=False)
         cfg = model_config(args, seq)
@@ -343,6 +352,16 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
             rec["optimizer"] = f"{type(trainer.optimizers[0]).__name__} ({'fused' if fused else 'default'})"
     except Exception as exc:  # noqa: BLE001 - OOM is a result here; anything else stops the series
         rec["error"] = ("OOM: " if C.is_oom(exc) else "") + C.short_error(exc)
+        if recording and C.is_oom(exc):
+            # Still inside the handler: the traceback keeps the failing frames' tensors alive, so the snapshot
+            # holds what was live when the allocation failed.
+            try:
+                rec["oom_live"] = live_memory_summary(torch.cuda.memory._snapshot())
+            except Exception as snap_exc:  # noqa: BLE001 - the summary is extra information
+                rec["oom_live"] = {"error": C.short_error(snap_exc)}
+    finally:
+        if recording:
+            _record_history(False)
     filled: Dict[str, Any] = {"tokens_per_step": batch * seq}
     timer.fill(filled)
     rec["step_s"] = filled.get("step_s")
@@ -368,6 +387,56 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
         rec["status"] = "error"
         rec["error"] = "no timed step completed"
     return rec
+
+
+def _record_history(on: bool) -> None:
+    """The CUDA allocator's history with Python stacks only (cheaper than C++ ones); off again after."""
+    record = torch.cuda.memory._record_memory_history
+    if not on:
+        record(enabled=None)
+        return
+    try:
+        record(enabled="all", context="alloc", stacks="python", max_entries=200_000)
+    except TypeError:  # an older signature
+        record(enabled="all", max_entries=200_000)
+
+
+# Frames that say whose tensor a block is, innermost first; torch's own frames are skipped.
+_OWNER_MARKERS = ("lightning_flce/", "transformers/", "liger_kernel/", "benchmarks/", "lightning/")
+
+
+def _owner(frames: Sequence[Dict[str, Any]]) -> str:
+    for marker in _OWNER_MARKERS:
+        for frame in frames:
+            name = str(frame.get("filename", ""))
+            if marker in name:
+                return f"{name[name.rfind(marker) :]}:{frame.get('line')} {frame.get('name')}"
+    return "unknown (no Python frame outside torch)" if frames else "unknown (no history)"
+
+
+def live_memory_summary(snapshot: Dict[str, Any], top: int = 12) -> Dict[str, Any]:
+    """What was allocated when a try ran out of memory, from ``torch.cuda.memory._snapshot()``: the live
+    blocks grouped by the first frame of a known package that allocated them (sum, count, largest), and the
+    largest blocks alone. Sizes in MiB."""
+    groups: Dict[str, Dict[str, Any]] = {}
+    blocks = []
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated":
+                continue
+            where = _owner(block.get("frames") or [])
+            size = block.get("requested_size") or block.get("size", 0)
+            g = groups.setdefault(where, {"where": where, "mib": 0.0, "count": 0, "largest_mib": 0.0})
+            g["mib"] += size / C.MIB
+            g["count"] += 1
+            g["largest_mib"] = max(g["largest_mib"], size / C.MIB)
+            blocks.append({"mib": size / C.MIB, "where": where})
+    total = sum(g["mib"] for g in groups.values())
+    return {
+        "live_mib": total,
+        "by_owner": sorted(groups.values(), key=lambda g: -g["mib"])[:top],
+        "largest": sorted(blocks, key=lambda b: -b["mib"])[:top],
+    }
 
 
 def _enable_checkpointing(model: Any) -> str:
@@ -462,6 +531,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "flce_chunk_size",
             "compile_layers",
             "seed",
+            "snapshot_on_oom",
         )  # fmt: skip
     }
     meta: Dict[str, Any] = {
@@ -733,7 +803,30 @@ def markdown(payload: Dict[str, Any]) -> List[str]:
                 (t.get("error") or t.get("note") or "")[:200],
             ]
         )
-    return lines + C.md_table(headers, rows)
+    lines += C.md_table(headers, rows)
+    snapshots = [t for t in tries if isinstance(t.get("oom_live"), dict) and "by_owner" in t["oom_live"]]
+    if snapshots:
+        lines += [
+            "",
+            "## What was live at each recorded OOM (allocator history, grouped by allocating frame)",
+            "",
+        ]
+    for t in snapshots:
+        live = t["oom_live"]
+        lines += [
+            f"{t['provider']} {t['axis']} ckpt {'on' if t['checkpointing'] else 'off'} {t['batch']} x {t['seq']}:"
+            f" {live['live_mib']:.0f} MiB live; {(t.get('error') or '')[:140]}",
+            "",
+            *C.md_table(
+                ["allocated at", "MiB", "blocks", "largest MiB"],
+                [
+                    [g["where"], f"{g['mib']:.0f}", g["count"], f"{g['largest_mib']:.0f}"]
+                    for g in live["by_owner"]
+                ],
+            ),
+            "",
+        ]
+    return lines
 
 
 def plot_png(payload: Dict[str, Any], path: Path) -> Optional[str]:

@@ -73,3 +73,37 @@ def test_probes_ask_for_the_other_providers_maxima():
     done = {("hf", "seq", True): True, ("flce", "seq", True): True}
     assert bench.probe_tokens(("flce", "seq", True), hf + fl, done) == [73728]
     assert bench.probe_tokens(("hf", "seq", True), hf + fl, done) == []
+
+
+def test_live_memory_summary_groups_live_blocks_by_their_package_frame():
+    """The OOM summary: only allocated blocks count, each under the innermost frame of a known package."""
+    mib = 2**20
+
+    def frames(*names):
+        return [{"filename": f, "line": 7, "name": "fn"} for f in names]
+
+    llama = "/x/site-packages/transformers/models/llama/modeling_llama.py"
+    engine = "/repo/lightning_flce/engine.py"
+    snapshot = {
+        "segments": [
+            {
+                "blocks": [
+                    {
+                        "state": "active_allocated",
+                        "size": 512 * mib,
+                        "frames": frames("/t/torch/nn/f.py", llama),
+                    },
+                    {"state": "active_allocated", "size": 256 * mib, "frames": frames(llama)},
+                    {"state": "inactive", "size": 4096 * mib, "frames": frames(engine)},
+                ]
+            },
+            {"blocks": [{"state": "active_allocated", "size": 1024 * mib, "frames": frames(engine, llama)}]},
+        ]
+    }
+    live = bench.live_memory_summary(snapshot)
+    assert live["live_mib"] == 1792
+    (first, second) = live["by_owner"]
+    assert first["where"] == "lightning_flce/engine.py:7 fn" and first["mib"] == 1024
+    assert second["where"].startswith("transformers/models/llama/modeling_llama.py")
+    assert (second["mib"], second["count"], second["largest_mib"]) == (768, 2, 512)
+    assert [b["mib"] for b in live["largest"]] == [1024, 512, 256]
