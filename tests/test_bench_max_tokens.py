@@ -76,7 +76,8 @@ def test_probes_ask_for_the_other_providers_maxima():
 
 
 def test_live_memory_summary_groups_live_blocks_by_their_package_frame():
-    """The OOM summary: only allocated blocks count, each under the innermost frame of a known package."""
+    """The OOM summary: only allocated blocks count, each under the innermost frame of a known package (the
+    model's line inside the module's call, not the call every forward allocation shares)."""
     mib = 2**20
 
     def frames(*names):
@@ -98,12 +99,13 @@ def test_live_memory_summary_groups_live_blocks_by_their_package_frame():
                 ]
             },
             {"blocks": [{"state": "active_allocated", "size": 1024 * mib, "frames": frames(engine, llama)}]},
+            {"blocks": [{"state": "active_allocated", "size": 128 * mib, "frames": frames(llama, engine)}]},
         ]
     }
     live = bench.live_memory_summary(snapshot)
-    assert live["live_mib"] == 1792
+    assert live["live_mib"] == 1920
     (first, second) = live["by_owner"]
     assert first["where"] == "lightning_flce/engine.py:7 fn" and first["mib"] == 1024
     assert second["where"].startswith("transformers/models/llama/modeling_llama.py")
-    assert (second["mib"], second["count"], second["largest_mib"]) == (768, 2, 512)
-    assert [b["mib"] for b in live["largest"]] == [1024, 512, 256]
+    assert (second["mib"], second["count"], second["largest_mib"]) == (896, 3, 512)
+    assert [b["mib"] for b in live["largest"]] == [1024, 512, 256, 128]
