@@ -120,6 +120,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument(
         "--try-soft-s", type=float, default=60.0, help="no more timed steps once a try has run this long"
     )
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="comma list of tokens per micro-batch to run in every series instead of the search (e.g. the"
+        " lengths another provider fit, for equal-size tok/s comparisons; multiples of the axis's granularity)",
+    )
     ap.add_argument("--budget-s", type=float, default=None, help="the whole search ends within this many s")
     ap.add_argument(
         "--memory-limit-gib",
@@ -160,6 +166,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args.provider_list = _names(ap, args.providers, PROVIDERS, "--providers")
     args.axis_list = _names(ap, args.axes, list(AXES), "--axes")
     args.ckpt_list = [c == "on" for c in _names(ap, args.checkpointing, ["off", "on"], "--checkpointing")]
+    try:
+        args.size_list = [int(x) for x in args.sizes.split(",")] if args.sizes else []
+    except ValueError:
+        ap.error(f"--sizes: comma list of ints, got {args.sizes!r}")
+    for axis in args.axis_list:
+        bad = [n for n in args.size_list if n <= 0 or n % granularity(args, axis)]
+        if bad:
+            ap.error(
+                f"--sizes {bad}: not positive multiples of the {axis} axis's {granularity(args, axis)} tokens"
+            )
     return args
 
 
@@ -573,8 +589,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         flush=True,
     )
     out_of_budget = False
-    # Two passes: the searches, then the other providers' maxima (probes) for equal-size comparisons.
-    for phase in ("search", "probe"):
+    # Two passes: the searches, then the other providers' maxima (probes) for equal-size comparisons; or only
+    # the sizes asked for.
+    for phase in ("sizes",) if args.size_list else ("search", "probe"):
         for key in keys:
             provider, axis, ckpt = key
             while not out_of_budget:
@@ -592,6 +609,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                     if nxt is None:
                         done[key] = True
                         break
+                elif phase == "sizes":
+                    tried = {t["tokens"] for t in series}
+                    probes = [n for n in args.size_list if n not in tried]
+                    if not probes:
+                        break
+                    nxt = probes[0]
                 else:
                     probes = probe_tokens(key, tries, done) if done.get(key) else []
                     if not probes:

@@ -109,3 +109,10 @@ def test_live_memory_summary_groups_live_blocks_by_their_package_frame():
     assert second["where"].startswith("transformers/models/llama/modeling_llama.py")
     assert (second["mib"], second["count"], second["largest_mib"]) == (896, 3, 512)
     assert [b["mib"] for b in live["largest"]] == [1024, 512, 256, 128]
+
+
+def test_sizes_must_be_multiples_of_each_axis_granularity():
+    args = bench.parse_args(["--tiny", "--axes", "seq", "--sizes", "64,128"])
+    assert args.size_list == [64, 128]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "--axes", "seq,batch", "--sizes", "80"])  # seq 16s, batch 64s
