@@ -25,10 +25,11 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lightning_flce._compat import TORCH_VERSION, resolved_annotations
+from lightning_flce._compat import TORCH_VERSION, resolved_annotations, triton_usable
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
 from lightning_flce.kernels import LOW_PRECISION, LossOptions, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
+from lightning_flce.options import WIDE_LOGITS_PRECISIONS
 
 _MiB = 1 << 20
 # A chunk's logits may take a quarter of the memory floor (dX + dW), within these bounds.
@@ -97,15 +98,15 @@ def chunk_rows(
 ) -> int:
     """Rows per chunk: a user's ``chunk_size`` as given; else :func:`default_chunk_size` of the call's shape
     (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
-    ``n_valid`` rows that run (:func:`balanced_chunk_rows`). fp32 logits of 16-bit GEMMs (an fp32 logits
-    buffer and a 16-bit gradient buffer: 3x the bytes per row) get 2/3 of the rows, so the chunk's buffers
-    take at most one 16-bit chunk buffer more than the default's."""
+    ``n_valid`` rows that run (:func:`balanced_chunk_rows`). fp32 logits of 16-bit GEMMs (the
+    ``WIDE_LOGITS_PRECISIONS``: an fp32 logits buffer and a 16-bit gradient buffer, 3x the bytes per row) get
+    2/3 of the rows, so the chunk's buffers take at most one 16-bit chunk buffer more than the default's."""
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     max_rows = default_chunk_size(n_rows, vocab, hidden, itemsize, large_chunks)
     align = _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN
-    if logits_precision == "fp32" and compute_dtype in LOW_PRECISION and max_rows > align:
+    if logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION and max_rows > align:
         max_rows = max(align, max_rows * 2 // 3 // align * align)
     return balanced_chunk_rows(n_valid, max_rows, align)
 
@@ -247,6 +248,7 @@ def run_chunks(
     compute_stats: bool,
     accum_dtype: Optional[torch.dtype],
     logits_precision: str = "input",
+    triton_logits_gemm: bool = False,
     grad_input_dtype: torch.dtype,
     keep_scaled: bool = False,
     fp16_bounds: Optional[Sequence[float]] = None,
@@ -269,7 +271,8 @@ def run_chunks(
     (for a backward that multiplies them by grad_output anyway), otherwise every gradient is returned
     unscaled. ``fp16_bounds``: the values of :func:`fp16_bound_stats`, when the caller has read them
     already. ``grad_weight_dtype``: dW's accumulator dtype, returned as it is (no cast to the weight's
-    dtype; see :func:`saved_grad_weight_dtype`).
+    dtype; see :func:`saved_grad_weight_dtype`). ``triton_logits_gemm``: the chunk kernels are the "triton"
+    backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`).
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -279,13 +282,20 @@ def run_chunks(
     device = x.device
 
     weight_c = weight.to(compute_dtype)
-    # logits_precision="fp32" with 16-bit GEMMs: the logits GEMM accumulates and writes fp32 (no rounding of
-    # the logits to 16 bits), the bias is added in fp32; the logit gradient goes to the dX/dW GEMMs in their
-    # operand dtype (one more [C, V] buffer).
-    wide_logits = logits_precision == "fp32" and compute_dtype in LOW_PRECISION
+    # logits_precision "fp32" / "fp32_compensated" with 16-bit GEMMs: the logits GEMM accumulates and writes
+    # fp32 (no rounding of the logits to 16 bits; "fp32_compensated" also compensates the sum over H), the bias
+    # is added in fp32; the logit gradient goes to the dX/dW GEMMs in their operand dtype (one more [C, V]
+    # buffer).
+    wide_logits = logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION
     logits_dtype = torch.float32 if wide_logits else compute_dtype
     bias_c = bias.to(logits_dtype) if bias is not None else None
-    logits_gemm = WideLogitsGemm(weight_c) if wide_logits else None
+    logits_gemm = (
+        WideLogitsGemm(
+            weight_c, compensated=logits_precision == "fp32_compensated", triton=triton_logits_gemm
+        )
+        if wide_logits
+        else None
+    )
     per_row_scale = ce_scale.numel() > 1
 
     loss_dtype = softmax_dtype(compute_dtype)
@@ -678,23 +688,47 @@ def finish_saved_grads(
 
 
 class WideLogitsGemm:
-    """``x_c @ W.T (+ b)`` of 16-bit operands, accumulated and written in fp32 (``logits_precision="fp32"``).
+    """``x_c @ W.T (+ b)`` of 16-bit operands, accumulated and written in fp32 (the wide-logits precisions,
+    :data:`~lightning_flce.options.WIDE_LOGITS_PRECISIONS`).
 
-    torch >= 2.8 on CUDA has the GEMM with an fp32 output (``out_dtype``; exact products, fp32 sums, no rounding
-    to 16 bits). Elsewhere the documented fallback: the operands widened to fp32 (the same exact products and
-    fp32 sums, at the fp32 GEMM rate), with the weight widened once per call ([V, H] fp32).
+    ``logits_precision="fp32"`` (``compensated=False``): torch >= 2.8 on CUDA has the GEMM with an fp32 output
+    (``out_dtype``; exact products, fp32 sums, no rounding to 16 bits). Elsewhere the documented fallback: the
+    operands widened to fp32 (the same exact products and fp32 sums, at the fp32 GEMM rate), with the weight
+    widened once per call ([V, H] fp32).
+
+    ``logits_precision="fp32_compensated"`` (``compensated=True``): with ``triton`` (the "triton" backend) where
+    Triton runs on the weight's device (CUDA, or the CPU under Triton's interpreter), the Triton GEMM whose sum
+    over H is compensated (:mod:`lightning_flce.kernels.compensated_gemm`: per-block dots added with Kahan's
+    summation, logits within ~1 fp32 ulp of exact). Elsewhere (the CPU, the "torch" backend) the documented
+    fallback: the float64 GEMM rounded once to fp32 (exactly rounded logits), with the weight widened once per
+    call ([V, H] fp64) and a [C, V] fp64 temporary per chunk; about 2x an fp32 GEMM's cost (the reference path).
+
+    The bias is added in fp32 (one rounding, as the other paths).
     """
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, weight: Tensor, *, compensated: bool = False, triton: bool = False) -> None:
+        if compensated:
+            self.mode = "triton" if triton and triton_usable(weight.device) else "float64"
+        else:
+            self.mode = "native" if _HAS_MM_OUT_DTYPE and weight.device.type == "cuda" else "widened"
+        if self.mode == "triton" and weight.stride(-1) != 1:
+            weight = weight.contiguous()  # once per call (the kernel reads rows of W with unit stride)
         self.weight = weight
-        self.native = _HAS_MM_OUT_DTYPE and weight.device.type == "cuda"
-        self.weight_fp32 = None if self.native else weight.float()
+        wide_dtype = {"widened": torch.float32, "float64": torch.float64}.get(self.mode)
+        self.weight_wide = weight.to(wide_dtype) if wide_dtype is not None else None
 
     def __call__(self, x_c: Tensor, bias: Optional[Tensor], *, out: Tensor) -> None:
-        if self.native:
+        if self.mode == "triton":
+            from lightning_flce.kernels.compensated_gemm import compensated_logits_mm
+
+            compensated_logits_mm(x_c, self.weight, out, bias)  # the bias in the kernel's epilogue, in fp32
+            return
+        if self.mode == "native":
             torch.mm(x_c, self.weight.t(), out_dtype=torch.float32, out=out)
+        elif self.mode == "widened":
+            torch.mm(x_c.float(), self.weight_wide.t(), out=out)
         else:
-            torch.mm(x_c.float(), self.weight_fp32.t(), out=out)
+            out.copy_(torch.mm(x_c.double(), self.weight_wide.t()))  # rounded once to fp32
         if bias is not None:
             out.add_(bias)
 

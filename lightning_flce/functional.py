@@ -71,6 +71,10 @@ def fused_linear_cross_entropy(
             to the dX/dW GEMMs in their operand dtype): one more chunk buffer, a little slower.
             ``"fp32_head"``: the head's GEMMs themselves run in fp32 (operands widened; TF32 only if enabled
             globally), dW accumulated in fp32: an fp32 head for RL log-probabilities, at the fp32 GEMM rate.
+            ``"fp32_compensated"``: as ``"fp32"``, but the logits GEMM compensates its sum over H (a Triton
+            GEMM on CUDA; elsewhere the float64 GEMM rounded once to fp32), so the logits are within ~1 fp32
+            ulp of exact and the per-token loss within ~3e-6 of float64 (RL log-probabilities, KL terms
+            where 1e-5 matters); its logits GEMM costs about 1.8x the fp32-output one.
             See ``docs/op.md``.
         accum_dtype: dtype of the dW accumulator across chunks; the gradient is returned in the
             weight's dtype either way. ``torch.float32``: always fp32. The weight's own dtype:

@@ -60,7 +60,7 @@ class FLCEHeadLoss(nn.Module):
         naive: compute the plain logits and ``F.cross_entropy`` instead (same result, [N, V] memory),
             for comparisons.
         softcap: logit soft-capping ``c * tanh(logits / c)`` of every call that passes none.
-        logits_precision: ``"input"``, ``"fp32"`` or ``"fp32_head"`` (see
+        logits_precision: ``"input"``, ``"fp32"``, ``"fp32_compensated"`` or ``"fp32_head"`` (see
             :func:`~lightning_flce.fused_linear_cross_entropy`).
 
     The options are kept as one :class:`~lightning_flce.options.FLCEOptions` record, ``self.options``
@@ -400,7 +400,8 @@ def _plain_loss(
     """The reference path: materialises the [N, V] logits in the op's softmax dtype (fp32; fp64 for fp64)."""
     if options.logits_precision == "input":
         logits = F.linear(hidden, weight, bias)
-    else:  # fp32 logits: the GEMM widened (outside autocast, which would narrow it again)
+    else:  # fp32 logits (any fp32 precision; fp32 sums, not compensated): the GEMM widened (outside
+        # autocast, which would narrow it again)
         wide = torch.promote_types(hidden.dtype, torch.float32)
         with torch.autocast(hidden.device.type, enabled=False):
             logits = F.linear(hidden.to(wide), weight.to(wide), None if bias is None else bias.to(wide))

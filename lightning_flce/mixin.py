@@ -109,8 +109,9 @@ class FLCEMixin:
         flce_accum_fp32: always accumulate the head weight gradient over chunks in float32
             (``accum_dtype=torch.float32``); ``False`` keeps the op's default (one step wider than the
             GEMM operands when there are several chunks, see :func:`~lightning_flce.fused_linear_cross_entropy`).
-        flce_logits_precision: ``"input"``, ``"fp32"`` or ``"fp32_head"``: the precision of each chunk's logits
-            (``logits_precision`` of :func:`~lightning_flce.fused_linear_cross_entropy`).
+        flce_logits_precision: ``"input"``, ``"fp32"``, ``"fp32_compensated"`` or ``"fp32_head"``: the
+            precision of each chunk's logits (``logits_precision`` of
+            :func:`~lightning_flce.fused_linear_cross_entropy`).
         flce_impl: ``"auto"``, ``"triton"`` or ``"torch"``.
         flce_naive: compute plain logits and ``F.cross_entropy`` instead (same normalization and logging),
             to compare memory and results.

@@ -214,6 +214,7 @@ def _chunk_loop(
         z_scale=z_scale,
         compute_dtype=compute_dtype,
         logits_precision=args.logits_precision,
+        triton_logits_gemm=args.backend == "triton",
         need_grad_input=need_grad_input,
         need_grad_weight=need_grad_weight,
         need_grad_bias=need_grad_bias,

@@ -27,7 +27,12 @@ REDUCTIONS = ("mean", "sum", "none")
 #: Valid ``impl`` values: "auto" and the registered backends.
 IMPLS = ("auto", *BACKENDS)
 #: Valid ``logits_precision`` values (see :class:`FLCEOptions`).
-LOGITS_PRECISIONS = ("input", "fp32", "fp32_head")
+LOGITS_PRECISIONS = ("input", "fp32", "fp32_head", "fp32_compensated")
+#: The ``logits_precision`` values whose 16-bit GEMMs write each chunk's logits into an fp32 buffer (the chunk
+#: engine's wide-logits path: 2/3 of the default rows, the logit gradient in a buffer of the GEMMs' dtype).
+#: They differ only in the logits GEMM (``lightning_flce.engine.WideLogitsGemm``): "fp32" accumulates in the
+#: tensor cores' fp32, "fp32_compensated" compensates the sum over H.
+WIDE_LOGITS_PRECISIONS = frozenset({"fp32", "fp32_compensated"})
 #: The types of the two for signatures that LightningCLI lists choices of (built from the tuples above).
 ImplName = Literal[IMPLS]
 LogitsPrecision = Literal[LOGITS_PRECISIONS]

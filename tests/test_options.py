@@ -11,7 +11,7 @@ import torch
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import BACKENDS
 from lightning_flce.op import BACKWARD_ARGS, FORWARD_ARGS, OPTION_ARG_NAMES, ForwardArgs
-from lightning_flce.options import IMPLS, OPTION_NAMES, FLCEOptions
+from lightning_flce.options import IMPLS, LOGITS_PRECISIONS, OPTION_NAMES, FLCEOptions
 from lightning_flce.parallel import (
     vocab_parallel_fused_linear_cross_entropy,
     vocab_parallel_fused_linear_cross_entropy_with_stats,
@@ -85,3 +85,64 @@ def test_record_normalizes_and_replace_revalidates():
     )
     with pytest.raises(ValueError, match="label_smoothing"):
         options.replace(label_smoothing=2.0)
+
+
+@pytest.mark.parametrize("precision", LOGITS_PRECISIONS)
+def test_every_logits_precision_reaches_the_engine_from_every_front_end(precision, tmp_path, monkeypatch):
+    """Each ``logits_precision`` name is accepted by the op, its ``_with_stats`` variant, the vocab-parallel op
+    (a group of one), ``FLCEHeadLoss`` and the mixin's ``flce_logits_precision``, and reaches the chunk engine:
+    as itself with bf16 GEMMs, except "fp32_head", which runs as fp32 GEMMs of "input" logits. The losses agree
+    across the front ends (fp32 softmax of the same logits: 1e-5 relative covers the shard kernels' order)."""
+    import torch.distributed as dist
+    from torch import nn
+
+    import lightning_flce.op as op
+    import lightning_flce.parallel.op as parallel_op
+    from lightning_flce.head import FLCEHeadLoss
+    from lightning_flce.models.gpt import TinyGPT
+
+    seen = []
+    for module in (op, parallel_op):
+
+        def spy(*args, _run=module.run_chunks, **kwargs):
+            seen.append((kwargs["logits_precision"], kwargs["compute_dtype"]))
+            return _run(*args, **kwargs)
+
+        monkeypatch.setattr(module, "run_chunks", spy)
+    want = ("input", torch.float32) if precision == "fp32_head" else (precision, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 16, generator=gen).bfloat16()
+    head = nn.Linear(16, 40, bias=False).bfloat16()
+    weight = head.weight.detach()
+    target = torch.randint(0, 40, (24,), generator=gen)
+    kwargs = {"logits_precision": precision}
+
+    losses = {
+        "op": fused_linear_cross_entropy(x, weight, target, **kwargs),
+        "with_stats": fused_linear_cross_entropy_with_stats(x, weight, target, **kwargs).loss,
+        "head_loss": FLCEHeadLoss(logits_precision=precision)(head, x, target),
+    }
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        losses["vocab_parallel"] = vocab_parallel_fused_linear_cross_entropy(x, weight, target, **kwargs)
+    finally:
+        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = TinyGPT(
+        vocab_size=40,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        max_seq_len=24,
+        lr=0.0,
+        flce_logits_precision=precision,
+    )
+    assert model.flce_options.logits_precision == precision
+    with torch.no_grad():
+        model.lm_head.weight.copy_(weight.float())
+    model = model.bfloat16()
+    losses["mixin"] = model.flce_loss(x, target)
+
+    assert seen == [want] * len(losses)
+    for name, loss in losses.items():
+        assert torch.allclose(loss.double(), losses["op"].double(), rtol=1e-5, atol=0), name

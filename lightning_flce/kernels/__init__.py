@@ -9,7 +9,9 @@ A backend is one module with those three functions and one :class:`Backend` entr
 
 - ``triton`` (:mod:`~lightning_flce.kernels.triton_backend`): Triton kernels, one per file
   (:mod:`~lightning_flce.kernels.cross_entropy`, :mod:`~lightning_flce.kernels.cross_entropy_shard`); CUDA, or
-  the CPU under Triton's interpreter (tests);
+  the CPU under Triton's interpreter (tests). The logits GEMM of ``logits_precision="fp32_compensated"``
+  (:mod:`~lightning_flce.kernels.compensated_gemm`), which the chunk engine runs with this backend, lives
+  beside them;
 - ``torch`` (:mod:`~lightning_flce.kernels.torch_backend`): their plain-PyTorch twins
   (:mod:`~lightning_flce.kernels.cross_entropy_torch`, :mod:`~lightning_flce.kernels.cross_entropy_shard_torch`),
   for the CPU, devices without Triton, and fp64.

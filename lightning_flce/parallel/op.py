@@ -475,6 +475,7 @@ def _chunk_loop(
         compute_stats=compute_stats,
         accum_dtype=plan.options.accum_dtype,
         logits_precision=plan.options.logits_precision,
+        triton_logits_gemm=plan.backend.name == "triton",
         grad_input_dtype=reduce_dtype,
         keep_scaled=keep_scaled,
         grad_weight_dtype=grad_weight_dtype,

@@ -1,0 +1,245 @@
+"""Triton kernel: ``out[M, N] = x[M, K] @ w[N, K].T (+ bias)`` in fp32 from 16-bit operands, with the sum over
+K compensated (``logits_precision="fp32_compensated"``).
+
+Why: a 16-bit GEMM with an fp32 output (cuBLAS's ``torch.mm(..., out_dtype=torch.float32)``, or a plain Triton
+GEMM) forms every product exactly, but the tensor cores accumulate the K = H products of an output in fp32
+along one chain, and that chain's rounding is the whole error of ``logits_precision="fp32"``: on an H200 the
+logits are off by up to 6.9e-5 (H = 4096) and the per-token loss by 5e-5 / 2.8e-5 at 16384x4096x32000 /
+8192x2304x256000 (bf16 inputs, bias, softcap 30; cuBLAS and a plain Triton GEMM bit-identical;
+``benchmarks/experiments/fp32_logits_accuracy.py``, ``benchmarks/results/2026-12-01_h200_torch2.11_triton3.6_run72_*``).
+
+How: each program owns a [BM, BN] output tile. Every BK-long block of K gets its own ``tl.dot`` from a zero
+accumulator (a short fp32 chain of BK products), and the blocks are added into a Kahan-compensated fp32 sum
+(``y = part - comp; t = acc + y; comp = (t - acc) - y; acc = t``), so the long chain over K / BK blocks loses
+almost nothing. Measured there: logits within 1-2e-6 of float64, per-token loss within 1.2-2.5e-6 (the floor of
+an fp32 loss from exactly rounded, float64, logits), at 10.9 ms against cuBLAS's 5.9 ms (16384x4096x32000) and
+27.9 against 15.2 ms (8192x2304x256000).
+
+Two things the code below depends on:
+
+- Triton's combine pass folds ``acc = acc + tl.dot(a, b)`` back into ``tl.dot(a, b, acc)`` (one chain again,
+  the error of the plain GEMM); Kahan's ``part - comp`` is not folded, so the per-block dot stays separate.
+- Two fp32 [BM, BN] tiles (the sum and its compensation) live in registers: 128 x 128 over 8 warps fits,
+  128 x 256 would spill. BK = 128 with 3 stages was the fastest measured (BK = 64: 13.7 / 32.4 ms); it needs
+  (128 + 128) x 128 x 2 bytes = 64 KiB of shared memory per stage, so a GPU with less than 3 stages' worth
+  (A100: 164 KiB) gets fewer stages or BK = 64 (:func:`cuda_config`).
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) the blocks are 16 wide and the operands are
+widened to fp32 before ``tl.dot``: the interpreter's bf16 dot is wrong. fp32 products of 16-bit values are
+exact either way.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_flce._compat import TRITON_INTERPRET
+
+#: The operand dtypes the kernel takes.
+OPERAND_DTYPES = (torch.bfloat16, torch.float16)
+# Program order: GROUP_M row tiles share each column tile in turn, so a [BN, K] block of w is read from L2
+# by GROUP_M programs in a row instead of from HBM by each.
+_GROUP_M = 8
+
+
+class GemmConfig(NamedTuple):
+    """Launch parameters of :func:`_compensated_mm_kernel`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+#: The measured configuration (H200, results/*_run72_*: 10.9 ms at 16384x4096x32000).
+MEASURED_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+#: The interpreter's: tl.dot's smallest blocks (each program is a Python loop there).
+INTERPRET_CONFIG = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+
+
+def cuda_config(shared_memory_bytes: Optional[int]) -> GemmConfig:
+    """The measured configuration, with fewer pipeline stages (or BK = 64) where a GPU's shared memory per
+    block (``shared_memory_per_block_optin``; None: unknown, assumed an H100/H200's) holds fewer than three
+    stages of BK = 128. Each stage holds a [BM, BK] block of x and a [BN, BK] block of w in 16 bits."""
+    config = MEASURED_CONFIG
+    if shared_memory_bytes is None:
+        return config
+    for block_k in (128, 64):
+        stage_bytes = (config.block_m + config.block_n) * block_k * 2
+        stages = min(config.num_stages, shared_memory_bytes // stage_bytes)
+        if stages >= 2:
+            return config._replace(block_k=block_k, num_stages=stages)
+    return config._replace(block_k=32, num_stages=2)
+
+
+@functools.cache
+def _device_config(device_index: int) -> GemmConfig:
+    properties = torch.cuda.get_device_properties(device_index)
+    return cuda_config(getattr(properties, "shared_memory_per_block_optin", None))
+
+
+def launch_config(device: torch.device) -> GemmConfig:
+    """The configuration for tensors on ``device``."""
+    if TRITON_INTERPRET or device.type != "cuda":
+        return INTERPRET_CONFIG
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_config(index)
+
+
+@triton.jit
+def _compensated_mm_kernel(
+    x_ptr,  # [M, K] bf16/fp16, unit stride along K
+    w_ptr,  # [N, K] same dtype, unit stride along K
+    bias_ptr,  # [N] fp32 (read only with HAS_BIAS)
+    out_ptr,  # [M, N] fp32 out, unit stride along N
+    M,
+    N,
+    K,
+    x_row_stride,
+    w_row_stride,
+    out_row_stride,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
+    UPCAST: tl.constexpr,  # widen the operands to fp32 before tl.dot (the interpreter)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # Rows past M / N load row M - 1 / N - 1 again (in bounds, no load mask); only the store is masked.
+    # int64 offsets: out has M N elements, 4e9 at 16384 x 256000 (past int32), w up to N K.
+    x_rows = tl.minimum(rm, M - 1).to(tl.int64)
+    w_rows = tl.minimum(rn, N - 1).to(tl.int64)
+    x_tile = x_ptr + x_rows[:, None] * x_row_stride + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    w_tile = w_ptr + w_rows[None, :] * w_row_stride + rk[:, None]  # [BLOCK_K, BLOCK_N]: w's block, transposed
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_tile)
+            b = tl.load(w_tile)
+        else:  # the K tail: zeros past K add nothing to the block's dot
+            k_left = K - k * BLOCK_K
+            a = tl.load(x_tile, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(w_tile, mask=rk[:, None] < k_left, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        # One block's products summed from zero (not chained through acc: see the module docstring), then
+        # added into the compensated sum.
+        part = tl.dot(a, b)
+        y = part - comp
+        t = acc + y
+        comp = (t - acc) - y
+        acc = t
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+
+    if HAS_BIAS:  # in fp32, rounded once: as out.add_(bias) after the GEMM
+        acc += tl.load(bias_ptr + w_rows)[None, :]
+    out_tile = out_ptr + rm.to(tl.int64)[:, None] * out_row_stride + rn[None, :]
+    tl.store(out_tile, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def compensated_logits_mm(
+    x_c: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    config: Optional[GemmConfig] = None,
+) -> torch.Tensor:
+    """``out = x_c @ weight.T (+ bias)`` in fp32 with the compensated sum over K (see the module docstring).
+
+    ``x_c`` [M, K] and ``weight`` [N, K] are bf16 or fp16 (the same dtype), ``out`` an fp32 [M, N] tensor with
+    unit stride along N (a row slice of a larger buffer is fine), ``bias`` an optional [N] tensor (added in
+    fp32). Operands whose last dimension is not unit-stride are made contiguous (a copy). ``config``
+    overrides :func:`launch_config`. Returns ``out``.
+    """
+    _check(x_c, weight, out, bias)
+    if x_c.stride(1) != 1:
+        x_c = x_c.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    m, k = x_c.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    config = config or launch_config(x_c.device)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _compensated_mm_kernel[grid](
+        x_c,
+        weight,
+        bias if bias is not None else out,  # a dummy pointer, never read without HAS_BIAS
+        out,
+        m,
+        n,
+        k,
+        x_c.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % config.block_k == 0,
+        UPCAST=TRITON_INTERPRET,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=_GROUP_M,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def _check(x_c: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """Python errors for arguments the kernel would misread (before it runs)."""
+    if x_c.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"compensated_logits_mm: x_c and weight must be 2-D, got {tuple(x_c.shape)} and {tuple(weight.shape)}"
+        )
+    if x_c.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"compensated_logits_mm: x_c [M, K] and weight [N, K] differ in K: {tuple(x_c.shape)} and"
+            f" {tuple(weight.shape)}"
+        )
+    if x_c.dtype not in OPERAND_DTYPES or weight.dtype != x_c.dtype:
+        raise TypeError(
+            "compensated_logits_mm: x_c and weight must both be bfloat16 or both float16, got"
+            f" {x_c.dtype} and {weight.dtype}"
+        )
+    expected = (x_c.shape[0], weight.shape[0])
+    if out.dtype != torch.float32 or tuple(out.shape) != expected:
+        raise ValueError(
+            f"compensated_logits_mm: out must be float32 of shape {expected}, got {out.dtype} {tuple(out.shape)}"
+        )
+    if out.shape[1] > 1 and out.stride(1) != 1:
+        raise ValueError("compensated_logits_mm: out needs unit stride along its last dimension")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(
+            f"compensated_logits_mm: bias must be [N]=[{weight.shape[0]}], got {tuple(bias.shape)}"
+        )
+    for name, tensor in (("weight", weight), ("out", out), ("bias", bias)):
+        if tensor is not None and tensor.device != x_c.device:
+            raise ValueError(
+                f"compensated_logits_mm: {name} is on {tensor.device} but x_c is on {x_c.device}"
+            )

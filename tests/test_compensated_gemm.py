@@ -1,0 +1,185 @@
+"""The compensated logits GEMM (``lightning_flce/kernels/compensated_gemm.py``, ``logits_precision=
+"fp32_compensated"``): the kernel through Triton's interpreter against the float64 product, the op's Triton path
+with it, and the launcher's argument checks (those run in the normal invocation: they raise before any launch).
+
+The interpreter tests run as test_triton_interpret.py's do (TRITON_INTERPRET must be set before triton is
+imported):
+
+    TRITON_INTERPRET=1 pytest -m interpret tests/test_compensated_gemm.py
+
+Tolerance of the kernel: the products of bf16/fp16 values are exact in fp32 (8 + 8 and 11 + 11 significant
+bits), so the error is the sums' rounding: each 16-long block's fp32 dot, the Kahan-compensated sum of the
+blocks (about one rounding of the result, 0.5 ulp) and the bias add (0.5 ulp). 4 ulps of fp32 at max |logit|
+bounds them with room; a wrong mask, stride or tail shows as an error of the size of the logits themselves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import grads_of, reference_loss, relative_error
+
+from lightning_flce import fused_linear_cross_entropy
+
+# (M, N, K): tails along all three (37 rows, 203 columns, K = 4 blocks + 6), a divisible one, K past many
+# blocks with a tail (the compensated sum over 65 blocks), and single rows / columns / K = 1.
+SHAPES = [(37, 203, 70), (32, 64, 48), (20, 40, 1030), (5, 3, 1), (1, 17, 33)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ULPS = 4
+
+
+def fp32_ulp(value: torch.Tensor) -> float:
+    """The spacing of fp32 numbers at |value| (2^(e - 24) for |value| in [2^(e - 1), 2^e))."""
+    return 2.0 ** (torch.frexp(value.abs().max().double()).exponent.item() - 24)
+
+
+def gemm_problem(m, n, k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5 * 4).to(dtype)
+    b = torch.randn(n, generator=gen)
+    return x, w, b
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_float64(shape, dtype_name, with_bias):
+    from lightning_flce.kernels.compensated_gemm import compensated_logits_mm
+
+    m, n, k = shape
+    x, w, b = gemm_problem(m, n, k, DTYPES[dtype_name])
+    bias = b if with_bias else None
+    out = torch.full((m, n), float("nan"))
+    assert compensated_logits_mm(x, w, out, bias) is out
+    exact = x.double() @ w.double().T + (b.double() if with_bias else 0.0)
+    error = (out.double() - exact).abs().max().item()
+    assert error <= ULPS * fp32_ulp(exact), (error, fp32_ulp(exact))
+
+
+@pytest.mark.interpret
+def test_kernel_takes_row_strides_and_copies_other_layouts():
+    """x as columns of a wider tensor (row stride > K), out a row slice of a larger buffer (only its rows are
+    written), W stored transposed (not unit-stride along K: made contiguous) and an fp16 bias (added in fp32)."""
+    from lightning_flce.kernels.compensated_gemm import compensated_logits_mm
+
+    m, n, k = 21, 50, 40
+    x_full, w, b = gemm_problem(m, n, k + 9, torch.bfloat16, seed=1)
+    x = x_full[:, 3 : k + 3]
+    w_t = w[:, :k].T.contiguous().T  # [n, k] with strides (1, n)
+    assert x.stride() == (k + 9, 1) and w_t.stride(1) != 1
+    buffer = torch.full((m + 4, n), float("nan"))
+    out = buffer[1 : m + 1]
+    compensated_logits_mm(x, w_t, out, b.half())
+    exact = x.double() @ w_t.double().T + b.half().double()
+    assert (out.double() - exact).abs().max().item() <= ULPS * fp32_ulp(exact)
+    assert buffer[0].isnan().all() and buffer[m + 1 :].isnan().all()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_op_runs_the_kernel_on_the_triton_path(monkeypatch, reduction):
+    """impl="triton", bf16: every chunk's logits come from the compensated kernel (in the forward, and in the
+    recompute of "none"'s backward); per-token loss within 1e-5 of float64 (fp32 softmax of logits within a few
+    ulps), the gradients no less accurate than the default's (both rounded to bf16 at the end). impl="torch"
+    runs the float64 fallback instead."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+
+    calls = []
+    launch = gemm.compensated_logits_mm
+
+    def spy(x_c, weight, out, bias=None, config=None):
+        calls.append(x_c.shape[0])
+        return launch(x_c, weight, out, bias, config)
+
+    monkeypatch.setattr(gemm, "compensated_logits_mm", spy)
+    gen = torch.Generator().manual_seed(4)
+    n, h, v = 40, 48, 203
+    x = torch.randn(n, h, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=gen) / h**0.5 * 3).bfloat16().requires_grad_()
+    b = (0.1 * torch.randn(v, generator=gen)).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), generator=gen)
+    t[::9] = -100
+    options = {"softcap": 15.0, "label_smoothing": 0.05, "reduction": reduction}
+    grad_output = torch.randn(n, generator=gen) if reduction == "none" else None
+
+    def fused(precision, impl="triton"):
+        return grads_of(
+            lambda *a: fused_linear_cross_entropy(
+                *a[:2], t, a[2], logits_precision=precision, impl=impl, chunk_size=16, **options
+            ),
+            x,
+            w,
+            b,
+            grad_output=grad_output,
+        )
+
+    want = grads_of(
+        lambda *a: reference_loss(*a[:2], t, a[2], **options),
+        x.double(),
+        w.double(),
+        b.double(),
+        grad_output=grad_output,
+    )
+    got = fused("fp32_compensated")
+    n_valid = int((t != -100).sum())
+    chunks = [16, 16, n_valid - 32]
+    assert calls == (chunks if reduction == "mean" else chunks * 2)  # "none": forward, then backward
+    default = fused("input")
+    assert (got[0].double() - want[0]).abs().max() <= 1e-5
+    for index, (g, d, ref) in enumerate(zip(got[1], default[1], want[1])):
+        assert relative_error(g, ref) <= 1.05 * relative_error(d, ref) + 1e-3, index
+    calls.clear()
+    torch_path = fused("fp32_compensated", impl="torch")
+    assert calls == []
+    assert (torch_path[0].double() - want[0]).abs().max() <= 1e-5
+
+
+def test_cuda_config_fits_the_shared_memory():
+    """The measured config (BK = 128, 3 stages of 64 KiB) where it fits, fewer stages or BK = 64 where not."""
+    pytest.importorskip("triton")
+    from lightning_flce.kernels.compensated_gemm import MEASURED_CONFIG, cuda_config
+
+    assert cuda_config(None) == MEASURED_CONFIG
+    assert cuda_config(227 * 1024) == MEASURED_CONFIG  # H100 / H200
+    assert cuda_config(163 * 1024) == MEASURED_CONFIG._replace(num_stages=2)  # A100
+    assert cuda_config(99 * 1024) == MEASURED_CONFIG._replace(block_k=64, num_stages=3)  # sm86 / sm89
+    assert cuda_config(48 * 1024) == MEASURED_CONFIG._replace(block_k=32, num_stages=2)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"x": torch.zeros(4, 8)}, TypeError, "both be bfloat16 or both float16"),
+        ({"w": torch.zeros(6, 8, dtype=torch.float16)}, TypeError, "both be bfloat16 or both float16"),
+        ({"w": torch.zeros(6, 7, dtype=torch.bfloat16)}, ValueError, "differ in K"),
+        ({"x": torch.zeros(4, 8, 1, dtype=torch.bfloat16)}, ValueError, "must be 2-D"),
+        (
+            {"out": torch.zeros(4, 6, dtype=torch.bfloat16)},
+            ValueError,
+            r"out must be float32 of shape \(4, 6\)",
+        ),
+        ({"out": torch.zeros(4, 7)}, ValueError, r"out must be float32 of shape \(4, 6\)"),
+        ({"out": torch.zeros(6, 4).T}, ValueError, "unit stride"),
+        ({"bias": torch.zeros(5)}, ValueError, r"bias must be \[N\]=\[6\]"),
+        ({"w": torch.zeros(6, 8, dtype=torch.bfloat16, device="meta")}, ValueError, "weight is on meta"),
+    ],
+)
+def test_bad_arguments_raise_before_the_kernel(monkeypatch, change, error, message):
+    pytest.importorskip("triton")
+    import lightning_flce.kernels.compensated_gemm as gemm
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("the launch was prepared: the arguments passed the checks")
+
+    monkeypatch.setattr(gemm, "launch_config", no_launch)
+    args = {
+        "x": torch.zeros(4, 8, dtype=torch.bfloat16),
+        "w": torch.zeros(6, 8, dtype=torch.bfloat16),
+        "out": torch.zeros(4, 6),
+        "bias": None,
+    }
+    args.update(change)
+    with pytest.raises(error, match=message):
+        gemm.compensated_logits_mm(args["x"], args["w"], args["out"], args["bias"])
