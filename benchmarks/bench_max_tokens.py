@@ -891,6 +891,8 @@ def plot_png(payload: Dict[str, Any], path: Path) -> Optional[str]:
             lo, _, _ = search_state(mine)
             color = colors[provider]
             label = f"{provider}: max {lo:,}" if lo else f"{provider}: nothing fits"
+            if lo and not ooms:  # a lower bound: the series never ran out
+                label = f"{provider}: >= {lo:,} (no OOM tried)"
             if not fits and not ooms:
                 label = f"{provider}: {mine[0]['status']}"
             ax.plot([t["tokens"] for t in fits], [t["peak_mib"] / 1024 for t in fits], "o-", color=color,
@@ -901,7 +903,7 @@ def plot_png(payload: Dict[str, Any], path: Path) -> Optional[str]:
                     if any(t["tokens"] == lo for t in fits)
                     else None
                 )
-                if best is not None:
+                if best is not None and ooms:  # a star only where an OOM above makes it the maximum
                     ax.plot([lo], [best["peak_mib"] / 1024], "*", color=color, markersize=13)
             for t in ooms:
                 y = (t.get("capacity_mib") or t.get("peak_mib") or 0) / 1024
