@@ -310,6 +310,8 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
     from bench_lightning_e2e import StepTimer, _build_module
     from torch.utils.data import DataLoader
 
+    from lightning_flce.callbacks.memory_snapshot import AllocatorHistory
+
     args = argparse.Namespace(**spec["args"])
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -326,9 +328,11 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
     t0 = time.time()
     deadline = t0 + args.try_soft_s
     timer = StepTimer(1, device, deadline)
-    recording = cuda and spec["provider"] in str(getattr(args, "snapshot_on_oom", "")).split(",")
+    # The allocator's history with Python stacks only (cheaper per allocation than C++ ones).
+    history = AllocatorHistory(200_000, stacks="python")
+    recording = cuda and spec["provider"] in args.snapshot_on_oom.split(",")
     if recording:
-        _record_history(True)
+        history.start()
     try:
         pl.seed_everything(args.seed, verbose=False)
         cfg = model_config(args, seq)
@@ -376,8 +380,7 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
             except Exception as snap_exc:  # noqa: BLE001 - the summary is extra information
                 rec["oom_live"] = {"error": C.short_error(snap_exc)}
     finally:
-        if recording:
-            _record_history(False)
+        history.stop()
     filled: Dict[str, Any] = {"tokens_per_step": batch * seq}
     timer.fill(filled)
     rec["step_s"] = filled.get("step_s")
@@ -403,18 +406,6 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
         rec["status"] = "error"
         rec["error"] = "no timed step completed"
     return rec
-
-
-def _record_history(on: bool) -> None:
-    """The CUDA allocator's history with Python stacks only (cheaper than C++ ones); off again after."""
-    record = torch.cuda.memory._record_memory_history
-    if not on:
-        record(enabled=None)
-        return
-    try:
-        record(enabled="all", context="alloc", stacks="python", max_entries=200_000)
-    except TypeError:  # an older signature
-        record(enabled="all", max_entries=200_000)
 
 
 # Frames that say whose tensor a block is; torch's own frames are skipped. The innermost such frame names the

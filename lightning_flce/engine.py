@@ -714,14 +714,16 @@ class WideLogitsGemm:
         if self.mode == "triton" and weight.stride(-1) != 1:
             weight = weight.contiguous()  # once per call (the kernel reads rows of W with unit stride)
         self.weight = weight
+        if self.mode == "triton":  # imported here: only the Triton path needs the kernel module (and triton)
+            from lightning_flce.kernels.compensated_gemm import compensated_logits_mm
+
+            self.compensated_mm = compensated_logits_mm
         wide_dtype = {"widened": torch.float32, "float64": torch.float64}.get(self.mode)
         self.weight_wide = weight.to(wide_dtype) if wide_dtype is not None else None
 
     def __call__(self, x_c: Tensor, bias: Optional[Tensor], *, out: Tensor) -> None:
         if self.mode == "triton":
-            from lightning_flce.kernels.compensated_gemm import compensated_logits_mm
-
-            compensated_logits_mm(x_c, self.weight, out, bias)  # the bias in the kernel's epilogue, in fp32
+            self.compensated_mm(x_c, self.weight, out, bias)  # the bias in the kernel's epilogue, in fp32
             return
         if self.mode == "native":
             torch.mm(x_c, self.weight.t(), out_dtype=torch.float32, out=out)

@@ -10,17 +10,21 @@ import torch
 
 
 class AllocatorHistory:
-    """Starts and stops the allocator's recording (at most ``max_entries`` events kept) and dumps it."""
+    """Starts and stops the allocator's recording (at most ``max_entries`` events kept) and dumps it.
+    ``stacks``: "all" (Python and C++ frames) or "python" (cheaper per allocation)."""
 
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, stacks: str = "all") -> None:
         self.max_entries = max_entries
+        self.stacks = stacks
         self.recording = False
         self._legacy = False
 
     def start(self) -> None:
         record = torch.cuda.memory._record_memory_history
         try:
-            record(enabled="all", max_entries=self.max_entries)
+            # torch's default stacks are "all": name them only when asked for fewer
+            stacks = {} if self.stacks == "all" else {"stacks": self.stacks}
+            record(enabled="all", max_entries=self.max_entries, **stacks)
             self._legacy = False
         except TypeError:
             # torch < 2.1 only had the boolean form
