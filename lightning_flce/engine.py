@@ -100,15 +100,22 @@ def chunk_rows(
     (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
     ``n_valid`` rows that run (:func:`balanced_chunk_rows`). fp32 logits of 16-bit GEMMs (the
     ``WIDE_LOGITS_PRECISIONS``: an fp32 logits buffer and a 16-bit gradient buffer, 3x the bytes per row) get
-    2/3 of the rows, so the chunk's buffers take at most one 16-bit chunk buffer more than the default's."""
+    at most 2/3 of the rows the default's chunks actually have (after balancing), so their two buffers take at
+    most one default chunk buffer more than the default's one."""
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     max_rows = default_chunk_size(n_rows, vocab, hidden, itemsize, large_chunks)
     align = _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN
-    if logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION and max_rows > align:
-        max_rows = max(align, max_rows * 2 // 3 // align * align)
-    return balanced_chunk_rows(n_valid, max_rows, align)
+    rows = balanced_chunk_rows(n_valid, max_rows, align)
+    if logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION:
+        # 2/3 of the balanced rows, not of max_rows: 8192 x 256000 balances to 4 x 2048 rows, and 2/3 of the
+        # 2304-row maximum (1536, balanced to 6 x 1536) took 1.25 default buffers more (run74: +1138 MiB peak).
+        wide_max = rows * 2 // 3
+        step = align if wide_max >= align else _CHUNK_ALIGN
+        if wide_max >= step:
+            rows = balanced_chunk_rows(n_valid, wide_max // step * step, step)
+    return rows
 
 
 def target_range_error(

@@ -59,6 +59,24 @@ def test_kernel_matches_float64(shape, dtype_name, with_bias):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("chain_blocks", [2, 3])
+@pytest.mark.parametrize("shape", [(37, 203, 70), (20, 40, 1030)], ids=lambda s: "x".join(map(str, s)))
+def test_kernel_chains_blocks_and_flushes_the_last_chain(shape, chain_blocks):
+    """``chain_blocks`` > 1: the MMA chains that many K blocks before each compensated addition, and the last,
+    shorter chain (K = 70: 5 blocks of 16; K = 1030: 65) is added too. A chain not reset after its addition
+    counts blocks twice, a last chain not added drops them: both errors of the size of the logits."""
+    from lightning_flce.kernels.compensated_gemm import INTERPRET_CONFIG, compensated_logits_mm
+
+    m, n, k = shape
+    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=2)
+    out = torch.full((m, n), float("nan"))
+    compensated_logits_mm(x, w, out, b, config=INTERPRET_CONFIG._replace(chain_blocks=chain_blocks))
+    exact = x.double() @ w.double().T + b.double()
+    error = (out.double() - exact).abs().max().item()
+    assert error <= ULPS * fp32_ulp(exact), (error, fp32_ulp(exact))
+
+
+@pytest.mark.interpret
 def test_kernel_takes_row_strides_and_copies_other_layouts():
     """x as columns of a wider tensor (row stride > K), out a row slice of a larger buffer (only its rows are
     written), W stored transposed (not unit-stride along K: made contiguous) and an fp16 bias (added in fp32)."""

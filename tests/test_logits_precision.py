@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from reference import grads_of, reference_loss, relative_error
 
-from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
+from lightning_flce import engine, fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce._compat import TORCH_VERSION
 from lightning_flce.options import WIDE_LOGITS_PRECISIONS
 
@@ -192,6 +192,31 @@ def test_fp32_compensated_cpu_fallback_rounds_the_float64_gemm_once(monkeypatch)
     assert x.grad.dtype == w.grad.dtype == torch.bfloat16
     _, fp32_logits = logits_of("fp32")
     assert not torch.equal(fp32_logits, exact)
+
+
+@pytest.mark.parametrize(
+    "n_rows, hidden, vocab",
+    [
+        (16384, 4096, 32000),
+        (16384, 4096, 128256),
+        (8192, 2304, 256000),
+        (8192, 3584, 151936),
+        (1000, 64, 512),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_logits_chunks_take_at_most_one_default_buffer_more(n_rows, hidden, vocab, dtype):
+    """The wide precisions keep an fp32 logits buffer (4 bytes per element) and a 16-bit gradient buffer (2):
+    their rows are sized from the default's balanced rows so the pair stays within two default chunk buffers
+    (the issue's "at most one extra chunk buffer"), at the benchmark shapes and a small one. 8192 x 256000
+    was the case that broke it (2/3 of the unbalanced maximum: 1536 rows against the default's 2048). The GPU
+    (Triton) path's sizing; the PyTorch path's softmax works on fp32 copies of the chunk either way."""
+    args = (None, n_rows, n_rows, vocab, hidden, dtype, True)
+    default = engine.chunk_rows(*args)
+    for precision in WIDE_PRECISIONS:
+        wide = engine.chunk_rows(*args, logits_precision=precision)
+        assert wide * vocab * (4 + 2) <= 2 * default * vocab * 2, (precision, wide, default)
+        assert wide >= default // 2  # not needlessly small: the dW accumulator is read once per chunk
 
 
 def test_bad_logits_precision_is_refused():

@@ -55,6 +55,9 @@ class GemmConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    #: K blocks summed by the tensor cores in one chain (``chain_blocks x block_k`` products) before the
+    #: chain's sum goes into the compensated fp32 sum. Longer chains pipeline better and round more.
+    chain_blocks: int = 1
 
 
 #: The measured configuration (H200, results/*_run72_*: 10.9 ms at 16384x4096x32000).
@@ -110,6 +113,7 @@ def _compensated_mm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHAIN_BLOCKS: tl.constexpr,  # K blocks per tensor-core chain between two compensated additions
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -133,7 +137,9 @@ def _compensated_mm_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    for k in range(0, k_blocks):
         if EVEN_K:
             a = tl.load(x_tile)
             b = tl.load(w_tile)
@@ -144,13 +150,17 @@ def _compensated_mm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        # One block's products summed from zero (not chained through acc: see the module docstring), then
-        # added into the compensated sum.
-        part = tl.dot(a, b)
-        y = part - comp
-        t = acc + y
-        comp = (t - acc) - y
-        acc = t
+        # CHAIN_BLOCKS blocks' products summed by the tensor cores from zero (a chain of CHAIN_BLOCKS x
+        # BLOCK_K products, not K: see the module docstring), then added into the compensated sum. The reset
+        # of `part` under a condition becomes the MMA's "no accumulator" flag on Hopper, so the MMAs between
+        # two additions stay one asynchronous pipeline.
+        part = tl.dot(a, b, part)
+        if (k % CHAIN_BLOCKS == CHAIN_BLOCKS - 1) | (k == k_blocks - 1):
+            y = part - comp
+            t = acc + y
+            comp = (t - acc) - y
+            acc = t
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
 
@@ -204,6 +214,7 @@ def compensated_logits_mm(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        CHAIN_BLOCKS=config.chain_blocks,
         GROUP_M=_GROUP_M,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -1,0 +1,172 @@
+"""Issue 23: which launch configuration of the compensated logits GEMM (``kernels/compensated_gemm.py``) is
+fast enough, and how much accuracy does each give up?
+
+The kernel's cost is the MMA pipeline broken at every compensated addition: with ``chain_blocks = 1`` each
+BK-long block's MMAs must finish before their sum is added (run74: 1.85x cuBLAS's fp32-output GEMM, the op
+1.33-1.41x the default). ``chain_blocks = C`` lets the tensor cores chain C blocks (C x BK products, still far
+shorter than K = H) before each addition. Per configuration and benchmark shape this script measures, on the
+rows of one chunk of the op's ``fp32_compensated`` path (``engine.chunk_rows``: the GEMM the op runs):
+
+- the GEMM's time (CUDA events, warm-up, median over interleaved rounds: every configuration and cuBLAS in
+  each round, so clock changes hit all alike) against cuBLAS's bf16 GEMM writing bf16 (the default's logits
+  GEMM) and writing fp32 (``logits_precision="fp32"``);
+- the logits' error against float64 and the per-token loss error (bias and softcap 30 applied in fp32, as
+  test_logits_precision's CUDA tests) against float64, for logits of std 2 (the tests' data) and std 1
+  (bench_flce's).
+
+    python3 benchmarks/experiments/compensated_gemm_configs.py      # writes $OUT/compensated_gemm_configs.json
+    TRITON_INTERPRET=1 python3 benchmarks/experiments/compensated_gemm_configs.py --device cpu --small  # plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common
+
+import _common  # noqa: E402
+import torch
+import torch.nn.functional as F
+
+_common.ensure_repo_on_path()
+from lightning_flce import engine  # noqa: E402
+from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
+    INTERPRET_CONFIG,
+    MEASURED_CONFIG,
+    GemmConfig,
+    compensated_logits_mm,
+)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SHAPES = [(16384, 4096, 32000), (16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936)]
+# Two fp32 [BM, BN] tiles (the sum and its compensation) plus the MMA's own accumulator live in registers:
+# 128 x 128 over 8 warps (64 registers each per thread); wider tiles or 4 warps would spill.
+CONFIGS = {
+    "bk128_c1_s3": MEASURED_CONFIG._replace(chain_blocks=1),
+    "bk128_c2_s3": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2),
+    "bk128_c4_s3": GemmConfig(128, 128, 128, 8, 3, chain_blocks=4),
+    "bk64_c1_s4": GemmConfig(128, 128, 64, 8, 4, chain_blocks=1),
+    "bk64_c2_s4": GemmConfig(128, 128, 64, 8, 4, chain_blocks=2),
+    "bk64_c4_s4": GemmConfig(128, 128, 64, 8, 4, chain_blocks=4),
+    "bk64_c4_s5": GemmConfig(128, 128, 64, 8, 5, chain_blocks=4),
+    "bk64_c8_s4": GemmConfig(128, 128, 64, 8, 4, chain_blocks=8),
+}
+
+
+def loss_from_logits(logits, bias, target, softcap=30.0):
+    logits = logits + bias.to(logits.dtype)
+    logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits, target, reduction="none").double()
+
+
+def timed_ms(fns, device, rounds, reps):
+    """{name: median ms} over ``rounds`` interleaved rounds of ``reps`` calls each (after two warm-up calls)."""
+    if device.type != "cuda":
+        return {name: None for name in fns}
+    for fn in fns.values():
+        fn()
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end))
+    return {name: _common.percentile(values, 50) for name, values in times.items()}
+
+
+def run_shape(shape, device, rounds, reps, configs):
+    n, h, v = shape
+    rows = engine.chunk_rows(None, n, n, v, h, torch.bfloat16, True, logits_precision="fp32_compensated")
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, h, device=device, generator=gen).bfloat16()
+    w_unit = torch.randn(v, h, device=device, generator=gen) / h**0.5
+    b = (0.1 * torch.randn(v, device=device, generator=gen)).bfloat16()
+    t = torch.randint(0, v, (rows,), device=device, generator=gen)
+    out = torch.empty(rows, v, device=device, dtype=torch.float32)
+    result = {"shape": list(shape), "chunk_rows": rows, "configs": {}, "errors": {}}
+    with torch.no_grad():
+        for dist, scale in (("test", 2.0), ("bench", 1.0)):
+            w = (w_unit * scale).bfloat16()
+            exact = x.double() @ w.double().t()
+            truth = loss_from_logits(exact, b, t)
+            variants = {
+                name: (lambda c=c, w=w: compensated_logits_mm(x, w, out, config=c))
+                for name, c in configs.items()
+            }
+            if device.type == "cuda":
+                variants["cublas_fp32_out"] = lambda w=w: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+            for name, fn in variants.items():
+                try:
+                    fn()
+                    err = (out.double() - exact).abs().max().item()
+                    loss_err = (loss_from_logits(out, b, t) - truth).abs().max().item()
+                    result["errors"].setdefault(name, {})[dist] = {
+                        "logit_err_max": err,
+                        "loss_err_max": loss_err,
+                    }
+                except Exception as exc:  # a configuration that does not compile or run here is recorded
+                    result["errors"].setdefault(name, {})[dist] = {"error": _common.short_error(exc)}
+            del exact, truth
+        w = (w_unit * 2.0).bfloat16()
+        out_bf16 = torch.empty(rows, v, device=device, dtype=torch.bfloat16)
+        fns = {
+            name: (lambda c=c: compensated_logits_mm(x, w, out, config=c))
+            for name, c in configs.items()
+            if "error" not in result["errors"][name]["test"]
+        }
+        if device.type == "cuda":
+            fns["cublas_bf16_out"] = lambda: torch.mm(x, w.t(), out=out_bf16)
+            fns["cublas_fp32_out"] = lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
+        ms = timed_ms(fns, device, rounds, reps)
+    for name, value in ms.items():
+        result["configs"][name] = {"ms": value}
+    base = ms.get("cublas_fp32_out")
+    for name, value in ms.items():
+        errs = result["errors"].get(name, {})
+        ratio = f"{value / base:.3f}x" if base and value else "-"
+        test_err = errs.get("test", {}).get("loss_err_max")
+        print(
+            f"  {name:16s} {_common.fmt(value, '.3f')} ms ({ratio} cuBLAS fp32-out) loss err {_common.fmt(test_err)}"
+        )
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true", help="one tiny shape, the interpreter's config (plumbing)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--configs", default="all", help="comma list of names in CONFIGS (default all)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if args.small:
+        shapes = [(64, 40, 96)]
+        configs = {
+            "interpret_c1": INTERPRET_CONFIG,
+            "interpret_c2": INTERPRET_CONFIG._replace(chain_blocks=2),
+        }
+    else:
+        shapes = SHAPES
+        configs = CONFIGS if args.configs == "all" else {k: CONFIGS[k] for k in args.configs.split(",")}
+    env = _common.environment(device)
+    results = []
+    for shape in shapes:
+        print("x".join(map(str, shape)), flush=True)
+        results.append(run_shape(shape, device, args.rounds, args.reps, configs))
+        _common.free_memory(device)
+    payload = {"env": env, "configs": {k: c._asdict() for k, c in configs.items()}, "results": results}
+    _common.write_json(_common.out_dir() / "compensated_gemm_configs.json", payload)
+
+
+if __name__ == "__main__":
+    main()
