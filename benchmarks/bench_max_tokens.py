@@ -31,7 +31,8 @@ equal sizes).
 
 Every try is ONE SUBPROCESS (its memory goes back to the driver before the next) with a time limit: one
 warm-up optimizer step on a small batch (1 x ``--warmup-seq``: compiles the kernels and allocates AdamW's
-states), then up to ``--steps`` timed steps at the try's size, stopping after the first timed one once a try
+states) and, with ``--compile-layers``, a second one at the try's size (it recompiles the layers for that
+shape), then up to ``--steps`` timed steps at the try's size, stopping after the first timed one once a try
 has run ``--try-soft-s``. A try fits when at least one timed step completed. Recorded per try (JSON): tokens,
 batch x seq, fit / OOM / error / timeout, peak ``max_memory_allocated`` over the timed steps (at an OOM: the
 peak before the failed allocation) and per phase, tokens/s (tokens / median timed step), wall time. On the
@@ -327,7 +328,8 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
     rss0 = _rss_mib()
     t0 = time.time()
     deadline = t0 + args.try_soft_s
-    timer = StepTimer(1, device, deadline)
+    warmup = warmup_shapes(batch, seq, args.warmup_seq, args.compile_layers)
+    timer = StepTimer(len(warmup), device, deadline)
     # The allocator's history with Python stacks only (cheaper per allocation than C++ ones).
     history = AllocatorHistory(200_000, stacks="python")
     recording = cuda and spec["provider"] in args.snapshot_on_oom.split(",")
@@ -348,7 +350,7 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
         rec["build_s"] = time.time() - t0
         gen = torch.Generator().manual_seed(args.seed + 1)
         vocab = cfg["vocab_size"]
-        shapes = [(1, min(seq, args.warmup_seq))] + [(batch, seq)] * args.steps
+        shapes = warmup + [(batch, seq)] * args.steps
         batches = []
         for b, s in shapes:  # counting sequences, as bench_lightning_e2e's default data
             ids = (torch.randint(0, vocab, (b, 1), generator=gen) + torch.arange(s)) % vocab
@@ -455,6 +457,17 @@ def _enable_checkpointing(model: Any) -> str:
             fn()
             return f"{name}()"
     raise RuntimeError(f"{type(model).__name__} has no activation/gradient checkpointing")
+
+
+def warmup_shapes(batch: int, seq: int, warmup_seq: int, compile_layers: bool) -> List[Tuple[int, int]]:
+    """The untimed steps of a try, as (batch, seq): one small step (kernels compiled, AdamW's states
+    allocated) and, with compiled decoder layers, one at the try's own size too: its first step there
+    recompiles the layers for the new shapes (run78: HF's first step at 9 x 4096 took 8.2 s against 0.61 s
+    for the next, and a median over two steps reported a quarter of the real tokens/s)."""
+    shapes = [(1, min(seq, warmup_seq))]
+    if compile_layers:
+        shapes.append((batch, seq))
+    return shapes
 
 
 def _rss_mib(peak: bool = False) -> float:
@@ -781,7 +794,9 @@ def markdown(payload: Dict[str, Any]) -> List[str]:
         f"- model {meta['model']}: LlamaForCausalLM, random init, "
         + ", ".join(f"{k}={v}" for k, v in cfg.items()),
         f"- precision {meta['precision']}, fused AdamW (adamw_with_warmup_cosine), Lightning Trainer; per try: one"
-        f" subprocess, a warm-up step at 1 x {meta['warmup_seq']}, then up to {meta['steps']} timed steps;"
+        f" subprocess, a warm-up step at 1 x {meta['warmup_seq']}"
+        + (" and one at the try's size (compiled layers)" if meta.get("compile_layers") else "")
+        + f", then up to {meta['steps']} timed steps;"
         f" batch axis at seq {meta['seq_len_batch_axis']}; resolution {meta['resolution']:.4g} x last fit"
         f" (>= {meta['min_resolution_tokens']} tokens); memory limit {meta.get('memory_limit_gib') or 'the device'}",
         "- peak = max_memory_allocated over the timed steps (weights, AdamW states, activations, gradients); at an"

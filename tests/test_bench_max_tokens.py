@@ -116,3 +116,11 @@ def test_sizes_must_be_multiples_of_each_axis_granularity():
     assert args.size_list == [64, 128]
     with pytest.raises(SystemExit):
         bench.parse_args(["--tiny", "--axes", "seq,batch", "--sizes", "80"])  # seq 16s, batch 64s
+
+
+def test_compiled_layers_get_an_untimed_step_at_the_try_size():
+    """Eager: one small warm-up step. Compiled decoder layers: the first step at the try's size recompiles for
+    its shapes, so it is untimed too (else a median over two timed steps holds the compilation)."""
+    assert bench.warmup_shapes(9, 4096, 4096, compile_layers=False) == [(1, 4096)]
+    assert bench.warmup_shapes(9, 4096, 4096, compile_layers=True) == [(1, 4096), (9, 4096)]
+    assert bench.warmup_shapes(1, 1024, 4096, compile_layers=False) == [(1, 1024)]
