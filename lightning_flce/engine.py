@@ -713,11 +713,19 @@ class WideLogitsGemm:
     The bias is added in fp32 (one rounding, as the other paths).
     """
 
-    def __init__(self, weight: Tensor, *, compensated: bool = False, triton: bool = False) -> None:
+    #: The dtype of the weight copy each mode makes once per call (None: no copy).
+    WEIGHT_COPY_DTYPES = {"widened": torch.float32, "float64": torch.float64}
+
+    @staticmethod
+    def mode_for(device: torch.device, *, compensated: bool, triton: bool) -> str:
+        """Which GEMM runs for a weight on ``device``: "triton" (the compensated kernel), "float64" (its
+        fallback), "native" (the fp32-output GEMM) or "widened" (its fallback)."""
         if compensated:
-            self.mode = "triton" if triton and triton_usable(weight.device) else "float64"
-        else:
-            self.mode = "native" if _HAS_MM_OUT_DTYPE and weight.device.type == "cuda" else "widened"
+            return "triton" if triton and triton_usable(device) else "float64"
+        return "native" if _HAS_MM_OUT_DTYPE and device.type == "cuda" else "widened"
+
+    def __init__(self, weight: Tensor, *, compensated: bool = False, triton: bool = False) -> None:
+        self.mode = self.mode_for(weight.device, compensated=compensated, triton=triton)
         if self.mode == "triton" and weight.stride(-1) != 1:
             weight = weight.contiguous()  # once per call (the kernel reads rows of W with unit stride)
         self.weight = weight
@@ -725,7 +733,7 @@ class WideLogitsGemm:
             from lightning_flce.kernels.compensated_gemm import compensated_logits_mm
 
             self.compensated_mm = compensated_logits_mm
-        wide_dtype = {"widened": torch.float32, "float64": torch.float64}.get(self.mode)
+        wide_dtype = self.WEIGHT_COPY_DTYPES.get(self.mode)
         self.weight_wide = weight.to(wide_dtype) if wide_dtype is not None else None
 
     def __call__(self, x_c: Tensor, bias: Optional[Tensor], *, out: Tensor) -> None:

@@ -175,6 +175,27 @@ def test_head_figures_without_attributes():
     assert callback._head_figures(SimpleNamespace(precision="64-true"), module)[1] == 3 * 5 * 24 / MIB
 
 
+@pytest.mark.parametrize("logits_precision", ["input", "fp32", "fp32_compensated"])
+def test_head_figures_follow_the_loss_logits_precision(logits_precision):
+    """The fused head's buffers are modelled with the loss's own ``logits_precision`` (fp32 chunk logits and
+    their fallbacks' weight copies are larger than the default's), read from the module's FLCEHeadLoss."""
+    from lightning_flce.callbacks.memory_model import HeadMemoryModel
+    from lightning_flce.head import FLCEHeadLoss
+
+    vocab, hidden, tokens = 512, 16, 64
+    module = torch.nn.Module()
+    module.head = torch.nn.Linear(hidden, vocab, bias=False).bfloat16()
+    module.flce_head_loss = FLCEHeadLoss(impl="torch", logits_precision=logits_precision)
+    module.flce_last_logits_shape = (tokens, vocab)
+    estimate, _, saved = FLCEMemoryCallback()._head_figures(SimpleNamespace(precision="bf16-true"), module)
+    model = HeadMemoryModel(
+        "bf16-true", torch.bfloat16, hidden, impl="torch", logits_precision=logits_precision
+    )
+    assert estimate == model.estimate(tokens, vocab)
+    default = HeadMemoryModel("bf16-true", torch.bfloat16, hidden, impl="torch").estimate(tokens, vocab)
+    assert (estimate.fused_bytes > default.fused_bytes) == (logits_precision != "input")
+
+
 @pytest.mark.parametrize("shape", [(3,), (3, 5, 7), (3.5, 5), (-1, 5), "ab"])
 def test_bad_logits_shape_raises(shape):
     with pytest.raises(ValueError, match="flce_last_logits_shape"):

@@ -87,6 +87,24 @@ def test_fused_head_peak_matches_allocations(precision):
     assert measured < estimate.unfused_bytes / 2
 
 
+@pytest.mark.parametrize("logits_precision", ["fp32", "fp32_compensated", "fp32_head"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_fused_head_peak_with_wide_logits_matches_allocations(precision, logits_precision):
+    """The wide logits on the PyTorch path (CPU): fp32 chunk logits with a bf16 gradient buffer and the
+    fallbacks' weight copies (fp32 for "fp32", fp64 and an fp64 chunk product for "fp32_compensated"), or fp32
+    GEMMs ("fp32_head": under bf16-true the weight widened). The first two take more than the default's
+    buffers; "fp32_head"'s fp32 chunk needs no upcast, so on this path it takes less."""
+    weight_dtype = PRECISIONS[precision][0]
+    options = {"chunk_size": N // 4, "logits_precision": logits_precision}
+    model = HeadMemoryModel(precision, weight_dtype, H, impl="torch", **options)
+    estimate = model.estimate(N, V)
+    measured = _measured_peak_bytes(precision, naive=False, **options)
+    default = HeadMemoryModel(precision, weight_dtype, H, impl="torch", chunk_size=N // 4).estimate(N, V)
+    assert measured == pytest.approx(estimate.fused_bytes, rel=0.05)
+    if logits_precision != "fp32_head":
+        assert estimate.fused_bytes > default.fused_bytes
+
+
 @pytest.mark.parametrize(
     ("precision", "per_logit"),
     [
@@ -124,8 +142,9 @@ def test_cuda_bf16_config_estimate():
     estimate = HeadMemoryModel("bf16-mixed", torch.float32, hidden, impl="triton").estimate(num_tokens, vocab)
     assert estimate.unfused_bytes == num_tokens * vocab * 12  # 6 GiB
     # the op's rule: chunks of at most the floor (dX + dW = 48 MiB in bf16), 768 rows of 64 KiB, balanced
-    # over the 22 chunks that takes
-    assert estimate.chunk_rows == 745
+    # over the 22 chunks that takes (745 rows) and rounded up to the op's 256-row alignment: 768 (the model
+    # said 745 while it balanced without the op's alignment; engine.chunk_rows is what the op runs)
+    assert estimate.chunk_rows == 768
     chunk = estimate.chunk_rows * vocab * 2
     grad_weight = vocab * hidden * 4  # fp32 accumulator under autocast
     grad_input = num_tokens * hidden * 2

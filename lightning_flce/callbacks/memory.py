@@ -518,6 +518,7 @@ class FLCEMemoryCallback(Callback):
             impl=impl,
             accum="fp32" if accum_fp32 else "auto",
             device=weight_device,
+            logits_precision=getattr(head_loss, "logits_precision", "input"),
         )
 
     @staticmethod

@@ -22,7 +22,10 @@ against real runs on the GPU, by ``tests/test_memory_callback_cuda.py`` and
 The fused head holds, at its peak (the forward, where it computes the gradients): one chunk of logits,
 ``chunk_rows x V`` in the compute dtype (with its upcast and softmax on the PyTorch path), the hidden
 states' gradient ``N x H`` and the weight gradient's accumulator ``V x H`` (fp32 under autocast; fp64 for
-fp32 GEMMs on GPUs with full-rate fp64, whose dX GEMM then also reads an fp64 copy of the weight).
+fp32 GEMMs on GPUs with full-rate fp64, whose dX GEMM then also reads an fp64 copy of the weight). The
+chunk's rows are the op's own (``engine.chunk_rows``). With ``logits_precision`` "fp32" / "fp32_compensated"
+the chunk's logits are fp32 with a gradient buffer in the compute dtype beside them, plus the weight copy a
+fallback GEMM makes (fp32, or fp64 with an fp64 chunk product); "fp32_head" runs the fp32 path.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from lightning_flce.engine import balanced_chunk_rows, default_chunk_size, saved_grad_weight_dtype
-from lightning_flce.kernels import BACKENDS, backend_for, softmax_dtype
+from lightning_flce.engine import WideLogitsGemm, chunk_rows, saved_grad_weight_dtype
+from lightning_flce.kernels import BACKENDS, LOW_PRECISION, backend_for, softmax_dtype
+from lightning_flce.options import WIDE_LOGITS_PRECISIONS, FLCEOptions, resolve_logits_precision
 
 _MIB = 2**20
 # autocast's dtype for each mixed precision; the other precisions run the head in the weight's dtype
@@ -107,6 +111,9 @@ class HeadMemoryModel:
         impl: the op's ``impl`` resolved (``"triton"`` or ``"torch"``).
         accum: the op's dW accumulation (``"auto"``, ``"fp32"``).
         device: the head weight's device (the dW accumulator's dtype depends on the GPU).
+        logits_precision: the op's ``logits_precision`` (fp32 chunk logits and a 16-bit gradient buffer for
+            ``"fp32"`` / ``"fp32_compensated"``, fp32 GEMMs for ``"fp32_head"``, and the weight copies their
+            fallbacks make).
     """
 
     def __init__(
@@ -121,8 +128,10 @@ class HeadMemoryModel:
         impl: str = "torch",
         accum: str = "auto",
         device: Optional[torch.device] = None,
+        logits_precision: str = "input",
     ) -> None:
         self.precision = str(precision)
+        self.logits_precision = logits_precision
         self.weight_dtype = weight_dtype
         self.hidden_size = hidden_size
         self.softcap = softcap
@@ -162,34 +171,60 @@ class HeadMemoryModel:
         )
 
     def _fused_bytes(self, num_tokens: int, vocab_size: int, hidden_size: int) -> tuple[int, int, int]:
-        itemsize = self.compute_dtype.itemsize
-        backend = backend_for(BACKENDS[self.impl], self.compute_dtype)
+        accum_dtype = torch.float32 if self.accum == "fp32" else None
+        # What runs, by the op's own rules: "fp32_head" is fp32 GEMMs with an fp32 accumulator
+        options, compute_dtype = resolve_logits_precision(
+            FLCEOptions(logits_precision=self.logits_precision, accum_dtype=accum_dtype), self.compute_dtype
+        )
+        itemsize = compute_dtype.itemsize
+        backend = backend_for(BACKENDS[self.impl], compute_dtype)
         use_triton = backend.large_chunks  # the softmax works in place on the chunk (Triton)
-        # the op's own rule, balanced over the chunks as the op does (up to its alignment of the rows)
-        rows = self.chunk_size
-        if not rows:
-            max_rows = default_chunk_size(num_tokens, vocab_size, hidden_size, itemsize, use_triton)
-            rows = balanced_chunk_rows(num_tokens, max_rows, 1)
+        rows = chunk_rows(
+            self.chunk_size,
+            num_tokens,
+            num_tokens,
+            vocab_size,
+            hidden_size,
+            compute_dtype,
+            use_triton,
+            options.logits_precision,
+        )
         rows = min(rows, num_tokens)
-        softmax_itemsize = softmax_dtype(self.compute_dtype).itemsize
+        wide = options.logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION
+        logits_itemsize = 4 if wide else itemsize  # the chunk's logits buffer
+        softmax_itemsize = softmax_dtype(compute_dtype).itemsize
         if use_triton:  # the kernel overwrites the logits with their gradient in place
-            per_logit = itemsize
-        else:  # the PyTorch twins: the chunk, its upcast (if it has one) and the softmax
-            per_logit = itemsize + softmax_itemsize * (1 if softmax_itemsize == itemsize else 2)
+            per_logit = logits_itemsize
+        else:  # the PyTorch twins: the chunk, its upcast (if it has one) and logsumexp's temporary
+            per_logit = logits_itemsize + softmax_itemsize * (1 if softmax_itemsize == logits_itemsize else 2)
+        copies = 0  # made once per call
+        if wide:
+            per_logit += itemsize  # the logit gradient handed to the GEMMs in their dtype
+            mode = WideLogitsGemm.mode_for(
+                self.device, compensated=options.logits_precision == "fp32_compensated", triton=use_triton
+            )
+            copy_dtype = WideLogitsGemm.WEIGHT_COPY_DTYPES.get(mode)
+            if copy_dtype is not None:  # the fallbacks' widened weight
+                copies += vocab_size * hidden_size * copy_dtype.itemsize
+            if copy_dtype == torch.float64:
+                # float64's [C, V] product, freed (rounded into the logits) before the softmax's temporary
+                # exists: the larger of the two is the chunk's peak
+                per_logit += 8 - (0 if use_triton else softmax_itemsize)
+        elif compute_dtype != self.compute_dtype and self.weight_dtype != compute_dtype:
+            copies += vocab_size * hidden_size * compute_dtype.itemsize  # "fp32_head": the weight widened
         chunk_bytes = rows * vocab_size * per_logit
         # shapes only: the op's rule reads the sizes and the weight's dtype and device, never the data
         # (one element on the weight's device, whose GPU model decides between an fp32 and an fp64 accumulator)
-        hidden = torch.empty((num_tokens, hidden_size), dtype=self.compute_dtype, device="meta")
+        hidden = torch.empty((num_tokens, hidden_size), dtype=compute_dtype, device="meta")
         weight = torch.empty((), dtype=self.weight_dtype, device=self.device).expand(vocab_size, hidden_size)
-        accum_dtype = torch.float32 if self.accum == "fp32" else None
         accumulator = saved_grad_weight_dtype(
-            hidden, weight, self.compute_dtype, accum_dtype, self.chunk_size, backend.large_chunks
+            hidden, weight, compute_dtype, options.accum_dtype, self.chunk_size, backend.large_chunks
         )
         grad_weight = vocab_size * hidden_size * accumulator.itemsize
-        if accumulator == torch.float64 and self.compute_dtype != torch.float64:
+        if accumulator == torch.float64 and compute_dtype != torch.float64:
             grad_weight += vocab_size * hidden_size * 8  # the fp64 weight copy dX's GEMM reads
-        grad_input = num_tokens * hidden_size * itemsize
-        return rows, chunk_bytes, chunk_bytes + grad_weight + grad_input
+        grad_input = num_tokens * hidden_size * self.compute_dtype.itemsize  # dX in the hidden states' dtype
+        return rows, chunk_bytes, chunk_bytes + copies + grad_weight + grad_input
 
 
 def tensor_bytes(tensors: Iterable[Any], device: Optional[torch.device] = None) -> int:
