@@ -70,15 +70,14 @@ def timed_ms(fns, device, rounds, reps):
         fn()
         fn()
     times = {name: [] for name in fns}
+    timer = _common.Timer(device)
     for _ in range(rounds):
         for name, fn in fns.items():
             for _ in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                timer.start()
                 fn()
-                end.record()
-                torch.cuda.synchronize()
-                times[name].append(start.elapsed_time(end))
+                timer.stop()
+                times[name].append(timer.ms())
     return {name: _common.percentile(values, 50) for name, values in times.items()}
 
 

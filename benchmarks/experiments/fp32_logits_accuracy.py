@@ -130,13 +130,12 @@ def timed_ms(fn, device, reps):
     for _ in range(2):
         fn()
     times = []
+    timer = _common.Timer(device)
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        timer.start()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        timer.stop()
+        times.append(timer.ms())
     return sorted(times)[len(times) // 2]
 
 
