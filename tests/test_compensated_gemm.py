@@ -77,6 +77,35 @@ def test_kernel_chains_blocks_and_flushes_the_last_chain(shape, chain_blocks):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("chain_blocks", [2, 3])
+@pytest.mark.parametrize("shape", [(37, 203, 70), (20, 40, 1030)], ids=lambda s: "x".join(map(str, s)))
+def test_kernel_plain_sum_of_chains(shape, chain_blocks):
+    """``kahan=False``: the chains' sums added plainly. Each of the ceil(K / (16 chain_blocks)) additions
+    rounds by at most half an ulp of the running sum, so the bound grows by that many half ulps; a chain
+    added twice or dropped is still an error of the size of the logits."""
+    from lightning_flce.kernels.compensated_gemm import INTERPRET_CONFIG, compensated_logits_mm
+
+    m, n, k = shape
+    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=3)
+    out = torch.full((m, n), float("nan"))
+    config = INTERPRET_CONFIG._replace(chain_blocks=chain_blocks, kahan=False)
+    compensated_logits_mm(x, w, out, b, config=config)
+    exact = x.double() @ w.double().T + b.double()
+    additions = -(-k // (INTERPRET_CONFIG.block_k * chain_blocks))
+    bound = (ULPS + 0.5 * additions) * fp32_ulp(exact)
+    assert (out.double() - exact).abs().max().item() <= bound
+
+
+def test_plain_sum_needs_chains_of_two_blocks():
+    """One block per chain with a plain sum would compile back into one chain over K: refused up front."""
+    from lightning_flce.kernels.compensated_gemm import INTERPRET_CONFIG, compensated_logits_mm
+
+    x, w, _ = gemm_problem(4, 8, 32, torch.bfloat16)
+    with pytest.raises(ValueError, match="kahan=False needs chain_blocks >= 2"):
+        compensated_logits_mm(x, w, torch.empty(4, 8), config=INTERPRET_CONFIG._replace(kahan=False))
+
+
+@pytest.mark.interpret
 def test_kernel_takes_row_strides_and_copies_other_layouts():
     """x as columns of a wider tensor (row stride > K), out a row slice of a larger buffer (only its rows are
     written), W stored transposed (not unit-stride along K: made contiguous) and an fp16 bias (added in fp32)."""

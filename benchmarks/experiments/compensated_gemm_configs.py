@@ -4,7 +4,8 @@ fast enough, and how much accuracy does each give up?
 The kernel's cost is the MMA pipeline broken at every compensated addition: with ``chain_blocks = 1`` each
 BK-long block's MMAs must finish before their sum is added (run74: 1.85x cuBLAS's fp32-output GEMM, the op
 1.33-1.41x the default). ``chain_blocks = C`` lets the tensor cores chain C blocks (C x BK products, still far
-shorter than K = H) before each addition. Per configuration and benchmark shape this script measures, on the
+shorter than K = H) before each addition; ``kahan=False`` adds the chains' sums plainly (one fp32 register tile
+less than Kahan's two). Run76 measured the Kahan configurations (chaining did not pay); the plain ones are next. Per configuration and benchmark shape this script measures, on the
 rows of one chunk of the op's ``fp32_compensated`` path (``engine.chunk_rows``: the GEMM the op runs):
 
 - the GEMM's time (CUDA events, warm-up, median over interleaved rounds: every configuration and cuBLAS in
@@ -43,7 +44,8 @@ from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SHAPES = [(16384, 4096, 32000), (16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936)]
 # Two fp32 [BM, BN] tiles (the sum and its compensation) plus the MMA's own accumulator live in registers:
-# 128 x 128 over 8 warps (64 registers each per thread); wider tiles or 4 warps would spill.
+# 128 x 128 over 8 warps (64 registers each per thread); wider tiles or 4 warps would spill. A plain sum
+# (kahan=False) holds one tile less.
 CONFIGS = {
     "bk128_c1_s3": MEASURED_CONFIG._replace(chain_blocks=1),
     "bk128_c2_s3": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2),
@@ -53,6 +55,12 @@ CONFIGS = {
     "bk64_c4_s4": GemmConfig(128, 128, 64, 8, 4, chain_blocks=4),
     "bk64_c4_s5": GemmConfig(128, 128, 64, 8, 5, chain_blocks=4),
     "bk64_c8_s4": GemmConfig(128, 128, 64, 8, 4, chain_blocks=8),
+    # The chains' sums added plainly (kahan=False): one register tile less (run76 measured the Kahan ones only)
+    "bk64_c2_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=2, kahan=False),
+    "bk64_c4_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=4, kahan=False),
+    "bk128_c2_plain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False),
+    "bk64_c8_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=8, kahan=False),
+    "bn256_bk64_c4_plain": GemmConfig(128, 256, 64, 8, 3, chain_blocks=4, kahan=False),
 }
 
 
@@ -153,6 +161,7 @@ def main():
         configs = {
             "interpret_c1": INTERPRET_CONFIG,
             "interpret_c2": INTERPRET_CONFIG._replace(chain_blocks=2),
+            "interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False),
         }
     else:
         shapes = SHAPES

@@ -18,7 +18,8 @@ an fp32 loss from exactly rounded, float64, logits), at 10.9 ms against cuBLAS's
 ``GemmConfig.chain_blocks = C`` lets the tensor cores chain C blocks (C x BK products) before each compensated
 addition: the error grows with the chain (run76: chains of 128 / 256 / 512 give per-token loss errors of
 1.6-3.3e-6 / 2.5-2.7e-6 / 4.6-5.2e-6), and the time does not fall (C = 2 was 1.3-1.5x slower than C = 1, C = 8
-from 3% slower to 15% faster), so the measured configuration keeps C = 1.
+from 3% slower to 15% faster), so the measured configuration keeps C = 1. ``GemmConfig.kahan = False`` adds
+the chains' sums plainly, for one register tile less (not measured on a GPU yet).
 
 Two things the code below depends on:
 
@@ -63,6 +64,11 @@ class GemmConfig(NamedTuple):
     #: K blocks summed by the tensor cores in one chain (``chain_blocks x block_k`` products) before the
     #: chain's sum goes into the compensated fp32 sum. Longer chains pipeline better and round more.
     chain_blocks: int = 1
+    #: Add the chains' sums with Kahan's compensation (two fp32 [BM, BN] register tiles beside the chain's);
+    #: False: a plain fp32 sum (one tile; K / (chain_blocks x block_k) round-to-nearest additions, each at
+    #: most half an ulp of the running sum). False needs ``chain_blocks >= 2``: with one block per chain
+    #: Triton folds ``acc + tl.dot(a, b)`` back into one chain over K (the error of "fp32").
+    kahan: bool = True
 
 
 #: The measured configuration (H200, results/*_run72_*: 10.9 ms at 16384x4096x32000).
@@ -119,6 +125,7 @@ def _compensated_mm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     CHAIN_BLOCKS: tl.constexpr,  # K blocks per tensor-core chain between two compensated additions
+    KAHAN: tl.constexpr,  # the chains' sums added with Kahan's compensation (else a plain fp32 sum)
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -161,10 +168,13 @@ def _compensated_mm_kernel(
         # two additions stay one asynchronous pipeline.
         part = tl.dot(a, b, part)
         if (k % CHAIN_BLOCKS == CHAIN_BLOCKS - 1) | (k == k_blocks - 1):
-            y = part - comp
-            t = acc + y
-            comp = (t - acc) - y
-            acc = t
+            if KAHAN:
+                y = part - comp
+                t = acc + y
+                comp = (t - acc) - y
+                acc = t
+            else:  # a plain fp32 sum of the K / (CHAIN_BLOCKS BLOCK_K) chain sums: one register tile less
+                acc += part
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
@@ -201,6 +211,11 @@ def compensated_logits_mm(
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     config = config or launch_config(x_c.device)
+    if not config.kahan and config.chain_blocks < 2:
+        raise ValueError(
+            "compensated_logits_mm: kahan=False needs chain_blocks >= 2 (Triton folds a plain sum of one-block"
+            f" dots back into one long chain), got {config}"
+        )
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _compensated_mm_kernel[grid](
         x_c,
@@ -220,6 +235,7 @@ def compensated_logits_mm(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         CHAIN_BLOCKS=config.chain_blocks,
+        KAHAN=config.kahan,
         GROUP_M=_GROUP_M,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
