@@ -66,8 +66,9 @@ class GemmConfig(NamedTuple):
     chain_blocks: int = 1
     #: Add the chains' sums with Kahan's compensation (two fp32 [BM, BN] register tiles beside the chain's);
     #: False: a plain fp32 sum (one tile; K / (chain_blocks x block_k) round-to-nearest additions, each at
-    #: most half an ulp of the running sum). False needs ``chain_blocks >= 2``: with one block per chain
-    #: Triton folds ``acc + tl.dot(a, b)`` back into one chain over K (the error of "fp32").
+    #: most half an ulp of the running sum). False needs ``chain_blocks >= 2``: with one block per chain the
+    #: sum is ``acc + tl.dot(a, b)``, the pattern Triton's combine pass folds back into one chain over K (see
+    #: below: the error of "fp32").
     kahan: bool = True
 
 
@@ -213,8 +214,8 @@ def compensated_logits_mm(
     config = config or launch_config(x_c.device)
     if not config.kahan and config.chain_blocks < 2:
         raise ValueError(
-            "compensated_logits_mm: kahan=False needs chain_blocks >= 2 (Triton folds a plain sum of one-block"
-            f" dots back into one long chain), got {config}"
+            "compensated_logits_mm: kahan=False needs chain_blocks >= 2 (a plain sum of one-block dots is the"
+            f" pattern Triton folds back into one chain over K), got {config}"
         )
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _compensated_mm_kernel[grid](
