@@ -165,8 +165,8 @@ def _compensated_mm_kernel(
             b = b.to(tl.float32)
         # CHAIN_BLOCKS blocks' products summed by the tensor cores from zero (a chain of CHAIN_BLOCKS x
         # BLOCK_K products, not K: see the module docstring), then added into the compensated sum. The reset
-        # of `part` under a condition becomes the MMA's "no accumulator" flag on Hopper, so the MMAs between
-        # two additions stay one asynchronous pipeline.
+        # of `part` under a condition is the pattern Triton turns into the MMA's "no accumulator" flag (as in
+        # its persistent matmul); with Kahan's two tiles it measured no faster (run76).
         part = tl.dot(a, b, part)
         if (k % CHAIN_BLOCKS == CHAIN_BLOCKS - 1) | (k == k_blocks - 1):
             if KAHAN:
@@ -201,6 +201,12 @@ def compensated_logits_mm(
     overrides :func:`launch_config`. Returns ``out``.
     """
     _check(x_c, weight, out, bias)
+    config = config or launch_config(x_c.device)
+    if not config.kahan and config.chain_blocks < 2:
+        raise ValueError(
+            "compensated_logits_mm: kahan=False needs chain_blocks >= 2 (a plain sum of one-block dots is the"
+            f" pattern Triton folds back into one chain over K), got {config}"
+        )
     if x_c.stride(1) != 1:
         x_c = x_c.contiguous()
     if weight.stride(1) != 1:
@@ -211,12 +217,6 @@ def compensated_logits_mm(
         return out
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    config = config or launch_config(x_c.device)
-    if not config.kahan and config.chain_blocks < 2:
-        raise ValueError(
-            "compensated_logits_mm: kahan=False needs chain_blocks >= 2 (a plain sum of one-block dots is the"
-            f" pattern Triton folds back into one chain over K), got {config}"
-        )
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _compensated_mm_kernel[grid](
         x_c,
