@@ -226,6 +226,29 @@ def test_bad_logits_precision_is_refused():
         )
 
 
+def _cuda_problem(shape):
+    """bf16 hidden states, head (logits of std ~2), bias and targets of a benchmark shape on the GPU."""
+    n, h, v = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(v, h, device="cuda", generator=gen) / h**0.5 * 2).bfloat16()
+    b = (0.1 * torch.randn(v, device="cuda", generator=gen)).bfloat16()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    return x, w, b, t
+
+
+def _softcapped_loss(x, w, b, t, dtype, softcap=30.0):
+    """Per-token loss (float64) of F.linear in ``dtype`` with the softcap, 2048 rows at a time."""
+    out = torch.empty(x.shape[0], dtype=torch.float64, device=x.device)
+    w, b = w.to(dtype), b.to(dtype)
+    with torch.no_grad():
+        for rows in torch.arange(x.shape[0], device=x.device).split(2048):
+            logits = F.linear(x[rows].to(dtype), w, b)
+            logits = softcap * torch.tanh(logits / softcap)
+            out[rows] = F.cross_entropy(logits, t[rows], reduction="none").double()
+    return out
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
@@ -238,22 +261,11 @@ def test_cuda_fp32_logits_at_benchmark_shapes(shape):
     (results/*_run70_*): max 5.2e-5 / 2.8e-5, mean 1.5e-5 / 8.2e-6 at the two shapes, against the fp32 head's
     (F.linear of the widened values in fp32, TF32 off) 1.2e-5 / 8.5e-6: the tensor cores' fp32 accumulation of
     16-bit products is less exact than an fp32 GEMM's; logits_precision="fp32_head" runs that fp32 GEMM."""
-    n, h, v = shape
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(v, h, device="cuda", generator=gen) / h**0.5 * 2).bfloat16()
-    b = (0.1 * torch.randn(v, device="cuda", generator=gen)).bfloat16()
-    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    x, w, b, t = _cuda_problem(shape)
     got = fused_linear_cross_entropy(x, w, t, b, softcap=30.0, reduction="none", logits_precision="fp32")
     default = fused_linear_cross_entropy(x, w, t, b, softcap=30.0, reduction="none")
-    want = torch.empty(n, dtype=torch.float64, device="cuda")
-    fp32_head = torch.empty(n, dtype=torch.float64, device="cuda")
-    with torch.no_grad():
-        for rows in torch.arange(n, device="cuda").split(2048):
-            for dtype, out in ((torch.float64, want), (torch.float32, fp32_head)):
-                logits = F.linear(x[rows].to(dtype), w.to(dtype), b.to(dtype))
-                logits = 30.0 * torch.tanh(logits / 30.0)
-                out[rows] = F.cross_entropy(logits, t[rows], reduction="none").double()
+    want = _softcapped_loss(x, w, b, t, torch.float64)
+    fp32_head = _softcapped_loss(x, w, b, t, torch.float32)
     error = (got.double() - want).abs()
     fp32_head_error = (fp32_head - want).abs()
     default_error = (default.double() - want).abs()
@@ -277,20 +289,11 @@ def test_cuda_fp32_compensated_logits_at_benchmark_shapes(shape):
     Measured on an H200 (benchmarks/results/2026-12-01_h200_torch2.11_triton3.6_run72_*, the GEMM alone):
     2.3e-6 / 2.1e-6 max at the two shapes, the floor of an fp32 loss from exactly rounded logits (2.7e-6 /
     2.8e-6), against "fp32"'s 5.2e-5 / 2.8e-5 (13-22x)."""
-    n, h, v = shape
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(v, h, device="cuda", generator=gen) / h**0.5 * 2).bfloat16()
-    b = (0.1 * torch.randn(v, device="cuda", generator=gen)).bfloat16()
-    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    x, w, b, t = _cuda_problem(shape)
     options = {"softcap": 30.0, "reduction": "none"}
     got = fused_linear_cross_entropy(x, w, t, b, logits_precision="fp32_compensated", **options)
     fp32 = fused_linear_cross_entropy(x, w, t, b, logits_precision="fp32", **options)
-    want = torch.empty(n, dtype=torch.float64, device="cuda")
-    with torch.no_grad():
-        for rows in torch.arange(n, device="cuda").split(2048):
-            logits = F.linear(x[rows].double(), w.double(), b.double())
-            want[rows] = F.cross_entropy(30.0 * torch.tanh(logits / 30.0), t[rows], reduction="none")
+    want = _softcapped_loss(x, w, b, t, torch.float64)
     error = (got.double() - want).abs()
     fp32_error = (fp32.double() - want).abs()
     print(f"max |error|: fp32_compensated {error.max():.2e}, fp32 {fp32_error.max():.2e}")

@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: 
 
 import _common  # noqa: E402
 import torch
-import torch.nn.functional as F
 
 _common.ensure_repo_on_path()
+from fp32_logits_accuracy import loss_from_logits  # noqa: E402  (this folder: the script's own)
+
 from lightning_flce import engine  # noqa: E402
 from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
     INTERPRET_CONFIG,
@@ -42,6 +43,7 @@ from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+SOFTCAP = 30.0  # as test_logits_precision's CUDA tests
 SHAPES = [(16384, 4096, 32000), (16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936)]
 # Two fp32 [BM, BN] tiles (the sum and its compensation) plus the MMA's own accumulator live in registers:
 # 128 x 128 over 8 warps (64 registers each per thread); wider tiles or 4 warps would spill. A plain sum
@@ -62,12 +64,6 @@ CONFIGS = {
     "bk64_c8_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=8, kahan=False),
     "bn256_bk64_c4_plain": GemmConfig(128, 256, 64, 8, 3, chain_blocks=4, kahan=False),
 }
-
-
-def loss_from_logits(logits, bias, target, softcap=30.0):
-    logits = logits + bias.to(logits.dtype)
-    logits = softcap * torch.tanh(logits / softcap)
-    return F.cross_entropy(logits, target, reduction="none").double()
 
 
 def timed_ms(fns, device, rounds, reps):
@@ -103,7 +99,7 @@ def run_shape(shape, device, rounds, reps, configs):
         for dist, scale in (("test", 2.0), ("bench", 1.0)):
             w = (w_unit * scale).bfloat16()
             exact = x.double() @ w.double().t()
-            truth = loss_from_logits(exact, b, t)
+            truth = loss_from_logits(exact, b, SOFTCAP, t)
             variants = {
                 name: (lambda c=c, w=w: compensated_logits_mm(x, w, out, config=c))
                 for name, c in configs.items()
@@ -114,7 +110,7 @@ def run_shape(shape, device, rounds, reps, configs):
                 try:
                     fn()
                     err = (out.double() - exact).abs().max().item()
-                    loss_err = (loss_from_logits(out, b, t) - truth).abs().max().item()
+                    loss_err = (loss_from_logits(out, b, SOFTCAP, t) - truth).abs().max().item()
                     result["errors"].setdefault(name, {})[dist] = {
                         "logit_err_max": err,
                         "loss_err_max": loss_err,

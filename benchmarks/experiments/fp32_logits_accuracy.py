@@ -11,7 +11,8 @@ fp32) against float64, and the GEMM's time for all N rows (CUDA events, warm-up,
 - ``fp32``: the operands widened, cuBLAS's fp32 GEMM with TF32 off (``logits_precision="fp32_head"``);
 - ``fp64``: the float64 GEMM, rounded once to fp32 (the floor an fp32 loss can reach from exact logits);
 - ``triton`` / ``triton_kahan``: a plain Triton GEMM (accumulator chained through ``tl.dot``) and one that
-  takes each BK-long block's ``tl.dot`` from a zero accumulator and adds it into a Kahan-compensated fp32 sum.
+  takes each BK-long block's ``tl.dot`` from a zero accumulator and adds it into a Kahan-compensated fp32 sum
+  (the library's ``kernels/compensated_gemm.py``, which run72 measured as this script's own copy of it).
 
 Also the op itself (``reduction="none"``) with ``logits_precision`` "fp32" / "fp32_head" / "input".
 
@@ -37,6 +38,13 @@ import triton.language as tl
 
 _common.ensure_repo_on_path()
 from lightning_flce import fused_linear_cross_entropy  # noqa: E402
+from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
+    INTERPRET_CONFIG,
+    MEASURED_CONFIG,
+    GemmConfig,
+    compensated_logits_mm,
+    grouped_tile,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -44,45 +52,30 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _mm_fp32_out(
     a_ptr, b_ptr, c_ptr, M, N, K,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-    KAHAN: tl.constexpr, UPCAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    # C[M, N] = A[M, K] @ B[N, K].T, row-major, M % BM == N % BN == K % BK == 0 (the experiment's shapes).
-    pid = tl.program_id(0)
-    num_m = M // BM
-    num_n = N // BN
-    per_group = GROUP * num_n
-    first_m = (pid // per_group) * GROUP
-    group_m = min(num_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    # A plain Triton GEMM: C[M, N] = A[M, K] @ B[N, K].T, row-major, M % BM == N % BN == K % BK == 0 (the
+    # experiment's shapes), the accumulator chained through tl.dot over all of K (as cuBLAS's).
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     a = a_ptr + rm[:, None] * K + rk[None, :]
     b = b_ptr + rn[None, :] * K + rk[:, None]
     acc = tl.zeros((BM, BN), tl.float32)
-    comp = tl.zeros((BM, BN), tl.float32)
     for _ in range(0, K // BK):
         av = tl.load(a)
         bv = tl.load(b)
         if UPCAST:  # the interpreter's bf16 dot is wrong
             av = av.to(tl.float32)
             bv = bv.to(tl.float32)
-        if KAHAN:
-            part = tl.dot(av, bv)
-            y = part - comp
-            t = acc + y
-            comp = (t - acc) - y
-            acc = t
-        else:
-            acc = tl.dot(av, bv, acc)
+        acc = tl.dot(av, bv, acc)
         a += BK
         b += BK
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc)
 
 
-def triton_mm(a, b, kahan, bm=128, bn=256, bk=64, warps=8, stages=3):
+def triton_mm(a, b, bm=128, bn=256, bk=64, warps=8, stages=3):
     m, k = a.shape
     n = b.shape[0]
     if INTERPRET:
@@ -90,10 +83,15 @@ def triton_mm(a, b, kahan, bm=128, bn=256, bk=64, warps=8, stages=3):
     c = torch.empty(m, n, device=a.device, dtype=torch.float32)
     grid = ((m // bm) * (n // bn),)
     _mm_fp32_out[grid](
-        a, b, c, m, n, k, BM=bm, BN=bn, BK=bk, GROUP=8, KAHAN=kahan, UPCAST=INTERPRET,
-        num_warps=warps, num_stages=stages,
+        a, b, c, m, n, k, BM=bm, BN=bn, BK=bk, GROUP=8, UPCAST=INTERPRET, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return c
+
+
+def kahan_mm(a, b, config):
+    """The library's compensated GEMM (per-block dots, Kahan's sum) at ``config`` (the interpreter's there)."""
+    c = torch.empty(a.shape[0], b.shape[0], device=a.device, dtype=torch.float32)
+    return compensated_logits_mm(a, b, c, config=INTERPRET_CONFIG if INTERPRET else config)
 
 
 def gemm_variants(x, w, device):
@@ -115,10 +113,10 @@ def gemm_variants(x, w, device):
     out["fp32"] = lambda: x32 @ w32.t()
     out["fp64"] = lambda: (x.double() @ w.double().t()).float()
     # Kahan keeps two [BM, BN] fp32 tiles in registers: 128 x 128 over 8 warps (128 x 256 would spill)
-    out["triton"] = lambda: triton_mm(x, w, False)
-    out["triton_128"] = lambda: triton_mm(x, w, False, bn=128, stages=4)
-    out["triton_kahan"] = lambda: triton_mm(x, w, True, bn=128, stages=4)
-    out["triton_kahan_bk128"] = lambda: triton_mm(x, w, True, bn=128, bk=128, stages=3)
+    out["triton"] = lambda: triton_mm(x, w)
+    out["triton_128"] = lambda: triton_mm(x, w, bn=128, stages=4)
+    out["triton_kahan"] = lambda: kahan_mm(x, w, GemmConfig(128, 128, 64, 8, 4))
+    out["triton_kahan_bk128"] = lambda: kahan_mm(x, w, MEASURED_CONFIG)
     return out
 
 

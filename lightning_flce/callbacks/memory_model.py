@@ -201,7 +201,9 @@ class HeadMemoryModel:
         if wide:
             per_logit += itemsize  # the logit gradient handed to the GEMMs in their dtype
             mode = WideLogitsGemm.mode_for(
-                self.device, compensated=options.logits_precision == "fp32_compensated", triton=use_triton
+                self.device,
+                compensated=options.logits_precision == "fp32_compensated",
+                triton=backend.name == "triton",  # as the op decides it
             )
             copy_dtype = WideLogitsGemm.WEIGHT_COPY_DTYPES.get(mode)
             if copy_dtype is not None:  # the fallbacks' widened weight

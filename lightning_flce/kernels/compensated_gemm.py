@@ -48,8 +48,7 @@ from lightning_flce._compat import TRITON_INTERPRET
 
 #: The operand dtypes the kernel takes.
 OPERAND_DTYPES = (torch.bfloat16, torch.float16)
-# Program order: GROUP_M row tiles share each column tile in turn, so a [BN, K] block of w is read from L2
-# by GROUP_M programs in a row instead of from HBM by each.
+# Row tiles per group of grouped_tile's program order.
 _GROUP_M = 8
 
 
@@ -108,6 +107,18 @@ def launch_config(device: torch.device) -> GemmConfig:
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The (row, column) tile of program ``pid`` in grouped order: GROUP_M row tiles take each column tile in
+    turn, so a [BLOCK_N, K] block of the second operand is read from L2 by GROUP_M programs in a row."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
 def _compensated_mm_kernel(
     x_ptr,  # [M, K] bf16/fp16, unit stride along K
     w_ptr,  # [N, K] same dtype, unit stride along K
@@ -129,15 +140,7 @@ def _compensated_mm_kernel(
     KAHAN: tl.constexpr,  # the chains' sums added with Kahan's compensation (else a plain fp32 sum)
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
-
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
