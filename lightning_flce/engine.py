@@ -27,7 +27,7 @@ from torch import Tensor
 
 from lightning_flce._compat import TORCH_VERSION, resolved_annotations, triton_usable
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
-from lightning_flce.kernels import LOW_PRECISION, LossOptions, softmax_dtype
+from lightning_flce.kernels import LOW_PRECISION, LossOptions, gradient_in_logits_rows, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
 from lightning_flce.options import WIDE_LOGITS_PRECISIONS
 
@@ -94,28 +94,18 @@ def chunk_rows(
     hidden: int,
     compute_dtype: torch.dtype,
     large_chunks: bool,
-    logits_precision: str = "input",
 ) -> int:
     """Rows per chunk: a user's ``chunk_size`` as given; else :func:`default_chunk_size` of the call's shape
     (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
-    ``n_valid`` rows that run (:func:`balanced_chunk_rows`). fp32 logits of 16-bit GEMMs (the
-    ``WIDE_LOGITS_PRECISIONS``: an fp32 logits buffer and a 16-bit gradient buffer, 3x the bytes per row) get
-    at most 2/3 of the rows the default's chunks actually have (after balancing), so their two buffers take at
-    most one default chunk buffer more than the default's one."""
+    ``n_valid`` rows that run (:func:`balanced_chunk_rows`). The wide-logits precisions take the same rows: their
+    fp32 buffer holds the 16-bit gradient in its own rows (:func:`~lightning_flce.kernels.gradient_in_logits_rows`),
+    so it is exactly one default chunk buffer more."""
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     max_rows = default_chunk_size(n_rows, vocab, hidden, itemsize, large_chunks)
     align = _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN
-    rows = balanced_chunk_rows(n_valid, max_rows, align)
-    if logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION:
-        # 2/3 of the balanced rows, not of max_rows: 8192 x 256000 balances to 4 x 2048 rows, and 2/3 of the
-        # 2304-row maximum (1536, balanced to 6 x 1536) took 1.25 default buffers more (run74: +1138 MiB peak).
-        wide_max = rows * 2 // 3
-        step = align if wide_max >= align else _CHUNK_ALIGN
-        if wide_max >= step:
-            rows = balanced_chunk_rows(n_valid, wide_max // step * step, step)
-    return rows
+    return balanced_chunk_rows(n_valid, max_rows, align)
 
 
 def target_range_error(
@@ -291,8 +281,8 @@ def run_chunks(
     weight_c = weight.to(compute_dtype)
     # logits_precision "fp32" / "fp32_compensated" with 16-bit GEMMs: the logits GEMM accumulates and writes
     # fp32 (no rounding of the logits to 16 bits; "fp32_compensated" also compensates the sum over H), the bias
-    # is added in fp32; the logit gradient goes to the dX/dW GEMMs in their operand dtype (one more [C, V]
-    # buffer).
+    # is added in fp32; the logit gradient goes to the dX/dW GEMMs in their operand dtype, written into the
+    # second half of each fp32 row (gradient_in_logits_rows: no second [C, V] buffer).
     wide_logits = logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION
     logits_dtype = torch.float32 if wide_logits else compute_dtype
     bias_c = bias.to(logits_dtype) if bias is not None else None
@@ -350,7 +340,7 @@ def run_chunks(
     if need_grad_bias:  # summed in the loss dtype: fp32, or fp64 for fp64 GEMMs
         grad_bias = torch.zeros(vocab, dtype=loss_dtype, device=device)
 
-    logits_buffer = grad_buffer = None
+    logits_buffer = None
     for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
         end = min(start + chunk_size, n_valid)
         if rows is None:
@@ -369,12 +359,11 @@ def run_chunks(
         else:
             torch.mm(x_c, weight_c.t(), out=logits)
 
-        # d loss / d logits: over the logits, or (fp32 logits) into a buffer of the GEMMs' operand dtype
+        # d loss / d logits: over the logits, or (fp32 logits) in the GEMMs' operand dtype into the second
+        # half of each fp32 row
         grad_logits = logits
         if wide_logits and (need_grad_input or need_grad_weight):
-            if grad_buffer is None:
-                grad_buffer = torch.empty_like(logits_buffer, dtype=compute_dtype)
-            grad_logits = grad_buffer[: end - start]
+            grad_logits = gradient_in_logits_rows(logits, compute_dtype)
         out = chunk_cross_entropy(
             logits,
             t_c,
@@ -406,9 +395,7 @@ def run_chunks(
 
     # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
     # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
-    logits_buffer = logits = grad_buffer = grad_logits = x_c = weight_c = weight_for_grad_input = bias_c = (
-        None
-    )
+    logits_buffer = logits = grad_logits = x_c = weight_c = weight_for_grad_input = bias_c = None
     logits_gemm = None
     if need_grad_weight:
         if n_valid == 0:
@@ -473,7 +460,6 @@ def saved_grad_weight_dtype(
     accum_dtype: Optional[torch.dtype],
     chunk_size: Optional[int],
     large_chunks: bool,
-    logits_precision: str = "input",
 ) -> torch.dtype:
     """The dtype of the dW that "mean"/"sum" forward keeps for backward: its accumulator's, uncast.
 
@@ -484,9 +470,7 @@ def saved_grad_weight_dtype(
     """
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     vocab, hidden = weight.shape
-    rows = chunk_rows(
-        chunk_size, n_rows, n_rows, vocab, hidden, compute_dtype, large_chunks, logits_precision
-    )
+    rows = chunk_rows(chunk_size, n_rows, n_rows, vocab, hidden, compute_dtype, large_chunks)
     return accumulator_dtype(accum_dtype, weight, compute_dtype, n_chunks=-(-n_rows // rows))
 
 

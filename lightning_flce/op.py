@@ -184,7 +184,6 @@ def _chunk_loop(
         hidden,
         compute_dtype,
         large_chunks,
-        args.logits_precision,
     )
     kernels = BACKENDS[args.backend].kernels()
 
@@ -240,7 +239,6 @@ def _saved_dtypes(args) -> Tuple[torch.dtype, torch.dtype]:
         args.accum_dtype,
         args.chunk_size,
         _large_chunks(args),
-        args.logits_precision,
     )
     return saved_grad_input_dtype(args.x, args.compute_dtype, grad_weight_dtype), grad_weight_dtype
 

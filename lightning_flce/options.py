@@ -29,7 +29,8 @@ IMPLS = ("auto", *BACKENDS)
 #: Valid ``logits_precision`` values (see :class:`FLCEOptions`).
 LOGITS_PRECISIONS = ("input", "fp32", "fp32_head", "fp32_compensated")
 #: The ``logits_precision`` values whose 16-bit GEMMs write each chunk's logits into an fp32 buffer (the chunk
-#: engine's wide-logits path: 2/3 of the default rows, the logit gradient in a buffer of the GEMMs' dtype).
+#: engine's wide-logits path: the default's rows, the logit gradient in the GEMMs' dtype in each fp32 row's
+#: second half, ``lightning_flce.kernels.gradient_in_logits_rows``).
 #: They differ only in the logits GEMM (``lightning_flce.engine.WideLogitsGemm``): "fp32" accumulates in the
 #: tensor cores' fp32, "fp32_compensated" compensates the sum over H.
 WIDE_LOGITS_PRECISIONS = frozenset({"fp32", "fp32_compensated"})

@@ -96,6 +96,55 @@ def test_kernel_plain_sum_of_chains(shape, chain_blocks):
     assert (out.double() - exact).abs().max().item() <= bound
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    ("chain_blocks", "kahan"), [(1, True), (3, True), (2, False)], ids=["kahan", "kahan-c3", "plain-c2"]
+)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("shape", [(37, 203, 72), (32, 64, 48), (20, 40, 1032), (1, 17, 8)], ids=str)
+def test_tma_kernel_matches_float64(shape, with_bias, chain_blocks, kahan, monkeypatch):
+    """``tma=True``: the operand blocks through tensor descriptors (the copy engine's zero fill past M, N and
+    K instead of masks: tails along all three here, K a multiple of 8 as TMA needs), the same chains and sums
+    as the pointer kernel and the same bound against float64. The TMA kernel must be the one that ran."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+
+    launched = []
+    kernel = gemm._compensated_mm_tma_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(gemm, "_compensated_mm_tma_kernel", Spy())
+    m, n, k = shape
+    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=4)
+    bias = b if with_bias else None
+    out = torch.full((m, n), float("nan"))
+    config = gemm.INTERPRET_CONFIG._replace(tma=True, chain_blocks=chain_blocks, kahan=kahan)
+    gemm.compensated_logits_mm(x, w, out, bias, config=config)
+    assert launched
+    exact = x.double() @ w.double().T + (b.double() if with_bias else 0.0)
+    additions = 0 if kahan else -(-k // (config.block_k * chain_blocks))
+    bound = (ULPS + 0.5 * additions) * fp32_ulp(exact)
+    assert (out.double() - exact).abs().max().item() <= bound
+
+
+@pytest.mark.interpret
+def test_tma_needs_aligned_rows():
+    """TMA reads 16-byte aligned rows from a 16-byte aligned base: rows of K = 70 bf16 values (140 bytes) or a
+    base one element off are neither, and the launcher takes the pointer kernel there."""
+    from lightning_flce.kernels.compensated_gemm import tma_usable
+
+    x, w, _ = gemm_problem(8, 16, 72, torch.bfloat16)
+    if not tma_usable(x, w):
+        pytest.skip("no TMA on this device (the interpreter or a Hopper GPU has it)")
+    x70, w70, _ = gemm_problem(8, 16, 70, torch.bfloat16)
+    assert not tma_usable(x70, w70)
+    off_by_one = torch.cat([x.view(-1), x.view(-1)])[1 : 1 + 8 * 72].view(8, 72)
+    assert not tma_usable(off_by_one, w)
+
+
 def test_plain_sum_needs_chains_of_two_blocks():
     """One block per chain with a plain sum would compile back into one chain over K: refused up front."""
     from lightning_flce.kernels.compensated_gemm import INTERPRET_CONFIG, compensated_logits_mm
@@ -191,8 +240,11 @@ def test_cuda_config_fits_the_shared_memory():
     assert cuda_config(None) == MEASURED_CONFIG
     assert cuda_config(227 * 1024) == MEASURED_CONFIG  # H100 / H200
     assert cuda_config(163 * 1024) == MEASURED_CONFIG._replace(num_stages=2)  # A100
-    assert cuda_config(99 * 1024) == MEASURED_CONFIG._replace(block_k=64, num_stages=3)  # sm86 / sm89
-    assert cuda_config(48 * 1024) == MEASURED_CONFIG._replace(block_k=32, num_stages=2)
+    # a smaller BK chains more blocks: the tensor cores' chains (the error) stay 256 products long
+    assert cuda_config(99 * 1024) == MEASURED_CONFIG._replace(
+        block_k=64, num_stages=3, chain_blocks=4
+    )  # sm86/89
+    assert cuda_config(48 * 1024) == MEASURED_CONFIG._replace(block_k=32, num_stages=2, chain_blocks=8)
 
 
 @pytest.mark.parametrize(

@@ -210,6 +210,38 @@ def test_ce_kernel_loss_with_targets_in_the_first_gradient_block(config):
         torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("config", [None, (4096, 8), (1024, 4)], ids=str)
+@pytest.mark.parametrize("vocab", [256000, 32003])
+def test_ce_kernel_gradient_in_logits_rows_matches_a_separate_buffer(config, vocab):
+    """The 16-bit gradient of fp32 logits written into the rows' own second halves (the wide-logits path's one
+    buffer): every warp must have loaded a block before any warp stores into it (a barrier per block), else
+    some values are overwritten before they are read. Bit for bit the gradient and losses of a separate bf16
+    buffer, five times over, at rows of 16 to 250 blocks and with a softcap (its factor reads z again)."""
+    from lightning_flce.kernels import LossOptions, gradient_in_logits_rows
+    from lightning_flce.kernels.cross_entropy import LaunchConfig, cross_entropy_chunk_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    n_rows = 512
+    logits = torch.randn(n_rows, vocab, device="cuda", generator=gen) * 4
+    target = torch.randint(0, vocab, (n_rows,), device="cuda", generator=gen)
+    target[::9] = -100
+    options = LossOptions(softcap=30.0, label_smoothing=0.1)
+    scale = torch.full((1,), 1.0 / n_rows, device="cuda")
+    kwargs = {"ce_scale": scale, "z_scale": scale, "compute_grad": True, "compute_stats": True}
+    launch = LaunchConfig(*config) if config else None
+    separate = torch.empty(n_rows, vocab, device="cuda", dtype=torch.bfloat16)
+    want = cross_entropy_chunk_triton(
+        logits.clone(), target, options, grad_out=separate, config=launch, **kwargs
+    )
+    for _ in range(5):
+        in_rows = logits.clone()
+        grad = gradient_in_logits_rows(in_rows, torch.bfloat16)
+        got = cross_entropy_chunk_triton(in_rows, target, options, grad_out=grad, config=launch, **kwargs)
+        assert torch.equal(grad, separate)
+        for name in ("loss", "lse", "entropy", "correct"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 @pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_bf16_mixed_autocast_gives_fp32_weight_grad(hidden_dtype):
     """Lightning's bf16-mixed: fp32 head weight under autocast; bf16 hidden states, or fp32 ones (a final

@@ -95,6 +95,40 @@ def test_kernel_multi_block_rows(feature_name):
     assert torch.all(grad_triton[target == -100] == 0)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_v", [256, None], ids=["4-blocks", "1-block"])
+@pytest.mark.parametrize("feature_name", ["plain", "all", "smoothing+class_weight"])
+def test_kernel_gradient_in_logits_rows(feature_name, block_v, grad_dtype):
+    """The 16-bit gradient of fp32 logits written into each row's second half (gradient_in_logits_rows: the
+    wide-logits path's one buffer): the same loss, LSE and statistics, and bit for bit the same gradient, as
+    with a separate 16-bit buffer. Rows of 4 blocks (the last partial, targets in the first and the last)
+    and of one: the pass that writes must read every block before its bytes are overwritten, which a
+    layout in the rows' first halves, or a forward pass, would not (values overwritten before they are
+    read change the result here)."""
+    from lightning_flce.kernels import gradient_in_logits_rows
+    from lightning_flce.kernels.cross_entropy import LaunchConfig, cross_entropy_chunk_triton
+
+    gen = torch.Generator().manual_seed(4)
+    n_rows, vocab = 24, 1000
+    options = _options(FEATURES[feature_name], vocab, gen)
+    logits = torch.randn(n_rows, vocab, generator=gen) * 3
+    target = torch.randint(0, vocab, (n_rows,), generator=gen)
+    target[::5] = -100
+    target[1], target[2] = 3, 990
+    kwargs = {"ce_scale": torch.tensor([0.3]), "z_scale": torch.tensor([0.6])}
+    kwargs.update(compute_grad=True, compute_stats=True)
+    if block_v is not None:
+        kwargs["config"] = LaunchConfig(block_v, 4)
+    separate = torch.full((n_rows, vocab), float("nan"), dtype=grad_dtype)
+    want = cross_entropy_chunk_triton(logits.clone(), target, options, grad_out=separate, **kwargs)
+    in_rows = logits.clone()
+    grad = gradient_in_logits_rows(in_rows, grad_dtype)
+    got = cross_entropy_chunk_triton(in_rows, target, options, grad_out=grad, **kwargs)
+    for name in ("loss", "lse", "entropy", "correct"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(grad, separate)
+
+
 @pytest.mark.parametrize("softcap", [3.0, 1e3, 1e5, 1e7])
 def test_kernel_softcap_accuracy_at_any_cap(softcap):
     """c tanh(z / c) for caps far above the logits (z / c near 0, where an exp-based tanh cancels) and near

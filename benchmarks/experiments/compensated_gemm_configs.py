@@ -37,7 +37,6 @@ from fp32_logits_accuracy import loss_from_logits  # noqa: E402  (this folder: t
 from lightning_flce import engine  # noqa: E402
 from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
     INTERPRET_CONFIG,
-    MEASURED_CONFIG,
     GemmConfig,
     compensated_logits_mm,
 )
@@ -49,7 +48,7 @@ SHAPES = [(16384, 4096, 32000), (16384, 4096, 128256), (8192, 2304, 256000), (81
 # 128 x 128 over 8 warps (64 registers each per thread); wider tiles or 4 warps would spill. A plain sum
 # (kahan=False) holds one tile less.
 CONFIGS = {
-    "bk128_c1_s3": MEASURED_CONFIG._replace(chain_blocks=1),
+    "bk128_c1_s3": GemmConfig(128, 128, 128, 8, 3),  # Kahan over 128-long chains: the default until run80
     "bk128_c2_s3": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2),
     "bk128_c4_s3": GemmConfig(128, 128, 128, 8, 3, chain_blocks=4),
     "bk64_c1_s4": GemmConfig(128, 128, 64, 8, 4, chain_blocks=1),
@@ -63,6 +62,23 @@ CONFIGS = {
     "bk128_c2_plain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False),
     "bk64_c8_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=8, kahan=False),
     "bn256_bk64_c4_plain": GemmConfig(128, 256, 64, 8, 3, chain_blocks=4, kahan=False),
+    # References, not candidates: one chain over all of K (a plain Triton GEMM, the error of "fp32"), Triton's
+    # own speed at this tile: what the compensated sums cost beyond it, and how far Triton is from cuBLAS
+    "bk64_one_chain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=1 << 20, kahan=False),
+    "bk128_one_chain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=1 << 20, kahan=False),
+    "bn256_bk64_one_chain": GemmConfig(128, 256, 64, 8, 3, chain_blocks=1 << 20, kahan=False),
+    # The operand blocks through the tensor-memory accelerator (tma=True): run79 put Triton's own pointer-load
+    # GEMM (one chain) at 1.30-1.44x cuBLAS, most of what the compensated sums seemed to cost
+    "tma_bk64_one_chain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=1 << 20, kahan=False, tma=True),
+    "tma_bk128_one_chain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=1 << 20, kahan=False, tma=True),
+    "tma_bk128_c1": GemmConfig(128, 128, 128, 8, 3, tma=True),
+    "tma_bk64_c1_s5": GemmConfig(128, 128, 64, 8, 5, tma=True),
+    "tma_bk128_c2_plain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
+    "tma_bk128_c4_plain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=4, kahan=False, tma=True),
+    "tma_bk64_c4_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=4, kahan=False, tma=True),
+    "tma_bk64_c4_plain_s5": GemmConfig(128, 128, 64, 8, 5, chain_blocks=4, kahan=False, tma=True),
+    "tma_bk64_c8_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=8, kahan=False, tma=True),
+    "tma_bk128_c2_kahan": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, tma=True),
 }
 
 
@@ -87,7 +103,7 @@ def timed_ms(fns, device, rounds, reps):
 
 def run_shape(shape, device, rounds, reps, configs):
     n, h, v = shape
-    rows = engine.chunk_rows(None, n, n, v, h, torch.bfloat16, True, logits_precision="fp32_compensated")
+    rows = engine.chunk_rows(None, n, n, v, h, torch.bfloat16, True)
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(rows, h, device=device, generator=gen).bfloat16()
     w_unit = torch.randn(v, h, device=device, generator=gen) / h**0.5
@@ -158,6 +174,7 @@ def main():
             "interpret_c1": INTERPRET_CONFIG,
             "interpret_c2": INTERPRET_CONFIG._replace(chain_blocks=2),
             "interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False),
+            "interpret_tma_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
         }
     else:
         shapes = SHAPES

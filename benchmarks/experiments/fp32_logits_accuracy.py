@@ -116,7 +116,8 @@ def gemm_variants(x, w, device):
     out["triton"] = lambda: triton_mm(x, w)
     out["triton_128"] = lambda: triton_mm(x, w, bn=128, stages=4)
     out["triton_kahan"] = lambda: kahan_mm(x, w, GemmConfig(128, 128, 64, 8, 4))
-    out["triton_kahan_bk128"] = lambda: kahan_mm(x, w, MEASURED_CONFIG)
+    out["triton_kahan_bk128"] = lambda: kahan_mm(x, w, GemmConfig(128, 128, 128, 8, 3))
+    out["triton_library_default"] = lambda: kahan_mm(x, w, MEASURED_CONFIG)
     return out
 
 

@@ -24,8 +24,8 @@ The fused head holds, at its peak (the forward, where it computes the gradients)
 states' gradient ``N x H`` and the weight gradient's accumulator ``V x H`` (fp32 under autocast; fp64 for
 fp32 GEMMs on GPUs with full-rate fp64, whose dX GEMM then also reads an fp64 copy of the weight). The
 chunk's rows are the op's own (``engine.chunk_rows``). With ``logits_precision`` "fp32" / "fp32_compensated"
-the chunk's logits are fp32 with a gradient buffer in the compute dtype beside them, plus the weight copy a
-fallback GEMM makes (fp32, or fp64 with an fp64 chunk product); "fp32_head" runs the fp32 path.
+the chunk's logits are fp32 (their gradient, in the compute dtype, written into the same rows), plus the weight
+copy a fallback GEMM makes (fp32, or fp64 with an fp64 chunk product); "fp32_head" runs the fp32 path.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class HeadMemoryModel:
         impl: the op's ``impl`` resolved (``"triton"`` or ``"torch"``).
         accum: the op's dW accumulation (``"auto"``, ``"fp32"``).
         device: the head weight's device (the dW accumulator's dtype depends on the GPU).
-        logits_precision: the op's ``logits_precision`` (fp32 chunk logits and a 16-bit gradient buffer for
+        logits_precision: the op's ``logits_precision`` (fp32 chunk logits, twice the 16-bit ones, for
             ``"fp32"`` / ``"fp32_compensated"``, fp32 GEMMs for ``"fp32_head"``, and the weight copies their
             fallbacks make).
     """
@@ -187,11 +187,11 @@ class HeadMemoryModel:
             hidden_size,
             compute_dtype,
             use_triton,
-            options.logits_precision,
         )
         rows = min(rows, num_tokens)
         wide = options.logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION
-        logits_itemsize = 4 if wide else itemsize  # the chunk's logits buffer
+        # the chunk's logits buffer (fp32 logits: their 16-bit gradient goes into its rows' second halves)
+        logits_itemsize = 4 if wide else itemsize
         softmax_itemsize = softmax_dtype(compute_dtype).itemsize
         if use_triton:  # the kernel overwrites the logits with their gradient in place
             per_logit = logits_itemsize
@@ -199,7 +199,6 @@ class HeadMemoryModel:
             per_logit = logits_itemsize + softmax_itemsize * (1 if softmax_itemsize == logits_itemsize else 2)
         copies = 0  # made once per call
         if wide:
-            per_logit += itemsize  # the logit gradient handed to the GEMMs in their dtype
             mode = WideLogitsGemm.mode_for(
                 self.device,
                 compensated=options.logits_precision == "fp32_compensated",

@@ -1,9 +1,10 @@
 """Per-chunk cross-entropy kernels and the registry of their backends.
 
 A chunk kernel gets one chunk's logits and returns the loss per row and its LSE (and statistics), and
-writes d loss / d logits over the logits (or into ``grad_out``, a [C, V] buffer of its own dtype: the
-16-bit gradient of fp32 logits). The vocab-parallel op splits the same math around its
-all-reduces: ``shard_row_stats`` (one read of a shard's columns), then ``shard_softmax_grad``.
+writes d loss / d logits over the logits (or into ``grad_out``, a [C, V] tensor of its own dtype: the
+16-bit gradient of fp32 logits, laid out in the logits' own rows by :func:`gradient_in_logits_rows`). The
+vocab-parallel op splits the same math around its all-reduces: ``shard_row_stats`` (one read of a shard's
+columns), then ``shard_softmax_grad``.
 
 A backend is one module with those three functions and one :class:`Backend` entry in :data:`BACKENDS`:
 
@@ -108,6 +109,62 @@ def backend_for(backend: Backend, compute_dtype: torch.dtype) -> Backend:
     if softmax_dtype(compute_dtype) in backend.softmax_dtypes:
         return backend
     return BACKENDS[FALLBACK_BACKEND]
+
+
+def gradient_in_logits_rows(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [C, V] ``dtype`` (16-bit) view of the second half of each row's bytes of the fp32 [C, V] chunk
+    ``logits``: where the chunk kernels write the 16-bit gradient of fp32 logits, so the wide-logits path needs
+    no second [C, V] buffer (its one buffer is twice the default's 16-bit one, and its chunks as large).
+
+    Why it is safe: the Triton kernel's second pass walks a row from its last block to its first, and the
+    16-bit values of columns [j, V) land in the fp32 columns [(V + j) / 2, V), which that pass has already
+    read (a barrier per block orders the loads before the stores); :func:`copy_gradient` is the PyTorch
+    paths' equivalent. Row r's gradient touches row r's storage only; the view's row stride is 2 V, which the
+    dX / dW GEMMs take as any strided operand."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(
+            f"gradient_in_logits_rows needs fp32 [C, V] logits with unit column stride, got {logits}"
+        )
+    if torch.empty((), dtype=dtype).element_size() != 2:
+        raise ValueError(f"gradient_in_logits_rows holds a 16-bit gradient, got {dtype}")
+    vocab = logits.shape[1]
+    return logits.view(dtype)[:, vocab:]
+
+
+def is_gradient_in_logits_rows(logits: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    """Whether ``grad_out`` shares ``logits``' memory; raises unless it is laid out as
+    :func:`gradient_in_logits_rows` lays it out (any other overlap would be overwritten before it is read)."""
+    if grad_out is logits or logits.numel() == 0:
+        return False
+    if grad_out.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+        return False
+    vocab = logits.shape[1]
+    laid_out = (
+        logits.dtype == torch.float32
+        and grad_out.element_size() == 2
+        and grad_out.shape == logits.shape
+        and grad_out.stride() == (2 * logits.stride(0), 1)
+        and grad_out.data_ptr() == logits.data_ptr() + 2 * vocab
+    )
+    if not laid_out:
+        raise ValueError(
+            "grad_out overlaps the logits but is not gradient_in_logits_rows(logits, dtype): got"
+            f" {grad_out.dtype} {tuple(grad_out.shape)} stride {grad_out.stride()} over {logits.dtype}"
+            f" {tuple(logits.shape)} stride {logits.stride()}"
+        )
+    return True
+
+
+def copy_gradient(grad: torch.Tensor, grad_out: torch.Tensor, rows_per_copy: int = 256) -> None:
+    """``grad_out.copy_(grad)`` where ``grad_out`` may be :func:`gradient_in_logits_rows` of ``grad``'s own
+    memory (the PyTorch paths compute the gradient of fp32 logits in place, then narrow it): a block of rows
+    at a time is narrowed into a temporary before it is written, so every value is read before its bytes
+    are overwritten, and the temporary stays ``rows_per_copy`` rows."""
+    if not is_gradient_in_logits_rows(grad, grad_out):
+        grad_out.copy_(grad)
+        return
+    for source, target in zip(grad.split(rows_per_copy), grad_out.split(rows_per_copy)):
+        target.copy_(source.to(target.dtype))
 
 
 class LossOptions(NamedTuple):

@@ -69,27 +69,40 @@ class GemmConfig(NamedTuple):
     #: sum is ``acc + tl.dot(a, b)``, the pattern Triton's combine pass folds back into one chain over K (see
     #: below: the error of "fp32").
     kahan: bool = True
+    #: Load the operand blocks with the Hopper tensor-memory accelerator (``TensorDescriptor``: one copy
+    #: engine request per block, asynchronous, out-of-bounds zeros, no address arithmetic in the warps) instead
+    #: of per-thread pointer loads. Needs 16-byte aligned operands and row strides (K a multiple of 8 for
+    #: 16-bit operands): :func:`compensated_logits_mm` falls back to the pointer kernel otherwise.
+    tma: bool = False
 
 
-#: The measured configuration (H200, results/*_run72_*: 10.9 ms at 16384x4096x32000).
-MEASURED_CONFIG = GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+#: The measured configuration (H200, results/*_run80_*): chains of 2 x 128 products summed plainly, the blocks
+#: through TMA. 1.10-1.27x cuBLAS's fp32-output GEMM at the op's chunk shapes (Triton's own one-chain TMA GEMM:
+#: 1.07-1.15x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer loads (the configuration
+#: before it); per-token loss within 2.8-3.2e-6 of float64 against 1.8-1.9e-6 (and "fp32"'s 2.5-4.9e-5).
+MEASURED_CONFIG = GemmConfig(
+    block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, chain_blocks=2, kahan=False, tma=True
+)
 #: The interpreter's: tl.dot's smallest blocks (each program is a Python loop there).
 INTERPRET_CONFIG = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
 
 
 def cuda_config(shared_memory_bytes: Optional[int]) -> GemmConfig:
-    """The measured configuration, with fewer pipeline stages (or BK = 64) where a GPU's shared memory per
+    """The measured configuration, with fewer pipeline stages (or BK = 64, 32) where a GPU's shared memory per
     block (``shared_memory_per_block_optin``; None: unknown, assumed an H100/H200's) holds fewer than three
-    stages of BK = 128. Each stage holds a [BM, BK] block of x and a [BN, BK] block of w in 16 bits."""
+    stages of BK = 128. Each stage holds a [BM, BK] block of x and a [BN, BK] block of w in 16 bits. A smaller
+    BK chains more blocks, so the tensor cores' chains (and the error) stay as long. TMA is used where the GPU
+    has it (compute capability 9+) and the operands' rows are aligned (:func:`tma_usable`)."""
     config = MEASURED_CONFIG
     if shared_memory_bytes is None:
         return config
+    chain = config.block_k * config.chain_blocks  # the products per tensor-core chain: the error's size
     for block_k in (128, 64):
         stage_bytes = (config.block_m + config.block_n) * block_k * 2
         stages = min(config.num_stages, shared_memory_bytes // stage_bytes)
         if stages >= 2:
-            return config._replace(block_k=block_k, num_stages=stages)
-    return config._replace(block_k=32, num_stages=2)
+            return config._replace(block_k=block_k, num_stages=stages, chain_blocks=chain // block_k)
+    return config._replace(block_k=32, num_stages=2, chain_blocks=chain // 32)
 
 
 @functools.cache
@@ -116,6 +129,38 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     first_m = (pid // per_group) * GROUP_M
     group_m = min(num_m - first_m, GROUP_M)
     return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS: tl.constexpr, KAHAN: tl.constexpr):
+    """One K block: its products into the tensor cores' chain ``part`` and, at a chain's end (every
+    CHAIN_BLOCKS blocks, and the last block), the chain's sum into the running sum ``acc`` (Kahan-compensated
+    by ``comp``, or plainly) and the chain restarted from zero. Returns (part, acc, comp)."""
+    # CHAIN_BLOCKS blocks' products summed by the tensor cores from zero (a chain of CHAIN_BLOCKS x BLOCK_K
+    # products, not K: see the module docstring), then added into the running sum. The reset of `part` under
+    # a condition is the pattern Triton turns into the MMA's "no accumulator" flag (as in its persistent
+    # matmul).
+    part = tl.dot(a, b, part)
+    if (k % CHAIN_BLOCKS == CHAIN_BLOCKS - 1) | (k == k_blocks - 1):
+        if KAHAN:
+            y = part - comp
+            t = acc + y
+            comp = (t - acc) - y
+            acc = t
+        else:  # a plain fp32 sum of the K / (CHAIN_BLOCKS BLOCK_K) chain sums: one register tile less
+            acc += part
+        part = tl.zeros_like(part)
+    return part, acc, comp
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS: tl.constexpr):
+    """``acc`` (+ the bias, in fp32, rounded once: as out.add_(bias) after the GEMM) into out's rows rm and
+    columns rn that exist."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + tl.minimum(rn, N - 1))[None, :]
+    out_tile = out_ptr + rm.to(tl.int64)[:, None] * out_row_stride + rn[None, :]
+    tl.store(out_tile, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
@@ -166,27 +211,63 @@ def _compensated_mm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        # CHAIN_BLOCKS blocks' products summed by the tensor cores from zero (a chain of CHAIN_BLOCKS x
-        # BLOCK_K products, not K: see the module docstring), then added into the compensated sum. The reset
-        # of `part` under a condition is the pattern Triton turns into the MMA's "no accumulator" flag (as in
-        # its persistent matmul); with Kahan's two tiles it measured no faster (run76).
-        part = tl.dot(a, b, part)
-        if (k % CHAIN_BLOCKS == CHAIN_BLOCKS - 1) | (k == k_blocks - 1):
-            if KAHAN:
-                y = part - comp
-                t = acc + y
-                comp = (t - acc) - y
-                acc = t
-            else:  # a plain fp32 sum of the K / (CHAIN_BLOCKS BLOCK_K) chain sums: one register tile less
-                acc += part
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
+    _store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
 
-    if HAS_BIAS:  # in fp32, rounded once: as out.add_(bias) after the GEMM
-        acc += tl.load(bias_ptr + w_rows)[None, :]
-    out_tile = out_ptr + rm.to(tl.int64)[:, None] * out_row_stride + rn[None, :]
-    tl.store(out_tile, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+@triton.jit
+def _compensated_mm_tma_kernel(
+    x_desc,  # TensorDescriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
+    w_desc,  # TensorDescriptor of w [N, K], blocks [BLOCK_N, BLOCK_K]
+    bias_ptr,  # [N] fp32 (read only with HAS_BIAS)
+    out_ptr,  # [M, N] fp32 out, unit stride along N (a plain masked store: N like 32003 is no TMA row)
+    M,
+    N,
+    K,
+    out_row_stride,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CHAIN_BLOCKS: tl.constexpr,
+    KAHAN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """:func:`_compensated_mm_kernel` with the operand blocks loaded by the tensor-memory accelerator: the
+    copy engine fills blocks past M, N and K with zeros, so there is no mask and no tail case."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    for k in range(0, k_blocks):
+        a = x_desc.load([off_m, k * BLOCK_K])
+        b = w_desc.load([off_n, k * BLOCK_K]).T
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
+    rm = off_m + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    _store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
+
+
+def tma_usable(x_c: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the TMA kernel can read these operands: a Hopper-class GPU (or the interpreter), 16-byte aligned
+    base addresses and row strides, unit stride along K."""
+    if not TRITON_INTERPRET and (
+        x_c.device.type != "cuda" or torch.cuda.get_device_capability(x_c.device)[0] < 9
+    ):
+        return False
+    return all(
+        t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in (x_c, weight)
+    )
 
 
 def compensated_logits_mm(
@@ -221,10 +302,38 @@ def compensated_logits_mm(
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    constants = {
+        "HAS_BIAS": bias is not None,
+        "UPCAST": TRITON_INTERPRET,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "CHAIN_BLOCKS": config.chain_blocks,
+        "KAHAN": config.kahan,
+        "GROUP_M": _GROUP_M,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
+    bias_arg = bias if bias is not None else out  # a dummy pointer, never read without HAS_BIAS
+    if config.tma and tma_usable(x_c, weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _compensated_mm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k]),
+            TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
+            bias_arg,
+            out,
+            m,
+            n,
+            k,
+            out.stride(0),
+            **constants,
+        )
+        return out
     _compensated_mm_kernel[grid](
         x_c,
         weight,
-        bias if bias is not None else out,  # a dummy pointer, never read without HAS_BIAS
+        bias_arg,
         out,
         m,
         n,
@@ -232,17 +341,8 @@ def compensated_logits_mm(
         x_c.stride(0),
         weight.stride(0),
         out.stride(0),
-        HAS_BIAS=bias is not None,
         EVEN_K=k % config.block_k == 0,
-        UPCAST=TRITON_INTERPRET,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        CHAIN_BLOCKS=config.chain_blocks,
-        KAHAN=config.kahan,
-        GROUP_M=_GROUP_M,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **constants,
     )
     return out
 

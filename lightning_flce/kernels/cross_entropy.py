@@ -4,7 +4,9 @@ One program per row. Pass 1 streams the row once with an online softmax (running
 ``d = sum(exp(z - m))``), collecting what the loss needs: the smoothing term ``sum(w_j z_j)``, and for
 the optional statistics the argmax and ``sum(exp(z - m) z)`` (entropy = lse - E_p[z]). Pass 2 streams
 the row again, last block first, and overwrites it with the gradient, so the chunk needs no second
-[C, V] buffer.
+[C, V] buffer. The 16-bit gradient of fp32 logits goes to the second half of each row's own bytes
+(:func:`~lightning_flce.kernels.gradient_in_logits_rows`): the blocks it overwrites there have been read by
+then, and a barrier per block keeps every warp's loads of a block before any warp's stores.
 
 With logits ``z`` (after the optional softcap ``z = c tanh(r / c)``), target ``t``, class weights
 ``w`` (1 without), smoothing ``eps`` and z-loss scale ``lam``, a row's terms are
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from lightning_flce._compat import TRITON_INTERPRET
-from lightning_flce.kernels import ChunkOutputs, LossOptions
+from lightning_flce.kernels import ChunkOutputs, LossOptions, is_gradient_in_logits_rows
 from lightning_flce.kernels.triton_math import exp, load_logits, log, online_lse_step, tanh
 
 # Elements of a row handled per loop iteration, 32 per thread (one warp per 1024): more loads in flight per
@@ -54,7 +56,8 @@ def default_launch_config(vocab: int) -> LaunchConfig:
 def _cross_entropy_chunk_kernel(
     logits_ptr,  # [C, V] chunk logits (compute dtype, or fp32 logits of 16-bit GEMMs)
     logits_row_stride,
-    grad_ptr,  # [C, V] out: d loss / d logits (logits_ptr itself for the in-place gradient), own dtype
+    grad_ptr,  # [C, V] out: d loss / d logits (logits_ptr itself for the in-place gradient, or the 16-bit
+    # view of each fp32 row's second half: GRAD_IN_ROW), own dtype
     grad_row_stride,
     target_ptr,  # [C] int64, already validated to be in [0, V) or ignore_index
     class_weight_ptr,  # [V] fp32 (read only with HAS_CLASS_WEIGHT)
@@ -77,6 +80,7 @@ def _cross_entropy_chunk_kernel(
     COMPUTE_GRAD: tl.constexpr,
     COMPUTE_STATS: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice exp/log (fp32 logits on a GPU)
+    GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 rows' second halves
     BLOCK_V: tl.constexpr,
     LAST_BLOCK_START: tl.constexpr,  # (V - 1) // BLOCK_V * BLOCK_V
 ):
@@ -174,6 +178,10 @@ def _cross_entropy_chunk_kernel(
                 if HAS_SOFTCAP:
                     capped = tl.where(mask, z, 0.0) / softcap
                     grad = grad * (1.0 - capped * capped)
+                if GRAD_IN_ROW:
+                    # This block's 16-bit values land in fp32 columns [(V + cols) / 2], at or past the block's
+                    # start: read by now, this block included, once every warp has loaded its part of it.
+                    tl.debug_barrier()
                 tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -190,7 +198,8 @@ def cross_entropy_chunk_triton(
     config: Optional[LaunchConfig] = None,
 ) -> ChunkOutputs:
     """Launch :func:`_cross_entropy_chunk_kernel` on a [C, V] chunk (contract in ``lightning_flce.kernels``);
-    the gradient goes to ``grad_out`` (a [C, V] tensor of any float dtype; default: the logits, in place);
+    the gradient goes to ``grad_out`` (a [C, V] tensor of any float dtype, or the logits' own rows as
+    :func:`~lightning_flce.kernels.gradient_in_logits_rows` lays them out; default: the logits, in place);
     ``config`` overrides :func:`default_launch_config`."""
     n_rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
@@ -212,6 +221,7 @@ def cross_entropy_chunk_triton(
     extra = {} if config.num_stages is None else {"num_stages": config.num_stages}
     grad_out = logits if grad_out is None else grad_out
     assert grad_out.shape == logits.shape and grad_out.stride(1) == 1
+    grad_in_row = is_gradient_in_logits_rows(logits, grad_out)  # raises for any other overlap
     _cross_entropy_chunk_kernel[(n_rows,)](
         logits,
         logits.stride(0),
@@ -238,6 +248,7 @@ def cross_entropy_chunk_triton(
         COMPUTE_GRAD=compute_grad,
         COMPUTE_STATS=compute_stats,
         PRECISE=logits.dtype == torch.float32 and not TRITON_INTERPRET,
+        GRAD_IN_ROW=grad_in_row,
         BLOCK_V=block_v,
         LAST_BLOCK_START=(vocab - 1) // block_v * block_v,
         num_warps=config.num_warps,

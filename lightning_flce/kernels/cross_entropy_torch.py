@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_flce.kernels import ChunkOutputs, LossOptions, softmax_dtype
+from lightning_flce.kernels import ChunkOutputs, LossOptions, copy_gradient, softmax_dtype
 
 
 def cross_entropy_chunk_torch(
@@ -75,5 +75,8 @@ def cross_entropy_chunk_torch(
         if softcap_factor is not None:
             grad.mul_(softcap_factor)
         grad.mul_(valid.unsqueeze(1))
-        (logits if grad_out is None else grad_out).copy_(grad)
+        if grad_out is None:
+            logits.copy_(grad)  # no-op for fp32 logits: z is the logits themselves, now the gradient
+        else:  # possibly the logits' own rows (fp32 logits' 16-bit gradient): copy_gradient narrows safely
+            copy_gradient(grad, grad_out)
     return ChunkOutputs(loss, lse_out, correct, entropy)

@@ -246,7 +246,6 @@ def layout(
     chunk_size: Optional[int],
     compute_dtype: torch.dtype,
     on_gpu: bool,
-    logits_precision: str = "input",
 ) -> Layout:
     """The shard layout and chunk size from every rank's agreement row (:func:`agreement_row`); raises the
     same error on every rank where the ranks disagree. Without sequence parallelism every rank holds the same
@@ -322,6 +321,6 @@ def layout(
         # writes the whole dW accumulator, and the CPU rule's 128 MiB of fp32 temporaries meant ~128-row
         # chunks at 64K local columns. The softmax's temporaries are bounded by row slices instead.
         chunk_size = chunk_rows(
-            None, n_tokens, n_valid, max(sizes), rows[0][_C_HIDDEN], compute_dtype, on_gpu, logits_precision
+            None, n_tokens, n_valid, max(sizes), rows[0][_C_HIDDEN], compute_dtype, on_gpu
         )
     return Layout(start, vocab, n_valid, int(chunk_size), in_range)

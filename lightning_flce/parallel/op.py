@@ -57,6 +57,7 @@ from lightning_flce.kernels import (
     Backend,
     ChunkOutputs,
     backend_for,
+    copy_gradient,
     resolve_backend,
     softmax_dtype,
 )
@@ -260,7 +261,6 @@ def _call(
         chunk_size=options.chunk_size,
         compute_dtype=compute_dtype,
         on_gpu=input.device.type == "cuda",
-        logits_precision=options.logits_precision,
     )
     local_input = input
     token_weight = options.token_weight
@@ -442,8 +442,10 @@ def _chunk_loop(
                 compute_stats=compute_stats,
             )
         )
-        if grad_out is not None:  # fp32 logits: the shard kernels write their gradient in place
-            grad_out.copy_(logits)
+        if (
+            grad_out is not None
+        ):  # fp32 logits: the shard kernels write their gradient in place, narrowed here
+            copy_gradient(logits, grad_out)
         return out
 
     # Each rank's partial dX is summed over the group: in fp32 at least, so fp16/bf16 partials are not
