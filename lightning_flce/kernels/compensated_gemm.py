@@ -1,5 +1,6 @@
 """Triton kernel: ``out[M, N] = x[M, K] @ w[N, K].T (+ bias)`` in fp32 from 16-bit operands, with the sum over
-K compensated (``logits_precision="fp32_compensated"``).
+K kept in short tensor-core chains, against the long one whose rounding is "fp32"'s error
+(``logits_precision="fp32_compensated"``).
 
 Why: a 16-bit GEMM with an fp32 output (cuBLAS's ``torch.mm(..., out_dtype=torch.float32)``, or a plain Triton
 GEMM) forms every product exactly, but the tensor cores accumulate the K = H products of an output in fp32
@@ -8,27 +9,30 @@ logits are off by up to 6.9e-5 (H = 4096) and the per-token loss by 5e-5 / 2.8e-
 8192x2304x256000 (bf16 inputs, bias, softcap 30; cuBLAS and a plain Triton GEMM bit-identical;
 ``benchmarks/experiments/fp32_logits_accuracy.py``, ``benchmarks/results/2026-12-01_h200_torch2.11_triton3.6_run72_*``).
 
-How: each program owns a [BM, BN] output tile. Every BK-long block of K gets its own ``tl.dot`` from a zero
-accumulator (a short fp32 chain of BK products), and the blocks are added into a Kahan-compensated fp32 sum
-(``y = part - comp; t = acc + y; comp = (t - acc) - y; acc = t``), so the long chain over K / BK blocks loses
-almost nothing. Measured there: logits within 1-2e-6 of float64, per-token loss within 1.2-2.5e-6 (the floor of
-an fp32 loss from exactly rounded, float64, logits), at 10.9 ms against cuBLAS's 5.9 ms (16384x4096x32000) and
-27.9 against 15.2 ms (8192x2304x256000).
+How: each program owns a [BM, BN] output tile and keeps the tensor cores' fp32 chains short: every
+``chain_blocks`` BK-long blocks of K (the measured configuration: 2 x 128 = 256 products) are summed by the
+tensor cores from a zero accumulator, and the chains' sums are added into a running fp32 sum, plainly (the
+default) or Kahan-compensated (``GemmConfig.kahan``: ``y = part - comp; t = acc + y; comp = (t - acc) - y;
+acc = t``). The error follows the chain's length (run79: chains of 128 / 256 / 512 give per-token loss errors of
+1.8-1.9e-6 / 2.8-3.2e-6 / 4.4-5.3e-6 at the four benchmark shapes' chunks, bias and softcap 30; "fp32"'s one chain
+over H: 2.5-4.9e-5), while the plain sum of the K / 256 chains adds at most half an ulp per addition. The
+operand blocks come through the tensor-memory accelerator where the GPU has one (``GemmConfig.tma``,
+:func:`tma_usable`): Triton's pointer-load GEMM was itself 1.20-1.49x cuBLAS, its TMA one 1.07-1.15x (run80).
+Measured (run80, the GEMM of one chunk, against cuBLAS's fp32-output GEMM): 1.10-1.27x, where Kahan's sum of
+128-long chains with pointer loads (the default until then) took 1.97-2.07x; the op with
+``logits_precision="fp32_compensated"`` 1.12-1.17x the default's time (run82).
 
-``GemmConfig.chain_blocks = C`` lets the tensor cores chain C blocks (C x BK products) before each compensated
-addition: the error grows with the chain (run76: chains of 128 / 256 / 512 give per-token loss errors of
-1.6-3.3e-6 / 2.5-2.7e-6 / 4.6-5.2e-6), and the time does not fall (C = 2 was 1.3-1.5x slower than C = 1, C = 8
-from 3% slower to 15% faster), so the measured configuration keeps C = 1. ``GemmConfig.kahan = False`` adds
-the chains' sums plainly, for one register tile less (not measured on a GPU yet).
-
-Two things the code below depends on:
+What the configurations measured (``benchmarks/experiments/compensated_gemm_configs.py``, run76 / run79 / run80):
 
 - Triton's combine pass folds ``acc = acc + tl.dot(a, b)`` back into ``tl.dot(a, b, acc)`` (one chain again,
-  the error of the plain GEMM); Kahan's ``part - comp`` is not folded, so the per-block dot stays separate.
-- Two fp32 [BM, BN] tiles (the sum and its compensation) live in registers: 128 x 128 over 8 warps fits,
-  128 x 256 would spill. BK = 128 with 3 stages was the fastest measured (BK = 64: 13.7 / 32.4 ms); it needs
-  (128 + 128) x 128 x 2 bytes = 64 KiB of shared memory per stage, so a GPU with less than 3 stages' worth
-  (A100: 164 KiB) gets fewer stages or BK = 64 (:func:`cuda_config`).
+  the error of the plain GEMM), so a plain sum needs chains of two blocks or more (``kahan=False`` with
+  ``chain_blocks=1`` is refused); Kahan's ``part - comp`` is not folded. The chain's reset under a condition is
+  the pattern Triton turns into the MMA's "no accumulator" flag.
+- Kahan's two fp32 [BM, BN] tiles beside the chain's break the MMA pipeline at every addition: chained Kahan
+  configurations were 1.5-3x cuBLAS. The plain sum holds one tile less; 128 x 256 tiles spill either way (3.2-3.8x).
+- BK = 128 with 3 stages needs (128 + 128) x 128 x 2 bytes = 64 KiB of shared memory per stage, so a GPU with
+  less than 3 stages' worth (A100: 164 KiB) gets fewer stages or BK = 64 / 32 with as many more blocks per chain
+  (:func:`cuda_config`).
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) the blocks are 16 wide and the operands are
 widened to fp32 before ``tl.dot``: the interpreter's bf16 dot is wrong. fp32 products of 16-bit values are
