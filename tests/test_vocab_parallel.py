@@ -147,6 +147,14 @@ def cases(world: int) -> dict[str, dict]:
     out["module_init_state_gather"] = {"kind": "module_state"}
     out["dtensor"] = {"kind": "dtensor", "reduction": "sum"}
     out["autocast_bf16"] = {"kind": "autocast", "feature": "all", "reduction": "mean"}
+    for reduction in ("mean", "none"):  # bf16 shards, fp32 chunk logits holding their bf16 gradient
+        out[f"fp32_logits-all-{reduction}"] = {
+            "kind": "fp32_logits",
+            "feature": "all",
+            "reduction": reduction,
+            "dtype": torch.bfloat16,
+            "logits_precision": "fp32",
+        }
     out["error-target_out_of_range"] = {"kind": "error", "error": "target"}
     out["error-targets_differ"] = {"kind": "error", "error": "mismatch"}
     # targets that differ on rank 1 but keep sum(t_i * (i + 1)): only a non-linear fingerprint sees it
@@ -233,6 +241,8 @@ def op_kwargs(spec: dict) -> dict:
     kwargs["reduction"] = spec.get("reduction", "mean")
     if spec.get("token_weight"):
         kwargs["token_weight"] = token_weights(spec.get("lead_shape", (37,)))
+    if "logits_precision" in spec:
+        kwargs["logits_precision"] = spec["logits_precision"]
     return kwargs
 
 
@@ -269,7 +279,7 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
     chunk_size = spec.get("chunk_size", 8)
     result = {"rows": (start, end)}
 
-    if kind in ("loss", "fp16"):
+    if kind in ("loss", "fp16", "fp32_logits"):
         vocab_start = start if spec.get("layout") == "explicit" else None
         loss = vocab_parallel_fused_linear_cross_entropy(
             x, w_shard, target, b_shard, vocab_start=vocab_start, chunk_size=chunk_size, **op_kwargs(spec)
@@ -712,6 +722,8 @@ def test_vocab_parallel(results, world, name):
         _check_loss_and_grads({"feature": "plain", "reduction": "sum"}, world, ranks)
     elif kind == "autocast":
         _check_autocast(spec, world, ranks)
+    elif kind == "fp32_logits":
+        _check_fp32_logits(spec, world, ranks)
     elif kind == "fp16":
         _check_fp16(spec, world, ranks)
     elif kind == "error":
@@ -893,6 +905,45 @@ def _check_autocast(spec, world, ranks):
     assert relative_error(db, ref_grads[2]) <= 1.5 * relative_error(single_grads[2], ref_grads[2]) + 1e-4
     # and the error is a bf16 rounding error, not a wrong term
     assert relative_error(ranks[0]["loss"], ref_loss) < 1e-2
+
+
+def _check_fp32_logits(spec, world, ranks):
+    """bf16 shards with ``logits_precision="fp32"``: each shard's chunk logits stay fp32 (the shard kernels'
+    gradient narrowed into the rows' own second halves), so the loss is the float64 loss of the bf16 values to
+    fp32 rounding (1e-5 relative; bf16 logits are ~1e-3 off here), and dW / d bias (bf16, from the 16-bit
+    gradient) no worse than 1.5x the single-device op's with the same option. dX is each rank's bf16 GEMM
+    product summed over the group in fp32: one more bf16 rounding (at most 2^-10 relative, half an ulp) per
+    rank than the single-device op's (measured 1.2-1.7x its error here); a wrong or missing term is ~1e-1."""
+    x, weight, target, bias, grad_output = make_problem(spec, world)
+    kwargs = op_kwargs(spec)
+    ref_kwargs = {k: v for k, v in kwargs.items() if k != "logits_precision"}
+    ref_loss, ref_grads = grads_of(
+        lambda x_, w_, b_: reference_loss(x_, w_, target, b_, **ref_kwargs),
+        x.double().requires_grad_(),
+        weight.double().requires_grad_(),
+        bias.double().requires_grad_(),
+        grad_output=grad_output.double(),
+    )
+    single_loss, single_grads = grads_of(
+        lambda x_, w_, b_: fused_linear_cross_entropy(x_, w_, target, b_, chunk_size=8, **kwargs),
+        x.requires_grad_(),
+        weight.requires_grad_(),
+        bias.requires_grad_(),
+        grad_output=grad_output,
+    )
+    assert relative_error(single_loss, ref_loss) < FP32_TOL  # the option itself, on one device
+    dw = _full_from_shards([(r["rows"], r["dw"]) for r in ranks], VOCAB[world])
+    db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], VOCAB[world])
+    for r in ranks:
+        assert relative_error(r["loss"], ref_loss) < FP32_TOL
+        assert r["dx"].dtype == torch.bfloat16
+        assert (
+            relative_error(r["dx"], ref_grads[0])
+            <= relative_error(single_grads[0], ref_grads[0]) + world * 2**-10
+        )
+    for got, single, ref in ((dw, single_grads[1], ref_grads[1]), (db, single_grads[2], ref_grads[2])):
+        assert got.dtype == torch.bfloat16
+        assert relative_error(got, ref) <= 1.5 * relative_error(single, ref) + 1e-4
 
 
 @pytest.mark.parametrize("world", [1, 3, 7])
