@@ -131,6 +131,27 @@ def test_tma_kernel_matches_float64(shape, with_bias, chain_blocks, kahan, monke
 
 
 @pytest.mark.interpret
+def test_tma_config_without_tensor_descriptors_takes_the_pointer_kernel(monkeypatch):
+    """A Triton without host-side tensor descriptors (before 3.3; the package supports older ones): the TMA
+    configuration runs the pointer kernel, with the same result bound, instead of failing to import."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the TMA kernel launched")
+
+    monkeypatch.setattr(gemm, "_tensor_descriptor", lambda: None)
+    monkeypatch.setattr(gemm, "_compensated_mm_tma_kernel", refuse)
+    x, w, b = gemm_problem(37, 203, 72, torch.bfloat16, seed=5)
+    assert not gemm.tma_usable(x, w)
+    out = torch.full((37, 203), float("nan"))
+    config = gemm.INTERPRET_CONFIG._replace(tma=True, chain_blocks=2, kahan=False)
+    gemm.compensated_logits_mm(x, w, out, b, config=config)
+    exact = x.double() @ w.double().T + b.double()
+    additions = -(-72 // (config.block_k * config.chain_blocks))
+    assert (out.double() - exact).abs().max().item() <= (ULPS + 0.5 * additions) * fp32_ulp(exact)
+
+
+@pytest.mark.interpret
 def test_tma_needs_aligned_rows():
     """TMA reads 16-byte aligned rows from a 16-byte aligned base: rows of K = 70 bf16 values (140 bytes) or a
     base one element off are neither, and the launcher takes the pointer kernel there."""

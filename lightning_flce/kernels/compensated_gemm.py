@@ -261,9 +261,21 @@ def _compensated_mm_tma_kernel(
     _store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
 
 
+@functools.cache
+def _tensor_descriptor():
+    """Triton's host-side ``TensorDescriptor`` (Triton >= 3.3), or None on older Tritons (no TMA kernel there)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
 def tma_usable(x_c: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the TMA kernel can read these operands: a Hopper-class GPU (or the interpreter), 16-byte aligned
-    base addresses and row strides, unit stride along K."""
+    """Whether the TMA kernel can read these operands: a Triton with host-side tensor descriptors, a Hopper-class
+    GPU (or the interpreter), 16-byte aligned base addresses and row strides, unit stride along K."""
+    if _tensor_descriptor() is None:
+        return False
     if not TRITON_INTERPRET and (
         x_c.device.type != "cuda" or torch.cuda.get_device_capability(x_c.device)[0] < 9
     ):
@@ -320,8 +332,7 @@ def compensated_logits_mm(
     }
     bias_arg = bias if bias is not None else out  # a dummy pointer, never read without HAS_BIAS
     if config.tma and tma_usable(x_c, weight):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
+        TensorDescriptor = _tensor_descriptor()  # noqa: N806  (the class)
         _compensated_mm_tma_kernel[grid](
             TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k]),
             TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
