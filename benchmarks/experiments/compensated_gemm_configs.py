@@ -32,13 +32,19 @@ import _common  # noqa: E402
 import torch
 
 _common.ensure_repo_on_path()
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from fp32_logits_accuracy import loss_from_logits  # noqa: E402  (this folder: the script's own)
 
 from lightning_flce import engine  # noqa: E402
 from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
     INTERPRET_CONFIG,
     GemmConfig,
+    _tensor_descriptor,
+    chain_step,
     compensated_logits_mm,
+    grouped_tile,
+    store_tile,
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -82,6 +88,111 @@ CONFIGS = {
 }
 
 
+# A persistent variant of the library's TMA kernel (an experiment, not a library path yet): one program per SM
+# walks its tiles in one flattened loop over (tile, K block), so the next tile's loads are in flight while a
+# tile's fp32 result (64 KiB) is stored. Same chains and sums (the library's chain_step / store_tile).
+PERSISTENT = {
+    "persistent_tma_bk128_c2_plain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
+    "persistent_tma_bk128_c4_plain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=4, kahan=False, tma=True),
+    "persistent_tma_bk64_c4_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=4, kahan=False, tma=True),
+    "persistent_tma_bk64_one_chain": GemmConfig(
+        128, 128, 64, 8, 4, chain_blocks=1 << 20, kahan=False, tma=True
+    ),
+}
+
+
+@triton.jit
+def _persistent_mm_kernel(
+    x_desc,
+    w_desc,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    out_row_stride,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CHAIN_BLOCKS: tl.constexpr,
+    KAHAN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    first = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    steps = tl.cdiv(num_tiles - first, NUM_PROGRAMS) * k_blocks
+    tile = first - NUM_PROGRAMS
+    k = -1
+    off_m = 0
+    off_n = 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, steps):
+        k = tl.where(k == k_blocks - 1, 0, k + 1)
+        if k == 0:
+            tile += NUM_PROGRAMS
+            pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+        a = x_desc.load([off_m, k * BLOCK_K])
+        b = w_desc.load([off_n, k * BLOCK_K]).T
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
+        if k == k_blocks - 1:
+            rm = off_m + tl.arange(0, BLOCK_M)
+            rn = off_n + tl.arange(0, BLOCK_N)
+            store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+def persistent_mm(x, w, out, config, num_programs=None):
+    """``out = x @ w.T`` through :func:`_persistent_mm_kernel` (no bias: the sweep's GEMMs have none)."""
+    descriptor = _tensor_descriptor()
+    m, k = x.shape
+    n = w.shape[0]
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    programs = min(num_programs, tiles)
+    _persistent_mm_kernel[(programs,)](
+        descriptor.from_tensor(x, [config.block_m, config.block_k]),
+        descriptor.from_tensor(w, [config.block_n, config.block_k]),
+        out,
+        out,
+        m,
+        n,
+        k,
+        out.stride(0),
+        HAS_BIAS=False,
+        UPCAST=INTERPRET,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        CHAIN_BLOCKS=config.chain_blocks,
+        KAHAN=config.kahan,
+        GROUP_M=8,
+        NUM_PROGRAMS=programs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def gemm_of(name, config):
+    """The GEMM a configuration name runs: the library's launcher, or the persistent experiment."""
+    if name.startswith("persistent_"):
+        return lambda x, w, out: persistent_mm(x, w, out, config)
+    return lambda x, w, out: compensated_logits_mm(x, w, out, config=config)
+
+
 def timed_ms(fns, device, rounds, reps):
     """{name: median ms} over ``rounds`` interleaved rounds of ``reps`` calls each (after two warm-up calls)."""
     if device.type != "cuda":
@@ -116,10 +227,7 @@ def run_shape(shape, device, rounds, reps, configs):
             w = (w_unit * scale).bfloat16()
             exact = x.double() @ w.double().t()
             truth = loss_from_logits(exact, b, SOFTCAP, t)
-            variants = {
-                name: (lambda c=c, w=w: compensated_logits_mm(x, w, out, config=c))
-                for name, c in configs.items()
-            }
+            variants = {name: (lambda g=gemm_of(name, c), w=w: g(x, w, out)) for name, c in configs.items()}
             if device.type == "cuda":
                 variants["cublas_fp32_out"] = lambda w=w: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
             for name, fn in variants.items():
@@ -137,7 +245,7 @@ def run_shape(shape, device, rounds, reps, configs):
         w = (w_unit * 2.0).bfloat16()
         out_bf16 = torch.empty(rows, v, device=device, dtype=torch.bfloat16)
         fns = {
-            name: (lambda c=c: compensated_logits_mm(x, w, out, config=c))
+            name: (lambda g=gemm_of(name, c): g(x, w, out))
             for name, c in configs.items()
             if "error" not in result["errors"][name]["test"]
         }
@@ -175,10 +283,12 @@ def main():
             "interpret_c2": INTERPRET_CONFIG._replace(chain_blocks=2),
             "interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False),
             "interpret_tma_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
+            "persistent_interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
         }
     else:
         shapes = SHAPES
-        configs = CONFIGS if args.configs == "all" else {k: CONFIGS[k] for k in args.configs.split(",")}
+        every = {**CONFIGS, **PERSISTENT}
+        configs = every if args.configs == "all" else {k: every[k] for k in args.configs.split(",")}
     env = _common.environment(device)
     results = []
     for shape in shapes:

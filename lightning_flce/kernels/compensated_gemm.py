@@ -158,7 +158,7 @@ def chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS: tl.constexpr, K
 
 
 @triton.jit
-def _store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS: tl.constexpr):
+def store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS: tl.constexpr):
     """``acc`` (+ the bias, in fp32, rounded once: as out.add_(bias) after the GEMM) into out's rows rm and
     columns rn that exist."""
     if HAS_BIAS:
@@ -218,7 +218,7 @@ def _compensated_mm_kernel(
         part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
-    _store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
+    store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
 
 
 @triton.jit
@@ -258,7 +258,7 @@ def _compensated_mm_tma_kernel(
         part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
-    _store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
+    store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
 
 
 @functools.cache
