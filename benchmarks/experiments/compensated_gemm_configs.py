@@ -186,11 +186,11 @@ def persistent_mm(x, w, out, config, num_programs=None):
     return out
 
 
-def gemm_of(name, config):
+def run_gemm(name, config, x, w, out):
     """The GEMM a configuration name runs: the library's launcher, or the persistent experiment."""
     if name.startswith("persistent_"):
-        return lambda x, w, out: persistent_mm(x, w, out, config)
-    return lambda x, w, out: compensated_logits_mm(x, w, out, config=config)
+        return persistent_mm(x, w, out, config)
+    return compensated_logits_mm(x, w, out, config=config)
 
 
 def timed_ms(fns, device, rounds, reps):
@@ -227,7 +227,10 @@ def run_shape(shape, device, rounds, reps, configs):
             w = (w_unit * scale).bfloat16()
             exact = x.double() @ w.double().t()
             truth = loss_from_logits(exact, b, SOFTCAP, t)
-            variants = {name: (lambda g=gemm_of(name, c), w=w: g(x, w, out)) for name, c in configs.items()}
+            variants = {
+                name: (lambda name=name, c=c, w=w: run_gemm(name, c, x, w, out))
+                for name, c in configs.items()
+            }
             if device.type == "cuda":
                 variants["cublas_fp32_out"] = lambda w=w: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
             for name, fn in variants.items():
@@ -245,7 +248,7 @@ def run_shape(shape, device, rounds, reps, configs):
         w = (w_unit * 2.0).bfloat16()
         out_bf16 = torch.empty(rows, v, device=device, dtype=torch.bfloat16)
         fns = {
-            name: (lambda g=gemm_of(name, c): g(x, w, out))
+            name: (lambda name=name, c=c: run_gemm(name, c, x, w, out))
             for name, c in configs.items()
             if "error" not in result["errors"][name]["test"]
         }
