@@ -44,7 +44,9 @@ from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
     chain_step,
     compensated_logits_mm,
     grouped_tile,
+    kernel_constants,
     store_tile,
+    tma_blocks,
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -139,11 +141,7 @@ def _persistent_mm_kernel(
             pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             off_m = pid_m * BLOCK_M
             off_n = pid_n * BLOCK_N
-        a = x_desc.load([off_m, k * BLOCK_K])
-        b = w_desc.load([off_n, k * BLOCK_K]).T
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        a, b = tma_blocks(x_desc, w_desc, off_m, off_n, k, BLOCK_K, UPCAST)
         part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
         if k == k_blocks - 1:
             rm = off_m + tl.arange(0, BLOCK_M)
@@ -171,17 +169,8 @@ def persistent_mm(x, w, out, config, num_programs=None):
         n,
         k,
         out.stride(0),
-        HAS_BIAS=False,
-        UPCAST=INTERPRET,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        CHAIN_BLOCKS=config.chain_blocks,
-        KAHAN=config.kahan,
-        GROUP_M=8,
         NUM_PROGRAMS=programs,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **kernel_constants(config, has_bias=False),
     )
     return out
 

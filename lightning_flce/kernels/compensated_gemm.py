@@ -158,6 +158,18 @@ def chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS: tl.constexpr, K
 
 
 @triton.jit
+def tma_blocks(x_desc, w_desc, off_m, off_n, k, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """K block ``k`` of the tile at (off_m, off_n) through the tensor descriptors: x's [BLOCK_M, BLOCK_K] and
+    w's block transposed to [BLOCK_K, BLOCK_N] (zeros past M, N and K), widened to fp32 under the interpreter."""
+    a = x_desc.load([off_m, k * BLOCK_K])
+    b = w_desc.load([off_n, k * BLOCK_K]).T
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS: tl.constexpr):
     """``acc`` (+ the bias, in fp32, rounded once: as out.add_(bias) after the GEMM) into out's rows rm and
     columns rn that exist."""
@@ -250,11 +262,7 @@ def _compensated_mm_tma_kernel(
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_blocks = tl.cdiv(K, BLOCK_K)
     for k in range(0, k_blocks):
-        a = x_desc.load([off_m, k * BLOCK_K])
-        b = w_desc.load([off_n, k * BLOCK_K]).T
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
+        a, b = tma_blocks(x_desc, w_desc, off_m, off_n, k, BLOCK_K, UPCAST)
         part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
     rm = off_m + tl.arange(0, BLOCK_M)
     rn = off_n + tl.arange(0, BLOCK_N)
@@ -284,6 +292,22 @@ def tma_usable(x_c: torch.Tensor, weight: torch.Tensor) -> bool:
         t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
         for t in (x_c, weight)
     )
+
+
+def kernel_constants(config: GemmConfig, has_bias: bool) -> dict:
+    """The compile-time arguments (and launch options) the kernels take for ``config``."""
+    return {
+        "HAS_BIAS": has_bias,
+        "UPCAST": TRITON_INTERPRET,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "CHAIN_BLOCKS": config.chain_blocks,
+        "KAHAN": config.kahan,
+        "GROUP_M": _GROUP_M,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
 
 
 def compensated_logits_mm(
@@ -318,18 +342,7 @@ def compensated_logits_mm(
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    constants = {
-        "HAS_BIAS": bias is not None,
-        "UPCAST": TRITON_INTERPRET,
-        "BLOCK_M": config.block_m,
-        "BLOCK_N": config.block_n,
-        "BLOCK_K": config.block_k,
-        "CHAIN_BLOCKS": config.chain_blocks,
-        "KAHAN": config.kahan,
-        "GROUP_M": _GROUP_M,
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-    }
+    constants = kernel_constants(config, has_bias=bias is not None)
     bias_arg = bias if bias is not None else out  # a dummy pointer, never read without HAS_BIAS
     if config.tma and tma_usable(x_c, weight):
         TensorDescriptor = _tensor_descriptor()  # noqa: N806  (the class)

@@ -75,8 +75,6 @@ def cross_entropy_chunk_torch(
         if softcap_factor is not None:
             grad.mul_(softcap_factor)
         grad.mul_(valid.unsqueeze(1))
-        if grad_out is None:
-            logits.copy_(grad)  # no-op for fp32 logits: z is the logits themselves, now the gradient
-        else:  # possibly the logits' own rows (fp32 logits' 16-bit gradient): copy_gradient narrows safely
-            copy_gradient(grad, grad_out)
+        # over the logits (a no-op for fp32 ones: z is them), or into grad_out, which may be their own rows
+        copy_gradient(grad, logits if grad_out is None else grad_out)
     return ChunkOutputs(loss, lse_out, correct, entropy)
