@@ -90,15 +90,55 @@ CONFIGS = {
 }
 
 
-# A persistent variant of the library's TMA kernel (an experiment, not a library path yet): one program per SM
-# walks its tiles in one flattened loop over (tile, K block), so the next tile's loads are in flight while a
-# tile's fp32 result (64 KiB) is stored. Same chains and sums (the library's chain_step / store_tile).
+# Persistent variants of the library's TMA kernel (experiments, not library paths yet): one program per SM
+# walks its tiles, so the next tile's loads can be in flight while a tile's fp32 result (64 KiB) is stored.
+# Same chains and sums (the library's chain_step / store_tile). Two loop shapes:
+# - "manual": one hand-flattened loop over (tile, K block), the tile's store under `if k == k_blocks - 1`;
+# - "nested": a loop over tiles with the K loop inside, `tl.range(..., flatten=True)` asking Triton to flatten
+#   and pipeline the nest itself (its persistent-matmul pattern on Hopper; warp specialization is
+#   Blackwell-only in Triton 3.6), optionally with the tile stored through a TMA descriptor in two
+#   [BM, BN/2] halves (an asynchronous store from shared memory instead of 8 warps' masked st.global;
+#   half tiles so the epilogue's buffer, 32 KiB, fits beside 3 stages of 128-long blocks).
 PERSISTENT = {
-    "persistent_tma_bk128_c2_plain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
-    "persistent_tma_bk128_c4_plain": GemmConfig(128, 128, 128, 8, 3, chain_blocks=4, kahan=False, tma=True),
-    "persistent_tma_bk64_c4_plain": GemmConfig(128, 128, 64, 8, 4, chain_blocks=4, kahan=False, tma=True),
-    "persistent_tma_bk64_one_chain": GemmConfig(
-        128, 128, 64, 8, 4, chain_blocks=1 << 20, kahan=False, tma=True
+    "persistent_tma_bk128_c2_plain": (
+        GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
+        {},
+    ),
+    "persistent_tma_bk128_c4_plain": (
+        GemmConfig(128, 128, 128, 8, 3, chain_blocks=4, kahan=False, tma=True),
+        {},
+    ),
+    "persistent_tma_bk64_c4_plain": (
+        GemmConfig(128, 128, 64, 8, 4, chain_blocks=4, kahan=False, tma=True),
+        {},
+    ),
+    "persistent_tma_bk64_one_chain": (
+        GemmConfig(128, 128, 64, 8, 4, chain_blocks=1 << 20, kahan=False, tma=True),
+        {},
+    ),
+    "nested_bk128_c2_plain": (
+        GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
+        {"nested": True},
+    ),
+    "nested_bk128_c2_plain_tmastore": (
+        GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
+        {"nested": True, "tma_store": True},
+    ),
+    "nested_bk128_s2_c2_plain_tmastore": (
+        GemmConfig(128, 128, 128, 8, 2, chain_blocks=2, kahan=False, tma=True),
+        {"nested": True, "tma_store": True},
+    ),
+    "nested_bk64_c4_plain_tmastore": (
+        GemmConfig(128, 128, 64, 8, 4, chain_blocks=4, kahan=False, tma=True),
+        {"nested": True, "tma_store": True},
+    ),
+    "nested_bk64_one_chain_tmastore": (
+        GemmConfig(128, 128, 64, 8, 4, chain_blocks=1 << 20, kahan=False, tma=True),
+        {"nested": True, "tma_store": True},
+    ),
+    "nested_noflatten_bk128_c2_plain_tmastore": (
+        GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
+        {"nested": True, "tma_store": True, "flatten": False},
     ),
 }
 
@@ -151,8 +191,59 @@ def _persistent_mm_kernel(
             comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
-def persistent_mm(x, w, out, config, num_programs=None):
-    """``out = x @ w.T`` through :func:`_persistent_mm_kernel` (no bias: the sweep's GEMMs have none)."""
+@triton.jit
+def _persistent_nested_mm_kernel(
+    x_desc,
+    w_desc,
+    out_desc,  # TensorDescriptor of out, blocks [BLOCK_M, BLOCK_N // 2] (read only with TMA_STORE)
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    out_row_stride,
+    HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CHAIN_BLOCKS: tl.constexpr,
+    KAHAN: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+):
+    first = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    # The epilogue recomputes its tile from its own counter: once Triton flattens and pipelines the nest, the
+    # store of tile i runs beside the loads of tile i + 1, and nothing of the loads' indices must live that long.
+    stored = first - NUM_PROGRAMS
+    for tile in tl.range(first, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_blocks):
+            a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
+            part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
+        stored += NUM_PROGRAMS
+        pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        if TMA_STORE:  # no bias here (the sweep's GEMMs have none); the copy engine clips rows past M, N
+            left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left)
+            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right)
+        else:
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
+
+
+def persistent_mm(x, w, out, config, options=None, num_programs=None):
+    """``out = x @ w.T`` through one of the persistent kernels (no bias: the sweep's GEMMs have none).
+    ``options``: ``nested`` (the tl.range kernel), ``flatten`` (default True), ``tma_store``."""
+    options = options or {}
     descriptor = _tensor_descriptor()
     m, k = x.shape
     n = w.shape[0]
@@ -160,9 +251,20 @@ def persistent_mm(x, w, out, config, num_programs=None):
         num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     programs = min(num_programs, tiles)
-    _persistent_mm_kernel[(programs,)](
-        descriptor.from_tensor(x, [config.block_m, config.block_k]),
-        descriptor.from_tensor(w, [config.block_n, config.block_k]),
+    x_desc = descriptor.from_tensor(x, [config.block_m, config.block_k])
+    w_desc = descriptor.from_tensor(w, [config.block_n, config.block_k])
+    constants = kernel_constants(config, has_bias=False)
+    if not options.get("nested"):
+        _persistent_mm_kernel[(programs,)](
+            x_desc, w_desc, out, out, m, n, k, out.stride(0), NUM_PROGRAMS=programs, **constants
+        )
+        return out
+    tma_store = bool(options.get("tma_store"))
+    out_desc = descriptor.from_tensor(out, [config.block_m, config.block_n // 2]) if tma_store else x_desc
+    _persistent_nested_mm_kernel[(programs,)](
+        x_desc,
+        w_desc,
+        out_desc,
         out,
         out,
         m,
@@ -170,15 +272,20 @@ def persistent_mm(x, w, out, config, num_programs=None):
         k,
         out.stride(0),
         NUM_PROGRAMS=programs,
-        **kernel_constants(config, has_bias=False),
+        FLATTEN=bool(options.get("flatten", True)),
+        TMA_STORE=tma_store,
+        **constants,
     )
     return out
 
 
 def run_gemm(name, config, x, w, out):
-    """The GEMM a configuration name runs: the library's launcher, or the persistent experiment."""
-    if name.startswith("persistent_"):
-        return persistent_mm(x, w, out, config)
+    """The GEMM a configuration name runs: the library's launcher, or a persistent experiment."""
+    if name in PERSISTENT or name.startswith(("persistent_", "nested_")):
+        config, options = PERSISTENT.get(name, (config, {"nested": name.startswith("nested_")}))
+        if "tmastore" in name:
+            options = {**options, "tma_store": True}
+        return persistent_mm(x, w, out, config, options)
     return compensated_logits_mm(x, w, out, config=config)
 
 
@@ -224,6 +331,8 @@ def run_shape(shape, device, rounds, reps, configs):
                 variants["cublas_fp32_out"] = lambda w=w: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
             for name, fn in variants.items():
                 try:
+                    # A variant that leaves elements unwritten then shows nan, not the previous variant's values.
+                    out.fill_(float("nan"))
                     fn()
                     err = (out.double() - exact).abs().max().item()
                     loss_err = (loss_from_logits(out, b, SOFTCAP, t) - truth).abs().max().item()
@@ -276,10 +385,14 @@ def main():
             "interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False),
             "interpret_tma_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
             "persistent_interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
+            "nested_interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
+            "nested_interpret_c2_plain_tmastore": INTERPRET_CONFIG._replace(
+                chain_blocks=2, kahan=False, tma=True
+            ),
         }
     else:
         shapes = SHAPES
-        every = {**CONFIGS, **PERSISTENT}
+        every = {**CONFIGS, **{name: config for name, (config, _) in PERSISTENT.items()}}
         configs = every if args.configs == "all" else {k: every[k] for k in args.configs.split(",")}
     env = _common.environment(device)
     results = []
