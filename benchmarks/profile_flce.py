@@ -58,6 +58,7 @@ LOGITS, DX, DW, CE, CAST, GATHER, OTHER = (
 CATEGORIES = [LOGITS, DX, DW, CE, CAST, GATHER, OTHER]
 CE_KERNEL = "_cross_entropy_chunk_kernel"
 CAST_KERNEL = "_scale_into_kernel"  # backward's cast of dW's accumulator (grad_output folded in)
+LOGITS_KERNEL = "_compensated_mm"  # logits_precision="fp32_compensated": the Triton logits GEMM (no aten op)
 # record_function label put around the op's per-chunk CE call during the profiled call, so the PyTorch
 # implementation's many small ops (CPU, or impl="torch") also land in "CE kernel".
 CE_LABEL = "flce::cross_entropy_chunk"
@@ -237,6 +238,8 @@ def classify(evt: Any, H: int, V: int, kernel_name: Optional[str] = None) -> str
         return CE
     if kernel_name and CAST_KERNEL in kernel_name:
         return CAST
+    if kernel_name and LOGITS_KERNEL in kernel_name:
+        return LOGITS
     node = evt
     in_accumulate_grad = False
     while node is not None:
