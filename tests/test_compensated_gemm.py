@@ -96,34 +96,62 @@ def test_kernel_plain_sum_of_chains(shape, chain_blocks):
     assert (out.double() - exact).abs().max().item() <= bound
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize(
-    ("chain_blocks", "kahan"), [(1, True), (3, True), (2, False)], ids=["kahan", "kahan-c3", "plain-c2"]
-)
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
-@pytest.mark.parametrize("shape", [(37, 203, 72), (32, 64, 48), (20, 40, 1032), (1, 17, 8)], ids=str)
-def test_tma_kernel_matches_float64(shape, with_bias, chain_blocks, kahan, monkeypatch):
-    """``tma=True``: the operand blocks through tensor descriptors (the copy engine's zero fill past M, N and
-    K instead of masks: tails along all three here, K a multiple of 8 as TMA needs), the same chains and sums
-    as the pointer kernel and the same bound against float64. The TMA kernel must be the one that ran."""
-    import lightning_flce.kernels.compensated_gemm as gemm
-
+def spy_on_tma_kernel(gemm, monkeypatch):
+    """Replace the TMA kernel by a spy that launches it and records (grid, TMA_STORE) of every launch."""
     launched = []
     kernel = gemm._compensated_mm_tma_kernel
 
     class Spy:
         def __getitem__(self, grid):
-            launched.append(grid)
-            return kernel[grid]
+            def launch(*args, **kwargs):
+                launched.append((grid, kwargs["TMA_STORE"]))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
 
     monkeypatch.setattr(gemm, "_compensated_mm_tma_kernel", Spy())
+    return launched
+
+
+# How the TMA kernel walks and stores its tiles: one program per tile with masked stores (the plain launch),
+# one program per SM (the interpreter: 3) walking several tiles, and that with the copy engine's stores.
+TILE_LOOPS = {
+    "per-tile": {},
+    "persistent": {"persistent": True},
+    "persistent-store": {"persistent": True, "tma_store": True},
+}
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("loop", list(TILE_LOOPS))
+@pytest.mark.parametrize(
+    ("chain_blocks", "kahan"), [(1, True), (3, True), (2, False)], ids=["kahan", "kahan-c3", "plain-c2"]
+)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(
+    "shape", [(37, 203, 72), (32, 64, 48), (20, 40, 1032), (1, 17, 8), (45, 52, 24)], ids=str
+)
+def test_tma_kernel_matches_float64(shape, with_bias, chain_blocks, kahan, loop, monkeypatch):
+    """``tma=True``: the operand blocks through tensor descriptors (the copy engine's zero fill past M, N and
+    K instead of masks: tails along all three here, K a multiple of 8 as TMA needs), the same chains and sums
+    as the pointer kernel and the same bound against float64, for each way of walking and storing the tiles
+    (a persistent program that does not reset its sums between tiles, or skips or repeats one, is off by the
+    logits' size). The TMA kernel must be the one that ran, with the store asked for where out's rows are
+    16-byte aligned (N = 64, 40, 52 here) and the masked store where not (N = 203, 17)."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+
+    launched = spy_on_tma_kernel(gemm, monkeypatch)
     m, n, k = shape
     x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=4)
     bias = b if with_bias else None
     out = torch.full((m, n), float("nan"))
-    config = gemm.INTERPRET_CONFIG._replace(tma=True, chain_blocks=chain_blocks, kahan=kahan)
+    config = gemm.INTERPRET_CONFIG._replace(
+        tma=True, chain_blocks=chain_blocks, kahan=kahan, **TILE_LOOPS[loop]
+    )
     gemm.compensated_logits_mm(x, w, out, bias, config=config)
-    assert launched
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    programs = min(tiles, gemm.INTERPRET_PROGRAMS) if config.persistent else tiles
+    assert launched == [((programs,), config.tma_store and n % 4 == 0)]
     exact = x.double() @ w.double().T + (b.double() if with_bias else 0.0)
     additions = 0 if kahan else -(-k // (config.block_k * chain_blocks))
     bound = (ULPS + 0.5 * additions) * fp32_ulp(exact)
@@ -164,6 +192,29 @@ def test_tma_needs_aligned_rows():
     assert not tma_usable(x70, w70)
     off_by_one = torch.cat([x.view(-1), x.view(-1)])[1 : 1 + 8 * 72].view(8, 72)
     assert not tma_usable(off_by_one, w)
+
+
+@pytest.mark.interpret
+def test_tma_store_writes_only_the_rows_of_a_slice(monkeypatch):
+    """The copy engine's store into ``out``, a row slice of a larger buffer with M and N tails (37 x 52: 12
+    tiles of 16 x 16 over 3 persistent programs): every element of the slice is the product, and the rows
+    around it are not written (the descriptor's shape, not the buffer's, bounds the store)."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+
+    launched = spy_on_tma_kernel(gemm, monkeypatch)
+    m, n, k = 37, 52, 40
+    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=6)
+    buffer = torch.full((m + 4, n), float("nan"))
+    out = buffer[1 : m + 1]
+    config = gemm.INTERPRET_CONFIG._replace(
+        tma=True, chain_blocks=2, kahan=False, persistent=True, tma_store=True
+    )
+    gemm.compensated_logits_mm(x, w, out, b, config=config)
+    assert launched == [((3,), True)]
+    exact = x.double() @ w.double().T + b.double()
+    additions = -(-k // (config.block_k * config.chain_blocks))
+    assert (out.double() - exact).abs().max().item() <= (ULPS + 0.5 * additions) * fp32_ulp(exact)
+    assert buffer[0].isnan().all() and buffer[m + 1 :].isnan().all()
 
 
 def test_plain_sum_needs_chains_of_two_blocks():
@@ -254,18 +305,24 @@ def test_op_runs_the_kernel_on_the_triton_path(monkeypatch, reduction):
 
 
 def test_cuda_config_fits_the_shared_memory():
-    """The measured config (BK = 128, 3 stages of 64 KiB) where it fits, fewer stages or BK = 64 where not."""
+    """The measured config (BK = 128, 3 stages of 64 KiB, the TMA store's 32 KiB half tile beside them) where it
+    fits, fewer stages or BK = 64 where not; a GPU without TMA gets the pointer kernel's config (no TMA flags,
+    no store buffer)."""
     pytest.importorskip("triton")
     from lightning_flce.kernels.compensated_gemm import MEASURED_CONFIG, cuda_config
 
+    pointer = MEASURED_CONFIG._replace(tma=False, persistent=False, tma_store=False)
     assert cuda_config(None) == MEASURED_CONFIG
-    assert cuda_config(227 * 1024) == MEASURED_CONFIG  # H100 / H200
-    assert cuda_config(163 * 1024) == MEASURED_CONFIG._replace(num_stages=2)  # A100
+    assert cuda_config(227 * 1024) == MEASURED_CONFIG  # H100 / H200: 3 x 64 + 32 KiB
+    assert cuda_config(223 * 1024) == MEASURED_CONFIG._replace(
+        num_stages=2
+    )  # no room for 3 stages and the store
+    assert cuda_config(163 * 1024, tma=False) == pointer._replace(num_stages=2)  # A100
     # a smaller BK chains more blocks: the tensor cores' chains (the error) stay 256 products long
-    assert cuda_config(99 * 1024) == MEASURED_CONFIG._replace(
+    assert cuda_config(99 * 1024, tma=False) == pointer._replace(
         block_k=64, num_stages=3, chain_blocks=4
     )  # sm86/89
-    assert cuda_config(48 * 1024) == MEASURED_CONFIG._replace(block_k=32, num_stages=2, chain_blocks=8)
+    assert cuda_config(48 * 1024, tma=False) == pointer._replace(block_k=32, num_stages=2, chain_blocks=8)
 
 
 @pytest.mark.parametrize(

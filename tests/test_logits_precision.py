@@ -339,18 +339,23 @@ def test_cuda_fp32_compensated_logits_at_benchmark_shapes(shape):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("k", [2050, 2048], ids=["k2050-pointer", "k2048-tma"])
+@pytest.mark.parametrize(
+    ("k", "n"),
+    [(2050, 32003), (2048, 32003), (2048, 32000)],
+    ids=["k2050-pointer", "k2048-tma", "k2048-tma-store"],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cuda_compensated_gemm_alone_at_a_tail_shape(dtype, k):
-    """The kernel at shapes with M and N tails (4099 x 32003) and a bias, writing into a row slice of a wider
-    buffer, against the float64 product. K = 2050 (rows of 4100 bytes: the pointer kernel, with a K tail) and
-    2048 (the TMA kernel on a Hopper GPU). The products of 16-bit values are exact in fp32; what is left is each
+def test_cuda_compensated_gemm_alone_at_a_tail_shape(dtype, k, n):
+    """The kernel at shapes with M and N tails (4099 x 32003 / 32000) and a bias, writing into a row slice of a
+    wider buffer, against the float64 product. K = 2050 (rows of 4100 bytes: the pointer kernel, with a K tail)
+    and 2048 (the TMA kernel on a Hopper GPU; persistent, with N = 32000 storing through the copy engine, whose
+    store must stop at the slice's rows). The products of 16-bit values are exact in fp32; what is left is each
     chain's fp32 sum (chain_blocks x 128 products; measured ~4.8 ulps of fp32 at max |logit| at K = 4096,
     run80), the plain sum of the K / 256 chains (at most half an ulp each) and the bias add (0.5 ulp): bound
     8 + 0.5 additions ulps. The tensor cores' plain fp32 chain over K ("fp32") is at least 4x further off."""
     from lightning_flce.kernels.compensated_gemm import compensated_logits_mm, launch_config
 
-    m, n = 4099, 32003
+    m = 4099
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
     w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5 * 2).to(dtype)

@@ -32,21 +32,13 @@ import _common  # noqa: E402
 import torch
 
 _common.ensure_repo_on_path()
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from fp32_logits_accuracy import loss_from_logits  # noqa: E402  (this folder: the script's own)
 
 from lightning_flce import engine  # noqa: E402
 from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
     INTERPRET_CONFIG,
     GemmConfig,
-    _tensor_descriptor,
-    chain_step,
     compensated_logits_mm,
-    grouped_tile,
-    kernel_constants,
-    store_tile,
-    tma_blocks,
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,202 +82,26 @@ CONFIGS = {
 }
 
 
-# Persistent variants of the library's TMA kernel (experiments, not library paths yet): one program per SM
-# walks its tiles, so the next tile's loads can be in flight while a tile's fp32 result (64 KiB) is stored.
-# Same chains and sums (the library's chain_step / store_tile). Two loop shapes:
-# - "manual": one hand-flattened loop over (tile, K block), the tile's store under `if k == k_blocks - 1`;
-# - "nested": a loop over tiles with the K loop inside, `tl.range(..., flatten=True)` asking Triton to flatten
-#   and pipeline the nest itself (its persistent-matmul pattern on Hopper; warp specialization is
-#   Blackwell-only in Triton 3.6), optionally with the tile stored through a TMA descriptor in two
-#   [BM, BN/2] halves (an asynchronous store from shared memory instead of 8 warps' masked st.global;
-#   half tiles so the epilogue's buffer, 32 KiB, fits beside 3 stages of 128-long blocks).
-PERSISTENT = {
-    "persistent_tma_bk128_c2_plain": (
-        GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
-        {},
-    ),
-    "persistent_tma_bk128_c4_plain": (
-        GemmConfig(128, 128, 128, 8, 3, chain_blocks=4, kahan=False, tma=True),
-        {},
-    ),
-    "persistent_tma_bk64_c4_plain": (
-        GemmConfig(128, 128, 64, 8, 4, chain_blocks=4, kahan=False, tma=True),
-        {},
-    ),
-    "persistent_tma_bk64_one_chain": (
-        GemmConfig(128, 128, 64, 8, 4, chain_blocks=1 << 20, kahan=False, tma=True),
-        {},
-    ),
-    "nested_bk128_c2_plain": (
-        GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
-        {"nested": True},
-    ),
-    "nested_bk128_c2_plain_tmastore": (
-        GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
-        {"nested": True, "tma_store": True},
-    ),
-    "nested_bk128_s2_c2_plain_tmastore": (
-        GemmConfig(128, 128, 128, 8, 2, chain_blocks=2, kahan=False, tma=True),
-        {"nested": True, "tma_store": True},
-    ),
-    "nested_bk64_c4_plain_tmastore": (
-        GemmConfig(128, 128, 64, 8, 4, chain_blocks=4, kahan=False, tma=True),
-        {"nested": True, "tma_store": True},
-    ),
-    "nested_bk64_one_chain_tmastore": (
-        GemmConfig(128, 128, 64, 8, 4, chain_blocks=1 << 20, kahan=False, tma=True),
-        {"nested": True, "tma_store": True},
-    ),
-    "nested_noflatten_bk128_c2_plain_tmastore": (
-        GemmConfig(128, 128, 128, 8, 3, chain_blocks=2, kahan=False, tma=True),
-        {"nested": True, "tma_store": True, "flatten": False},
-    ),
-}
+# The library's TMA kernel walking tiles with one program per SM (``persistent``) and storing through a tensor
+# descriptor (``tma_store``), alone and together (run83 measured an experiment's version of both: commit 8cb2ecc;
+# Triton's flattened loop nest, ``tl.range(flatten=True)``, was 1.3-1.7x slower there and is not kept).
+PERSISTENT_STORE = {"persistent": True, "tma_store": True}
+CONFIGS.update(
+    {
+        "tma_bk128_c2_plain_persistent": CONFIGS["tma_bk128_c2_plain"]._replace(persistent=True),
+        "tma_bk128_c2_plain_store": CONFIGS["tma_bk128_c2_plain"]._replace(tma_store=True),
+        "tma_bk128_c2_plain_persistent_store": CONFIGS["tma_bk128_c2_plain"]._replace(**PERSISTENT_STORE),
+        "tma_bk128_c4_plain_persistent_store": CONFIGS["tma_bk128_c4_plain"]._replace(**PERSISTENT_STORE),
+        "tma_bk64_c4_plain_persistent_store": CONFIGS["tma_bk64_c4_plain"]._replace(**PERSISTENT_STORE),
+        # Triton's own GEMM in the same loop (one chain over K: "fp32"'s error), the ceiling of this kernel
+        "tma_bk128_one_chain_persistent_store": CONFIGS["tma_bk128_one_chain"]._replace(**PERSISTENT_STORE),
+        "tma_bk64_one_chain_persistent_store": CONFIGS["tma_bk64_one_chain"]._replace(**PERSISTENT_STORE),
+    }
+)
 
 
-@triton.jit
-def _persistent_mm_kernel(
-    x_desc,
-    w_desc,
-    bias_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    out_row_stride,
-    HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    CHAIN_BLOCKS: tl.constexpr,
-    KAHAN: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-):
-    first = tl.program_id(0)
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    steps = tl.cdiv(num_tiles - first, NUM_PROGRAMS) * k_blocks
-    tile = first - NUM_PROGRAMS
-    k = -1
-    off_m = 0
-    off_n = 0
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, steps):
-        k = tl.where(k == k_blocks - 1, 0, k + 1)
-        if k == 0:
-            tile += NUM_PROGRAMS
-            pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-        a, b = tma_blocks(x_desc, w_desc, off_m, off_n, k, BLOCK_K, UPCAST)
-        part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
-        if k == k_blocks - 1:
-            rm = off_m + tl.arange(0, BLOCK_M)
-            rn = off_n + tl.arange(0, BLOCK_N)
-            store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-
-
-@triton.jit
-def _persistent_nested_mm_kernel(
-    x_desc,
-    w_desc,
-    out_desc,  # TensorDescriptor of out, blocks [BLOCK_M, BLOCK_N // 2] (read only with TMA_STORE)
-    bias_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    out_row_stride,
-    HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    CHAIN_BLOCKS: tl.constexpr,
-    KAHAN: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    TMA_STORE: tl.constexpr,
-):
-    first = tl.program_id(0)
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    # The epilogue recomputes its tile from its own counter: once Triton flattens and pipelines the nest, the
-    # store of tile i runs beside the loads of tile i + 1, and nothing of the loads' indices must live that long.
-    stored = first - NUM_PROGRAMS
-    for tile in tl.range(first, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, k_blocks):
-            a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
-            part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
-        stored += NUM_PROGRAMS
-        pid_m, pid_n = grouped_tile(stored, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        if TMA_STORE:  # no bias here (the sweep's GEMMs have none); the copy engine clips rows past M, N
-            left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], left)
-            out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], right)
-        else:
-            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
-
-
-def persistent_mm(x, w, out, config, options=None, num_programs=None):
-    """``out = x @ w.T`` through one of the persistent kernels (no bias: the sweep's GEMMs have none).
-    ``options``: ``nested`` (the tl.range kernel), ``flatten`` (default True), ``tma_store``."""
-    options = options or {}
-    descriptor = _tensor_descriptor()
-    m, k = x.shape
-    n = w.shape[0]
-    if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    programs = min(num_programs, tiles)
-    x_desc = descriptor.from_tensor(x, [config.block_m, config.block_k])
-    w_desc = descriptor.from_tensor(w, [config.block_n, config.block_k])
-    constants = kernel_constants(config, has_bias=False)
-    if not options.get("nested"):
-        _persistent_mm_kernel[(programs,)](
-            x_desc, w_desc, out, out, m, n, k, out.stride(0), NUM_PROGRAMS=programs, **constants
-        )
-        return out
-    tma_store = bool(options.get("tma_store"))
-    out_desc = descriptor.from_tensor(out, [config.block_m, config.block_n // 2]) if tma_store else x_desc
-    _persistent_nested_mm_kernel[(programs,)](
-        x_desc,
-        w_desc,
-        out_desc,
-        out,
-        out,
-        m,
-        n,
-        k,
-        out.stride(0),
-        NUM_PROGRAMS=programs,
-        FLATTEN=bool(options.get("flatten", True)),
-        TMA_STORE=tma_store,
-        **constants,
-    )
-    return out
-
-
-def run_gemm(name, config, x, w, out):
-    """The GEMM a configuration name runs: the library's launcher, or a persistent experiment."""
-    if name in PERSISTENT or name.startswith(("persistent_", "nested_")):
-        config, options = PERSISTENT.get(name, (config, {"nested": name.startswith("nested_")}))
-        if "tmastore" in name:
-            options = {**options, "tma_store": True}
-        return persistent_mm(x, w, out, config, options)
+def run_gemm(config, x, w, out):
+    """The library's launcher at ``config``."""
     return compensated_logits_mm(x, w, out, config=config)
 
 
@@ -323,10 +139,7 @@ def run_shape(shape, device, rounds, reps, configs):
             w = (w_unit * scale).bfloat16()
             exact = x.double() @ w.double().t()
             truth = loss_from_logits(exact, b, SOFTCAP, t)
-            variants = {
-                name: (lambda name=name, c=c, w=w: run_gemm(name, c, x, w, out))
-                for name, c in configs.items()
-            }
+            variants = {name: (lambda c=c, w=w: run_gemm(c, x, w, out)) for name, c in configs.items()}
             if device.type == "cuda":
                 variants["cublas_fp32_out"] = lambda w=w: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
             for name, fn in variants.items():
@@ -346,7 +159,7 @@ def run_shape(shape, device, rounds, reps, configs):
         w = (w_unit * 2.0).bfloat16()
         out_bf16 = torch.empty(rows, v, device=device, dtype=torch.bfloat16)
         fns = {
-            name: (lambda name=name, c=c: run_gemm(name, c, x, w, out))
+            name: (lambda c=c: run_gemm(c, x, w, out))
             for name, c in configs.items()
             if "error" not in result["errors"][name]["test"]
         }
@@ -384,16 +197,13 @@ def main():
             "interpret_c2": INTERPRET_CONFIG._replace(chain_blocks=2),
             "interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False),
             "interpret_tma_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
-            "persistent_interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
-            "nested_interpret_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
-            "nested_interpret_c2_plain_tmastore": INTERPRET_CONFIG._replace(
-                chain_blocks=2, kahan=False, tma=True
+            "interpret_tma_c2_plain_persistent_store": INTERPRET_CONFIG._replace(
+                chain_blocks=2, kahan=False, tma=True, **PERSISTENT_STORE
             ),
         }
     else:
         shapes = SHAPES
-        every = {**CONFIGS, **{name: config for name, (config, _) in PERSISTENT.items()}}
-        configs = every if args.configs == "all" else {k: every[k] for k in args.configs.split(",")}
+        configs = CONFIGS if args.configs == "all" else {k: CONFIGS[k] for k in args.configs.split(",")}
     env = _common.environment(device)
     results = []
     for shape in shapes:

@@ -78,6 +78,13 @@ class GemmConfig(NamedTuple):
     #: of per-thread pointer loads. Needs 16-byte aligned operands and row strides (K a multiple of 8 for
     #: 16-bit operands): :func:`compensated_logits_mm` falls back to the pointer kernel otherwise.
     tma: bool = False
+    #: With ``tma``: one program per SM walking its tiles (tile ``pid``, ``pid + programs``, ...) instead of one
+    #: program per tile, so a program's next tile starts loading while its last one is being stored.
+    persistent: bool = False
+    #: With ``tma``: each tile stored by the copy engine from shared memory (two [BM, BN / 2] halves: 32 KiB
+    #: of shared memory beside the stages) instead of the warps' masked stores. Needs a 16-byte aligned ``out``
+    #: (base and row stride: N a multiple of 4 for a whole buffer); the masked store otherwise.
+    tma_store: bool = False
 
 
 #: The measured configuration (H200, results/*_run80_*): chains of 2 x 128 products summed plainly, the blocks
@@ -85,25 +92,39 @@ class GemmConfig(NamedTuple):
 #: 1.07-1.15x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer loads (the configuration
 #: before it); per-token loss within 2.8-3.2e-6 of float64 against 1.8-1.9e-6 (and "fp32"'s 2.5-4.9e-5).
 MEASURED_CONFIG = GemmConfig(
-    block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, chain_blocks=2, kahan=False, tma=True
+    block_m=128,
+    block_n=128,
+    block_k=128,
+    num_warps=8,
+    num_stages=3,
+    chain_blocks=2,
+    kahan=False,
+    tma=True,
+    persistent=True,
+    tma_store=True,
 )
 #: The interpreter's: tl.dot's smallest blocks (each program is a Python loop there).
 INTERPRET_CONFIG = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
 
 
-def cuda_config(shared_memory_bytes: Optional[int]) -> GemmConfig:
+def cuda_config(shared_memory_bytes: Optional[int], tma: bool = True) -> GemmConfig:
     """The measured configuration, with fewer pipeline stages (or BK = 64, 32) where a GPU's shared memory per
     block (``shared_memory_per_block_optin``; None: unknown, assumed an H100/H200's) holds fewer than three
     stages of BK = 128. Each stage holds a [BM, BK] block of x and a [BN, BK] block of w in 16 bits. A smaller
-    BK chains more blocks, so the tensor cores' chains (and the error) stay as long. TMA is used where the GPU
-    has it (compute capability 9+) and the operands' rows are aligned (:func:`tma_usable`)."""
+    BK chains more blocks, so the tensor cores' chains (and the error) stay as long. ``tma``: the GPU has the
+    tensor-memory accelerator (compute capability 9+): the TMA store's fp32 half tile is kept beside the
+    stages. Without it the pointer kernel runs (one program per tile, masked stores) and the configuration says
+    so (no TMA flags). Whether TMA reads given operands is :func:`tma_usable`'s call at launch."""
     config = MEASURED_CONFIG
+    if not tma:
+        config = config._replace(tma=False, persistent=False, tma_store=False)
     if shared_memory_bytes is None:
         return config
     chain = config.block_k * config.chain_blocks  # the products per tensor-core chain: the error's size
+    for_stages = shared_memory_bytes - (config.block_m * config.block_n * 2 if config.tma_store else 0)
     for block_k in (128, 64):
         stage_bytes = (config.block_m + config.block_n) * block_k * 2
-        stages = min(config.num_stages, shared_memory_bytes // stage_bytes)
+        stages = min(config.num_stages, for_stages // stage_bytes)
         if stages >= 2:
             return config._replace(block_k=block_k, num_stages=stages, chain_blocks=chain // block_k)
     return config._replace(block_k=32, num_stages=2, chain_blocks=chain // 32)
@@ -112,7 +133,7 @@ def cuda_config(shared_memory_bytes: Optional[int]) -> GemmConfig:
 @functools.cache
 def _device_config(device_index: int) -> GemmConfig:
     properties = torch.cuda.get_device_properties(device_index)
-    return cuda_config(getattr(properties, "shared_memory_per_block_optin", None))
+    return cuda_config(getattr(properties, "shared_memory_per_block_optin", None), tma=properties.major >= 9)
 
 
 def launch_config(device: torch.device) -> GemmConfig:
@@ -180,6 +201,29 @@ def store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS: t
 
 
 @triton.jit
+def store_tile_tma(
+    acc,
+    bias_ptr,
+    out_desc,
+    N,
+    off_m,
+    off_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """:func:`store_tile` through out's tensor descriptor (blocks [BLOCK_M, BLOCK_N // 2]): the copy engine
+    writes the tile from shared memory and drops what lies past M and N. In halves, so the epilogue's shared
+    buffer (32 KiB at 128 x 128) fits beside three 64 KiB stages."""
+    if HAS_BIAS:
+        rn = off_n + tl.arange(0, BLOCK_N)
+        acc += tl.load(bias_ptr + tl.minimum(rn, N - 1))[None, :]
+    left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+    out_desc.store([off_m, off_n], left)
+    out_desc.store([off_m, off_n + BLOCK_N // 2], right)
+
+
+@triton.jit
 def _compensated_mm_kernel(
     x_ptr,  # [M, K] bf16/fp16, unit stride along K
     w_ptr,  # [N, K] same dtype, unit stride along K
@@ -237,12 +281,14 @@ def _compensated_mm_kernel(
 def _compensated_mm_tma_kernel(
     x_desc,  # TensorDescriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
     w_desc,  # TensorDescriptor of w [N, K], blocks [BLOCK_N, BLOCK_K]
+    out_desc,  # TensorDescriptor of out [M, N], blocks [BLOCK_M, BLOCK_N // 2] (read only with TMA_STORE)
     bias_ptr,  # [N] fp32 (read only with HAS_BIAS)
-    out_ptr,  # [M, N] fp32 out, unit stride along N (a plain masked store: N like 32003 is no TMA row)
+    out_ptr,  # [M, N] fp32 out, unit stride along N (the masked store: N like 32003 is no TMA row)
     M,
     N,
     K,
     out_row_stride,
+    num_programs,  # the grid: one program per tile, or (persistent) fewer, each walking tiles
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -251,22 +297,32 @@ def _compensated_mm_tma_kernel(
     CHAIN_BLOCKS: tl.constexpr,
     KAHAN: tl.constexpr,
     GROUP_M: tl.constexpr,
+    TMA_STORE: tl.constexpr,
 ):
     """:func:`_compensated_mm_kernel` with the operand blocks loaded by the tensor-memory accelerator: the
-    copy engine fills blocks past M, N and K with zeros, so there is no mask and no tail case."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    copy engine fills blocks past M, N and K with zeros, so there is no mask and no tail case. Program ``pid``
+    computes tiles pid, pid + num_programs, ... in grouped order: launched with one program per tile that is
+    one tile each; with one per SM (``GemmConfig.persistent``) a program's next tile is loading while its last
+    one is stored (run83: with the TMA store, 1.08-1.25x cuBLAS where one program per tile took 1.26-1.39x)."""
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_blocks = tl.cdiv(K, BLOCK_K)
-    for k in range(0, k_blocks):
-        a, b = tma_blocks(x_desc, w_desc, off_m, off_n, k, BLOCK_K, UPCAST)
-        part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
-    rm = off_m + tl.arange(0, BLOCK_M)
-    rn = off_n + tl.arange(0, BLOCK_N)
-    store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
+    # Not tl.range(flatten=True): Triton's flattened, pipelined nest was 1.3-1.7x slower here (run83).
+    for tile in range(tl.program_id(0), num_tiles, num_programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_blocks):
+            a, b = tma_blocks(x_desc, w_desc, off_m, off_n, k, BLOCK_K, UPCAST)
+            part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
+        if TMA_STORE:
+            store_tile_tma(acc, bias_ptr, out_desc, N, off_m, off_n, BLOCK_M, BLOCK_N, HAS_BIAS)
+        else:
+            rm = off_m + tl.arange(0, BLOCK_M)
+            rn = off_n + tl.arange(0, BLOCK_N)
+            store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
 
 
 @functools.cache
@@ -292,6 +348,29 @@ def tma_usable(x_c: torch.Tensor, weight: torch.Tensor) -> bool:
         t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
         for t in (x_c, weight)
     )
+
+
+def tma_store_usable(out: torch.Tensor) -> bool:
+    """Whether the copy engine can write ``out`` (fp32 [M, N], unit stride along N): a 16-byte aligned base and
+    row stride (N a multiple of 4 for a whole buffer; the launcher checks :func:`tma_usable` first)."""
+    return out.stride(1) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+#: Programs of a persistent launch under the interpreter: a few, so each walks several tiles.
+INTERPRET_PROGRAMS = 3
+
+
+def persistent_programs(device: torch.device, tiles: int) -> int:
+    """Programs of a persistent launch: one per SM (at most one per tile)."""
+    if TRITON_INTERPRET or device.type != "cuda":
+        return min(tiles, INTERPRET_PROGRAMS)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return min(tiles, _multiprocessors(index))
 
 
 def kernel_constants(config: GemmConfig, has_bias: bool) -> dict:
@@ -341,20 +420,28 @@ def compensated_logits_mm(
         return out
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    grid = (tiles,)
     constants = kernel_constants(config, has_bias=bias is not None)
     bias_arg = bias if bias is not None else out  # a dummy pointer, never read without HAS_BIAS
     if config.tma and tma_usable(x_c, weight):
         TensorDescriptor = _tensor_descriptor()  # noqa: N806  (the class)
-        _compensated_mm_tma_kernel[grid](
-            TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k]),
+        x_desc = TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k])
+        tma_store = config.tma_store and tma_store_usable(out)
+        programs = persistent_programs(x_c.device, tiles) if config.persistent else tiles
+        _compensated_mm_tma_kernel[(programs,)](
+            x_desc,
             TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
+            # out's descriptor, or a stand-in never read without TMA_STORE
+            TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2]) if tma_store else x_desc,
             bias_arg,
             out,
             m,
             n,
             k,
             out.stride(0),
+            programs,
+            TMA_STORE=tma_store,
             **constants,
         )
         return out
