@@ -44,6 +44,15 @@ FLCE_NAMED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # The head's GEMMs themselves in fp32 (an fp32 head).
     "flce_fp32head": {"logits_precision": "fp32_head"},
 }
+# Named rows of "fp32_compensated" with its Triton GEMM at another launch configuration than the measured one
+# (fields of kernels.compensated_gemm.GemmConfig replaced): to choose that configuration from whole-op times
+# in one run, not from the GEMM alone.
+FLCE_GEMM_CONFIG_VARIANTS: Dict[str, Dict[str, Any]] = {
+    # one program per tile, masked stores (the configuration of run80-run83)
+    "flce_fp32comp_pertile": {"persistent": False, "tma_store": False},
+    # chains of 4 x 128 products (run84: the fastest accurate GEMM alone, loss within 5.2e-6 of float64)
+    "flce_fp32comp_c4": {"chain_blocks": 4},
+}
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.
 DEFAULT_TORCH213_DIR = Path(__file__).resolve().parent.parent / ".whl" / "torch213"
@@ -261,6 +270,28 @@ def _build_flce(kwargs: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
     return build
 
 
+def _build_flce_gemm_config(replace: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
+    """``logits_precision="fp32_compensated"`` with the compensated GEMM's launch configuration changed for
+    the duration of each call (the library has no such option: its configuration is the measured one)."""
+
+    def build(device: torch.device) -> LossFn:
+        from lightning_flce.kernels import compensated_gemm
+
+        plain = _build_flce({"logits_precision": "fp32_compensated"})(device)
+        measured = compensated_gemm.launch_config
+
+        def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            compensated_gemm.launch_config = lambda dev: measured(dev)._replace(**replace)
+            try:
+                return plain(x, w, t)
+            finally:
+                compensated_gemm.launch_config = measured
+
+        return fn
+
+    return build
+
+
 def _build_flce_token_weighted(device: torch.device) -> LossFn:
     """The op with ``token_weight=`` (issue 18: the fast path, gradients computed in forward)."""
     from lightning_flce import fused_linear_cross_entropy
@@ -371,6 +402,12 @@ def make_providers(
                 max_samples=FLCE_MAX_SAMPLES.get(name),
             )
         )
+    for name, replace in FLCE_GEMM_CONFIG_VARIANTS.items():
+        desc = (
+            "lightning_flce.fused_linear_cross_entropy(logits_precision='fp32_compensated') with the GEMM's"
+            f" launch config {replace}; only when named"
+        )
+        providers.append(Provider(name, desc, _build_flce_gemm_config(replace), True, default=False))
     providers += [
         Provider(
             "flce_base",
