@@ -19,8 +19,10 @@ over H: 2.5-4.9e-5), while the plain sum of the K / 256 chains adds at most half
 operand blocks come through the tensor-memory accelerator where the GPU has one (``GemmConfig.tma``,
 :func:`tma_usable`): Triton's pointer-load GEMM was itself 1.20-1.49x cuBLAS, its TMA one 1.07-1.15x (run80).
 Measured (run80, the GEMM of one chunk, against cuBLAS's fp32-output GEMM): 1.10-1.27x, where Kahan's sum of
-128-long chains with pointer loads (the default until then) took 1.97-2.07x; the op with
-``logits_precision="fp32_compensated"`` 1.12-1.17x the default's time (run82).
+128-long chains with pointer loads (the default until then) took 1.97-2.07x. With one program per SM and the
+copy engine's stores (``GemmConfig.persistent``, ``tma_store``; run84 on another H200): 1.19-1.33x, against
+1.26-1.33x one program per tile in the same run; the op with ``logits_precision="fp32_compensated"`` 1.11-1.17x
+the default's time (run85). Chains of 4 x 128 were faster still in run85 (the op 1.09-1.13x) at 4.4-5.2e-6.
 
 What the configurations measured (``benchmarks/experiments/compensated_gemm_configs.py``, run76 / run79 / run80):
 
@@ -87,10 +89,11 @@ class GemmConfig(NamedTuple):
     tma_store: bool = False
 
 
-#: The measured configuration (H200, results/*_run80_*): chains of 2 x 128 products summed plainly, the blocks
-#: through TMA. 1.10-1.27x cuBLAS's fp32-output GEMM at the op's chunk shapes (Triton's own one-chain TMA GEMM:
-#: 1.07-1.15x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer loads (the configuration
-#: before it); per-token loss within 2.8-3.2e-6 of float64 against 1.8-1.9e-6 (and "fp32"'s 2.5-4.9e-5).
+#: The measured configuration (H200, results/*_run80_*, *_run84_*): chains of 2 x 128 products summed plainly,
+#: the blocks through TMA, one program per SM, the copy engine's stores. 1.19-1.33x cuBLAS's fp32-output GEMM at
+#: the op's chunk shapes in run84 (one program per tile: 1.26-1.33x there, 1.10-1.27x in run80; Triton's own
+#: one-chain GEMM: 1.06-1.20x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer loads (the
+#: configuration before them); per-token loss within 2.8-3.2e-6 of float64 (and "fp32"'s 2.5-4.9e-5).
 MEASURED_CONFIG = GemmConfig(
     block_m=128,
     block_n=128,
