@@ -38,6 +38,10 @@ batch x seq, fit / OOM / error / timeout, peak ``max_memory_allocated`` over the
 peak before the failed allocation) and per phase, tokens/s (tokens / median timed step), wall time. On the
 CPU peak memory is the process's peak RSS increase over the try (numbers mean nothing there).
 
+``--sizes`` runs given lengths instead of the search (equal-size comparisons), ``--repeats`` times each: in
+rounds, every series once per size and round, the series order reversed on odd rounds; tokens/s per length is
+then the median of a series' fits there (goal 3's ties are within one run's spread).
+
 ``--budget-s`` ends the whole search in time (a try is started only if its predicted time fits); a series cut
 by the budget is resumed by a later call with ``--resume PREVIOUS.json`` (and ``--providers`` / ``--axes`` /
 ``--checkpointing`` split the work over calls). Writes ``$OUT/max_tokens<TAG>.{json,md,png}``; the summary
@@ -50,6 +54,7 @@ and the goals of issue 21 are printed last:
 Usage (GPU; see benchmarks/gpu_max_tokens.sh):
     python3 benchmarks/bench_max_tokens.py --checkpointing off --budget-s 520
     python3 benchmarks/bench_max_tokens.py --checkpointing on --axes seq --resume prev/max_tokens.json
+    python3 benchmarks/bench_max_tokens.py --checkpointing on --axes seq --sizes 16384,57344 --repeats 3  # goal 3
 CPU smoke test (tiny Llama; liger is ERR there):
     OMP_NUM_THREADS=1 python3 benchmarks/bench_max_tokens.py --device cpu --tiny --providers hf,flce
 Plot again from a JSON:  python3 benchmarks/bench_max_tokens.py --plot-only max_tokens.json
@@ -126,6 +131,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         default=None,
         help="comma list of tokens per micro-batch to run in every series instead of the search (e.g. the"
         " lengths another provider fit, for equal-size tok/s comparisons; multiples of the axis's granularity)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --sizes: runs of each size per series, in rounds (every series and size once per round, the"
+        " series order reversed on odd rounds); tokens/s per length is the median of a series' runs",
     )
     ap.add_argument("--budget-s", type=float, default=None, help="the whole search ends within this many s")
     ap.add_argument(
@@ -592,80 +604,76 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"[max_tokens] {len(keys)} series, budget {C.fmt(args.budget_s, '.0f')} s -> {out}/{stem}.*",
         flush=True,
     )
-    out_of_budget = False
-    # Two passes: the searches, then the other providers' maxima (probes) for equal-size comparisons; or only
-    # the sizes asked for.
-    for phase in ("sizes",) if args.size_list else ("search", "probe"):
-        for key in keys:
-            provider, axis, ckpt = key
-            while not out_of_budget:
-                series = [t for t in tries if series_key(t) == key]
-                if phase == "search":
-                    nxt = next_tokens(
-                        series,
-                        start_tokens(args, axis),
-                        granularity(args, axis),
-                        args.resolution,
-                        args.min_resolution_tokens,
-                        args.max_tokens,
-                        args.safety,
-                    )
+
+    def next_tokens_of(phase: str, key: Key) -> Optional[int]:
+        """The next try of a series in the search or probe phase (None: the phase is done for it)."""
+        series = [t for t in tries if series_key(t) == key]
+        if phase == "search":
+            nxt = next_tokens(
+                series,
+                start_tokens(args, key[1]),
+                granularity(args, key[1]),
+                args.resolution,
+                args.min_resolution_tokens,
+                args.max_tokens,
+                args.safety,
+            )
+            done[key] = nxt is None
+            return nxt
+        probes = probe_tokens(key, tries, done) if done.get(key) else []
+        return probes[0] if probes else None
+
+    def attempt(key: Key, nxt: int, phase: str) -> bool:
+        """One try (a subprocess), recorded and flushed; False when the budget stops the call first."""
+        provider, axis, ckpt = key
+        series = [t for t in tries if series_key(t) == key]
+        left = math.inf if args.budget_s is None else args.budget_s - (time.time() - t0)
+        est = estimate_s(series, nxt, axis)
+        if est is not None and est > left or left < 30:
+            print(
+                f"[max_tokens] {key} next {nxt}: ~{C.fmt(est, '.0f')} s > {left:.0f} s left: stop", flush=True
+            )
+            call["pending"].append({"series": list(key), "next_tokens": nxt, "phase": phase})
+            return False
+        batch, seq = shape_of(args, axis, nxt)
+        spec = {"provider": provider, "checkpointing": ckpt, "batch": batch, "seq": seq, "args": worker_args}
+        c0 = time.time()
+        rec = run_subprocess(spec, min(args.try_timeout_s, left))
+        if rec["status"] == "timeout" and left < args.try_timeout_s:
+            # Killed by the call's budget, not by its own limit: a later call (--resume) runs it again.
+            print(f"[max_tokens] {key} {nxt}: cut by the budget after {time.time() - c0:.0f}s", flush=True)
+            call["pending"].append({"series": list(key), "next_tokens": nxt, "phase": phase})
+            return False
+        rec.update(
+            provider=provider, axis=axis, checkpointing=ckpt, tokens=nxt, batch=batch, seq=seq,
+            kind=phase, wall_s=time.time() - c0,
+        )  # fmt: skip
+        tries.append(rec)
+        print(
+            f"[max_tokens] {provider:5s} {axis:5s} ckpt {'on ' if ckpt else 'off'} {batch:4d} x {seq:7d}"
+            f" = {nxt:8d}: {rec['status']:7s} peak {C.fmt(rec.get('peak_mib'), '.0f')} MiB,"
+            f" {C.fmt(rec.get('tokens_per_s'), '.0f')} tok/s ({rec['wall_s']:.0f}s)"
+            + (f" {rec['error'][:160]}" if rec.get("status") in ("error", "timeout") else ""),
+            flush=True,
+        )
+        flush()
+        return True
+
+    if args.size_list:  # only the sizes asked for, --repeats times each, the series interleaved
+        # Planned again after every try: a size that ran out of memory (or failed) is not tried again.
+        while plan := sizes_plan(keys, args.size_list, args.repeats, tries):
+            key, size, _ = plan[0]
+            if not attempt(key, size, "sizes"):
+                break
+    else:  # the searches, then the other providers' maxima (probes) for equal-size comparisons
+        out_of_budget = False
+        for phase in ("search", "probe"):
+            for key in keys:
+                while not out_of_budget:
+                    nxt = next_tokens_of(phase, key)
                     if nxt is None:
-                        done[key] = True
                         break
-                elif phase == "sizes":
-                    tried = {t["tokens"] for t in series}
-                    probes = [n for n in args.size_list if n not in tried]
-                    if not probes:
-                        break
-                    nxt = probes[0]
-                else:
-                    probes = probe_tokens(key, tries, done) if done.get(key) else []
-                    if not probes:
-                        break
-                    nxt = probes[0]
-                left = math.inf if args.budget_s is None else args.budget_s - (time.time() - t0)
-                est = estimate_s(series, nxt, axis)
-                if est is not None and est > left or left < 30:
-                    print(
-                        f"[max_tokens] {key} next {nxt}: ~{C.fmt(est, '.0f')} s > {left:.0f} s left: stop",
-                        flush=True,
-                    )
-                    call["pending"].append({"series": list(key), "next_tokens": nxt, "phase": phase})
-                    out_of_budget = True
-                    break
-                batch, seq = shape_of(args, axis, nxt)
-                spec = {
-                    "provider": provider,
-                    "checkpointing": ckpt,
-                    "batch": batch,
-                    "seq": seq,
-                    "args": worker_args,
-                }
-                c0 = time.time()
-                rec = run_subprocess(spec, min(args.try_timeout_s, left))
-                if rec["status"] == "timeout" and left < args.try_timeout_s:
-                    # Killed by the call's budget, not by its own limit: a later call (--resume) runs it again.
-                    print(
-                        f"[max_tokens] {key} {nxt}: cut by the budget after {time.time() - c0:.0f}s",
-                        flush=True,
-                    )
-                    call["pending"].append({"series": list(key), "next_tokens": nxt, "phase": phase})
-                    out_of_budget = True
-                    break
-                rec.update(
-                    provider=provider, axis=axis, checkpointing=ckpt, tokens=nxt, batch=batch, seq=seq,
-                    kind=phase, wall_s=time.time() - c0,
-                )  # fmt: skip
-                tries.append(rec)
-                print(
-                    f"[max_tokens] {provider:5s} {axis:5s} ckpt {'on ' if ckpt else 'off'} {batch:4d} x {seq:7d}"
-                    f" = {nxt:8d}: {rec['status']:7s} peak {C.fmt(rec.get('peak_mib'), '.0f')} MiB,"
-                    f" {C.fmt(rec.get('tokens_per_s'), '.0f')} tok/s ({rec['wall_s']:.0f}s)"
-                    + (f" {rec['error'][:160]}" if rec.get("status") in ("error", "timeout") else ""),
-                    flush=True,
-                )
-                flush()
+                    out_of_budget = not attempt(key, nxt, phase)
     flush()
     write_outputs(out, stem, payload)
     print(
@@ -704,12 +712,43 @@ def series_summary(tries: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
+def sizes_plan(
+    keys: Sequence[Key], sizes: Sequence[int], repeats: int, tries: Sequence[Dict[str, Any]]
+) -> List[Tuple[Key, int, int]]:
+    """(series, tokens, round) of the ``--sizes`` tries still to run: round r runs every size for every series
+    (in reverse series order on odd rounds, so no provider always runs first or last), skipping a (series,
+    size) that already has r + 1 fits (those of a resumed call or of its search count) or a try that did not
+    fit (out of memory, an error: not tried again)."""
+    plan = []
+    for rnd in range(repeats):
+        order = list(keys) if rnd % 2 == 0 else list(keys)[::-1]
+        for size in sizes:
+            for key in order:
+                here = [t for t in tries if series_key(t) == key and t["tokens"] == size]
+                if any(t["status"] != "fit" for t in here):
+                    continue
+                if (
+                    sum(t["status"] == "fit" for t in here)
+                    + sum(1 for k, n, _ in plan if (k, n) == (key, size))
+                    > rnd
+                ):
+                    continue
+                plan.append((key, size, rnd))
+    return plan
+
+
+def _fit_rates(tries: Sequence[Dict[str, Any]], key: Key) -> Dict[int, List[float]]:
+    """Tokens/s of every fit of a series, per length (several with ``--repeats``)."""
+    rates: Dict[int, List[float]] = {}
+    for t in tries:
+        if series_key(t) == key and t["status"] == "fit" and t.get("tokens_per_s"):
+            rates.setdefault(t["tokens"], []).append(t["tokens_per_s"])
+    return rates
+
+
 def _fit_rate(tries: Sequence[Dict[str, Any]], key: Key) -> Dict[int, float]:
-    return {
-        t["tokens"]: t["tokens_per_s"]
-        for t in tries
-        if series_key(t) == key and t["status"] == "fit" and t.get("tokens_per_s")
-    }
+    """The median tokens/s of a series' fits per length."""
+    return {n: C.percentile(values, 50) for n, values in _fit_rates(tries, key).items()}
 
 
 def goals(tries: Sequence[Dict[str, Any]]) -> List[str]:
@@ -742,10 +781,13 @@ def goals(tries: Sequence[Dict[str, Any]]) -> List[str]:
         if common:
             ratios = [r_f[t] / r_o[t] for t in common]
             worst = min(range(len(common)), key=lambda i: ratios[i])
+            runs = _fit_rates(tries, ("flce", "seq", True))
+            runs_o = _fit_rates(tries, (other, "seq", True))
+            fewest = min(min(len(runs[t]), len(runs_o[t])) for t in common)
             lines.append(
                 f"goal 3 (checkpointing, batch 1, {len(common)} lengths both fit, {common[0]}..{common[-1]}): flce /"
                 f" {other} tok/s >= 1 at {sum(r >= 1 for r in ratios)}/{len(common)}; lowest {ratios[worst]:.3f}x"
-                f" at {common[worst]}"
+                f" at {common[worst]} (medians; at least {fewest} run{'s' if fewest > 1 else ''} per length)"
             )
     return lines
 

@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_max_tokens.sh --checkpointing off                       # call 1: both axes, no ckpt
 #   bash benchmarks/gpu_max_tokens.sh --checkpointing on --resume PREV.json     # call 2 (and 3: same again)
 #   bash benchmarks/gpu_max_tokens.sh --model 3b --axes batch --checkpointing off --tag _3b
+#   bash benchmarks/gpu_max_tokens.sh --checkpointing on --axes seq --sizes 16384,57344 --repeats 3 --tag _goal3
 #
 # PREV.json is the max_tokens.json an earlier call returned, put in the working tree where the device copy
 # picks it up (e.g. benchmarks/results/<run>/max_tokens.json, untracked) or carried.

@@ -124,3 +124,37 @@ def test_compiled_layers_get_an_untimed_step_at_the_try_size():
     assert bench.warmup_shapes(9, 4096, 4096, compile_layers=False) == [(1, 4096)]
     assert bench.warmup_shapes(9, 4096, 4096, compile_layers=True) == [(1, 4096), (9, 4096)]
     assert bench.warmup_shapes(1, 1024, 4096, compile_layers=False) == [(1, 1024)]
+
+
+def _try(provider, tokens, status, tok_s=None):
+    return {"provider": provider, "axis": "seq", "checkpointing": True, "tokens": tokens, "status": status,
+            "tokens_per_s": tok_s, "batch": 1, "seq": tokens, "peak_mib": 1.0}  # fmt: skip
+
+
+def test_sizes_plan_interleaves_rounds_and_skips_what_ran():
+    """--sizes with --repeats: round r runs every size for every series (the series order reversed on odd
+    rounds), a (series, size) with r + 1 fits already (a search's or a resumed call's) is not run again in
+    that round, and one that ran out of memory (or failed) is not run at all."""
+    hf, liger, fl = ("hf", "seq", True), ("liger", "seq", True), ("flce", "seq", True)
+    keys = [hf, liger, fl]
+    tries = [_try("hf", 16384, "fit", 25_000.0), _try("hf", 57344, "OOM"), _try("liger", 57344, "error")]
+    plan = bench.sizes_plan(keys, [16384, 57344], 2, tries)
+    assert plan == [
+        (liger, 16384, 0), (fl, 16384, 0), (fl, 57344, 0),  # hf's 16384 fit counts for round 0
+        (fl, 16384, 1), (liger, 16384, 1), (hf, 16384, 1), (fl, 57344, 1),  # reversed order
+    ]  # fmt: skip
+    assert bench.sizes_plan(keys, [16384], 1, tries) == [(liger, 16384, 0), (fl, 16384, 0)]
+    done = tries + [_try(k[0], n, "fit", 1.0) for k, n, _ in plan]
+    assert bench.sizes_plan(keys, [16384, 57344], 2, done) == []
+
+
+def test_goal_three_compares_the_median_of_repeated_runs():
+    """Several fits at a length: the goal compares medians (one slow run does not decide it) and says how many
+    runs each length had."""
+    tries = [_try("flce", 16384, "fit", r) for r in (25_700.0, 25_900.0, 24_000.0)]
+    tries += [_try("hf", 16384, "fit", r) for r in (25_800.0, 25_750.0, 25_850.0)]
+    assert bench._fit_rate(tries, ("flce", "seq", True)) == {16384: 25_700.0}
+    (line,) = [g for g in bench.goals(tries) if "flce / hf" in g]
+    assert (
+        "lowest 0.996x at 16384" in line
+    )  # 25700 / 25800; the last runs: 0.928x and "at least 3 runs per length" in line
