@@ -45,13 +45,16 @@ FLCE_NAMED_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce_fp32head": {"logits_precision": "fp32_head"},
 }
 # Named rows of "fp32_compensated" with its Triton GEMM at another launch configuration than the measured one
-# (fields of kernels.compensated_gemm.GemmConfig replaced): to choose that configuration from whole-op times
-# in one run, not from the GEMM alone.
-FLCE_GEMM_CONFIG_VARIANTS: Dict[str, Dict[str, Any]] = {
+# ("config": fields of kernels.compensated_gemm.GemmConfig replaced) or with the GEMM's LSE partials feeding
+# the chunk kernel ("lse_from_gemm": engine.LSE_FROM_LOGITS_GEMM on): to choose from whole-op times in one run.
+FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # one program per tile, masked stores (the configuration of run80-run83)
-    "flce_fp32comp_pertile": {"persistent": False, "tma_store": False},
+    "flce_fp32comp_pertile": {"config": {"persistent": False, "tma_store": False}},
     # chains of 4 x 128 products (run84: the fastest accurate GEMM alone, loss within 5.2e-6 of float64)
-    "flce_fp32comp_c4": {"chain_blocks": 4},
+    "flce_fp32comp_c4": {"config": {"chain_blocks": 4}},
+    # the chunk kernel's LSE from the GEMM's epilogue: one read of the fp32 logits instead of two
+    "flce_fp32comp_tilelse": {"lse_from_gemm": True},
+    "flce_fp32comp_c4_tilelse": {"config": {"chain_blocks": 4}, "lse_from_gemm": True},
 }
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.
@@ -270,22 +273,29 @@ def _build_flce(kwargs: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
     return build
 
 
-def _build_flce_gemm_config(replace: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
-    """``logits_precision="fp32_compensated"`` with the compensated GEMM's launch configuration changed for
-    the duration of each call (the library has no such option: its configuration is the measured one)."""
+def _build_flce_compensated(variant: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
+    """``logits_precision="fp32_compensated"`` with the compensated GEMM's launch configuration changed and/or
+    the engine's LSE-from-GEMM switch set for the duration of each call (the library has neither as an option:
+    its configuration is the measured one)."""
 
     def build(device: torch.device) -> LossFn:
+        from lightning_flce import engine
         from lightning_flce.kernels import compensated_gemm
 
         plain = _build_flce({"logits_precision": "fp32_compensated"})(device)
         measured = compensated_gemm.launch_config
+        replace = variant.get("config", {})
+        lse_from_gemm = variant.get("lse_from_gemm", engine.LSE_FROM_LOGITS_GEMM)
 
         def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            default = engine.LSE_FROM_LOGITS_GEMM
             compensated_gemm.launch_config = lambda dev: measured(dev)._replace(**replace)
+            engine.LSE_FROM_LOGITS_GEMM = lse_from_gemm
             try:
                 return plain(x, w, t)
             finally:
                 compensated_gemm.launch_config = measured
+                engine.LSE_FROM_LOGITS_GEMM = default
 
         return fn
 
@@ -402,12 +412,12 @@ def make_providers(
                 max_samples=FLCE_MAX_SAMPLES.get(name),
             )
         )
-    for name, replace in FLCE_GEMM_CONFIG_VARIANTS.items():
+    for name, variant in FLCE_COMPENSATED_VARIANTS.items():
         desc = (
-            "lightning_flce.fused_linear_cross_entropy(logits_precision='fp32_compensated') with the GEMM's"
-            f" launch config {replace}; only when named"
+            "lightning_flce.fused_linear_cross_entropy(logits_precision='fp32_compensated') with"
+            f" {variant}; only when named"
         )
-        providers.append(Provider(name, desc, _build_flce_gemm_config(replace), True, default=False))
+        providers.append(Provider(name, desc, _build_flce_compensated(variant), True, default=False))
     providers += [
         Provider(
             "flce_base",

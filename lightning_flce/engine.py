@@ -19,6 +19,7 @@ normalizer), "sum" (1), per-token weights (the weights times those), and the per
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
@@ -58,6 +59,12 @@ _FP16_LOGIT_GRAD_MAX = 2.0**10
 _FP16_STORED_GRAD_MAX = 2.0**14
 # The z-loss gradient 2 lam lse p is bounded assuming |lse| <= this (the headroom covers far more).
 _Z_LOSS_LSE_BOUND = 64.0
+#: ``logits_precision="fp32_compensated"`` on the Triton path: the logits GEMM's epilogue writes each row's
+#: log-sum-exp partials over its column tiles (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`) and
+#: the chunk kernel takes the LSE from them, reading the fp32 logits once instead of twice (options without
+#: label smoothing, no statistics; front ends that pass ``chunk_lse_from_tiles=True``). Tested under Triton's
+#: interpreter; off until its CUDA tests and provider rows have run (row ``flce_fp32comp_tilelse`` turns it on).
+LSE_FROM_LOGITS_GEMM = False
 
 
 def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, large_chunks: bool) -> int:
@@ -250,6 +257,7 @@ def run_chunks(
     keep_scaled: bool = False,
     fp16_bounds: Optional[Sequence[float]] = None,
     grad_weight_dtype: Optional[torch.dtype] = None,
+    chunk_lse_from_tiles: bool = False,
 ) -> Tuple[Optional[Tensor], ...]:
     """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
 
@@ -270,6 +278,8 @@ def run_chunks(
     already. ``grad_weight_dtype``: dW's accumulator dtype, returned as it is (no cast to the weight's
     dtype; see :func:`saved_grad_weight_dtype`). ``triton_logits_gemm``: the chunk kernels are the "triton"
     backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`).
+    ``chunk_lse_from_tiles``: ``chunk_cross_entropy`` takes a ``tile_lse=`` keyword (the Triton chunk kernel's),
+    so with :data:`LSE_FROM_LOGITS_GEMM` that GEMM's LSE partials may replace the kernel's first pass.
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -294,6 +304,18 @@ def run_chunks(
         else None
     )
     per_row_scale = ce_scale.numel() > 1
+    # The GEMM's LSE partials, one buffer for the largest chunk (rows x V / 128 x 8 bytes: 1/64 of the fp32
+    # logits buffer at 128-wide tiles), sliced per chunk.
+    tile_lse = None
+    if (
+        LSE_FROM_LOGITS_GEMM
+        and chunk_lse_from_tiles
+        and logits_gemm is not None
+        and logits_gemm.mode == "triton"
+        and options.label_smoothing == 0.0
+        and not compute_stats
+    ):
+        tile_lse = logits_gemm.empty_tile_lse(min(chunk_size, n_valid), vocab, softcap=options.softcap)
 
     loss_dtype = softmax_dtype(compute_dtype)
     loss = torch.zeros(n_rows, dtype=loss_dtype, device=device)
@@ -352,8 +374,9 @@ def run_chunks(
         if logits_buffer is None:
             logits_buffer = torch.empty(min(chunk_size, n_valid), vocab, dtype=logits_dtype, device=device)
         logits = logits_buffer[: end - start]
+        tile_lse_c = tile_lse.rows(end - start) if tile_lse is not None else None
         if logits_gemm is not None:
-            logits_gemm(x_c, bias_c, out=logits)
+            logits_gemm(x_c, bias_c, out=logits, tile_lse=tile_lse_c)
         elif bias_c is not None:
             torch.addmm(bias_c, x_c, weight_c.t(), out=logits)
         else:
@@ -371,6 +394,7 @@ def run_chunks(
             z_scale[scale_rows] if per_row_scale else z_scale,
             compute_grad,
             grad_logits if grad_logits is not logits else None,
+            **({} if tile_lse_c is None else {"tile_lse": tile_lse_c}),
         )
         _write_rows(loss, scale_rows, out.loss if scales.logits == 1.0 else out.loss / scales.logits)
         _write_rows(lse, scale_rows, out.lse)
@@ -396,6 +420,7 @@ def run_chunks(
     # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
     # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
     logits_buffer = logits = grad_logits = x_c = weight_c = weight_for_grad_input = bias_c = None
+    tile_lse = tile_lse_c = None
     logits_gemm = None
     if need_grad_weight:
         if n_valid == 0:
@@ -714,16 +739,22 @@ class WideLogitsGemm:
             weight = weight.contiguous()  # once per call (the kernel reads rows of W with unit stride)
         self.weight = weight
         if self.mode == "triton":  # imported here: only the Triton path needs the kernel module (and triton)
-            from lightning_flce.kernels.compensated_gemm import compensated_logits_mm
+            from lightning_flce.kernels import compensated_gemm
 
-            self.compensated_mm = compensated_logits_mm
+            self.compensated_mm = compensated_gemm.compensated_logits_mm
+            self.empty_tile_lse = functools.partial(compensated_gemm.empty_tile_lse, device=weight.device)
         wide_dtype = self.WEIGHT_COPY_DTYPES.get(self.mode)
         self.weight_wide = weight.to(wide_dtype) if wide_dtype is not None else None
 
-    def __call__(self, x_c: Tensor, bias: Optional[Tensor], *, out: Tensor) -> None:
-        if self.mode == "triton":
-            self.compensated_mm(x_c, self.weight, out, bias)  # the bias in the kernel's epilogue, in fp32
+    def __call__(self, x_c: Tensor, bias: Optional[Tensor], *, out: Tensor, tile_lse=None) -> None:
+        """``out = x_c @ W.T (+ b)``; ``tile_lse`` (the "triton" mode's, from :meth:`empty_tile_lse`): the
+        rows' log-sum-exp partials, written by the kernel's epilogue."""
+        if self.mode == "triton":  # the bias in the kernel's epilogue, in fp32
+            self.compensated_mm(
+                x_c, self.weight, out, bias, **({} if tile_lse is None else {"tile_lse": tile_lse})
+            )
             return
+        assert tile_lse is None, "LSE partials come only from the Triton GEMM"
         if self.mode == "native":
             torch.mm(x_c, self.weight.t(), out_dtype=torch.float32, out=out)
         elif self.mode == "widened":

@@ -187,7 +187,9 @@ def _chunk_loop(
     )
     kernels = BACKENDS[args.backend].kernels()
 
-    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad, grad_out):
+    def chunk_cross_entropy(
+        logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad, grad_out, **tile
+    ):
         return kernels.cross_entropy_chunk(
             logits,
             chunk_target,
@@ -197,6 +199,7 @@ def _chunk_loop(
             compute_grad=compute_grad,
             compute_stats=compute_stats,
             grad_out=grad_out,
+            **tile,  # tile_lse= (the engine passes it only to the Triton chunk kernel)
         )
 
     *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
@@ -214,6 +217,7 @@ def _chunk_loop(
         compute_dtype=compute_dtype,
         logits_precision=args.logits_precision,
         triton_logits_gemm=args.backend == "triton",
+        chunk_lse_from_tiles=args.backend == "triton",
         need_grad_input=need_grad_input,
         need_grad_weight=need_grad_weight,
         need_grad_bias=need_grad_bias,

@@ -217,6 +217,180 @@ def test_tma_store_writes_only_the_rows_of_a_slice(monkeypatch):
     assert buffer[0].isnan().all() and buffer[m + 1 :].isnan().all()
 
 
+def tile_lse_reference(out, n_tiles, block_n, softcap):
+    """float64 max and sum(exp(z - max)) per row and block_n-wide column tile of the stored fp32 logits."""
+    z = out.double()
+    if softcap > 0.0:
+        z = softcap * torch.tanh(z / softcap)
+    pad = n_tiles * block_n - z.shape[1]
+    z = torch.nn.functional.pad(z, (0, pad), value=float("-inf")).view(z.shape[0], n_tiles, block_n)
+    tile_max = z.amax(dim=2)
+    ref = torch.where(tile_max == float("-inf"), torch.zeros_like(tile_max), tile_max)
+    return tile_max, (z - ref[..., None]).exp().sum(dim=2)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["no-softcap", "softcap"])
+@pytest.mark.parametrize("loop", ["per-tile", "persistent-store", "pointer"])
+def test_epilogue_writes_each_tiles_lse_partials(loop, softcap):
+    """``tile_lse``: per row and 16-wide column tile, the max and sum(exp(z - max)) of the logits as stored
+    (bias included, through the softcap), against float64 from ``out`` itself: 37 x 203 (M and N tails: the
+    last tile has 11 columns), a bias masking one whole tile to -inf (its max -inf, its sum 0, no NaN; -softcap
+    through a softcap), a
+    row slice of a larger partial buffer (rows past M untouched). The TMA kernel per tile and persistent with
+    the store, and the pointer kernel (K = 70: no TMA)."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+
+    m, n = 37, 203
+    k = 70 if loop == "pointer" else 72
+    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=7)
+    b[16:32] = float("-inf")
+    config = gemm.INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False)
+    if loop != "pointer":
+        config = config._replace(tma=True, **TILE_LOOPS[loop])
+    buffers = gemm.empty_tile_lse(m + 3, n, x.device, softcap, config=config)
+    buffers.max.fill_(float("nan"))
+    buffers.sum_exp.fill_(float("nan"))
+    out = torch.full((m, n), float("nan"))
+    gemm.compensated_logits_mm(x, w, out, b, config=config, tile_lse=buffers.rows(m))
+    n_tiles = -(-n // config.block_n)
+    want_max, want_sum = tile_lse_reference(out, n_tiles, config.block_n, softcap)
+    got_max, got_sum = buffers.max[:m].double(), buffers.sum_exp[:m].double()
+    if softcap == 0.0:  # (a softcap maps -inf to -softcap, in the chunk kernel as here)
+        assert (got_max[:, 1] == float("-inf")).all() and (got_sum[:, 1] == 0).all()
+    finite = want_max != float("-inf")
+    assert torch.allclose(got_max[finite], want_max[finite], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(got_sum, want_sum, rtol=1e-5, atol=0)
+    assert buffers.max[m:].isnan().all() and buffers.sum_exp[m:].isnan().all()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"softcap": 15.0, "lse_square_scale": 1e-3}, {"class_weight": True}],
+    ids=["plain", "softcap-zloss", "class-weight"],
+)
+def test_chunk_kernel_takes_the_lse_from_the_tiles(options):
+    """The chunk kernel with the GEMM's partials (no first pass over the logits) gives the loss, LSE and
+    gradient it gives from the logits (fp32 sums in another order: within 2e-6), ignored rows included; and
+    refuses partials of another softcap or with label smoothing or statistics (they need the first pass)."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+    from lightning_flce.engine import kernel_options
+    from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton
+
+    m, n, k = 37, 203, 72
+    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    target = torch.randint(0, n, (m,), generator=gen)
+    target[::7] = -100
+    class_weight = torch.rand(n, generator=gen) + 0.5 if options.get("class_weight") else None
+    opts = kernel_options(
+        -100,
+        0.0,
+        options.get("lse_square_scale", 0.0),
+        options.get("softcap", 0.0),
+        class_weight,
+        torch.bfloat16,
+    )
+    config = gemm.INTERPRET_CONFIG._replace(
+        chain_blocks=2, kahan=False, tma=True, persistent=True, tma_store=True
+    )
+    partials = gemm.empty_tile_lse(m, n, x.device, opts.softcap, config=config)
+    logits = torch.empty(m, n)
+    gemm.compensated_logits_mm(x, w, logits, b, config=config, tile_lse=partials)
+    scale = torch.ones(1)
+    kwargs = {"ce_scale": scale, "z_scale": scale, "compute_grad": True, "compute_stats": False}
+    from_rows = logits.clone()
+    want = cross_entropy_chunk_triton(from_rows, target, opts, **kwargs)
+    from_tiles = logits.clone()
+    got = cross_entropy_chunk_triton(from_tiles, target, opts, tile_lse=partials, **kwargs)
+    assert (got.lse - want.lse).abs().max() <= 2e-6
+    assert (got.loss - want.loss).abs().max() <= 2e-6
+    assert (from_tiles - from_rows).abs().max() <= 2e-6  # the gradients, in place
+    with pytest.raises(ValueError, match="first pass"):
+        cross_entropy_chunk_triton(
+            logits.clone(), target, opts._replace(label_smoothing=0.1), tile_lse=partials, **kwargs
+        )
+    with pytest.raises(ValueError, match="first pass"):
+        cross_entropy_chunk_triton(
+            logits.clone(), target, opts, tile_lse=partials, **{**kwargs, "compute_stats": True}
+        )
+    with pytest.raises(ValueError, match="softcap"):
+        cross_entropy_chunk_triton(
+            logits.clone(), target, opts._replace(softcap=opts.softcap + 1.0), tile_lse=partials, **kwargs
+        )
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_op_can_take_the_lse_from_the_gemm(monkeypatch, reduction):
+    """With ``engine.LSE_FROM_LOGITS_GEMM`` on, ``"fp32_compensated"`` on the Triton path hands every chunk's
+    GEMM partials to the chunk kernel (softcap, bias, ignored rows, three chunks; "none" recomputes in its
+    backward): per-token loss within 1e-5 of float64 and within 2e-6 of the same op without them, gradients as
+    accurate. Label smoothing or statistics keep the first pass (no partials made)."""
+    import lightning_flce.engine as engine
+    import lightning_flce.kernels.cross_entropy as ce
+
+    monkeypatch.setattr(engine, "LSE_FROM_LOGITS_GEMM", True)
+    handed = []
+    launch = ce.cross_entropy_chunk_triton
+
+    def spy(*args, tile_lse=None, **kwargs):
+        handed.append(tile_lse is not None)
+        return launch(*args, tile_lse=tile_lse, **kwargs)
+
+    monkeypatch.setattr(ce, "cross_entropy_chunk_triton", spy)
+    gen = torch.Generator().manual_seed(10)
+    n, h, v = 40, 48, 203
+    x = torch.randn(n, h, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=gen) / h**0.5 * 3).bfloat16().requires_grad_()
+    b = (0.1 * torch.randn(v, generator=gen)).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), generator=gen)
+    t[::9] = -100
+    options = {"softcap": 15.0, "reduction": reduction}
+    grad_output = torch.randn(n, generator=gen) if reduction == "none" else None
+
+    def fused(**extra):
+        return grads_of(
+            lambda *a: fused_linear_cross_entropy(
+                *a[:2],
+                t,
+                a[2],
+                logits_precision="fp32_compensated",
+                impl="triton",
+                chunk_size=16,
+                **options,
+                **extra,
+            ),
+            x,
+            w,
+            b,
+            grad_output=grad_output,
+        )
+
+    want = grads_of(
+        lambda *a: reference_loss(*a[:2], t, a[2], **options),
+        x.double(),
+        w.double(),
+        b.double(),
+        grad_output=grad_output,
+    )
+    got = fused()
+    assert handed and all(handed)
+    assert (got[0].double() - want[0]).abs().max() <= 1e-5
+    handed.clear()
+    monkeypatch.setattr(engine, "LSE_FROM_LOGITS_GEMM", False)
+    two_pass = fused()
+    assert handed and not any(handed)
+    assert (got[0] - two_pass[0]).abs().max() <= 2e-6
+    for g, d, ref in zip(got[1], two_pass[1], want[1]):
+        assert relative_error(g, ref) <= 1.01 * relative_error(d, ref) + 1e-6
+    monkeypatch.setattr(engine, "LSE_FROM_LOGITS_GEMM", True)
+    handed.clear()
+    fused(label_smoothing=0.05)
+    assert handed and not any(handed)
+
+
 def test_plain_sum_needs_chains_of_two_blocks():
     """One block per chain with a plain sum would compile back into one chain over K: refused up front."""
     from lightning_flce.kernels.compensated_gemm import INTERPRET_CONFIG, compensated_logits_mm

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from lightning_flce._compat import TRITON_INTERPRET
+from lightning_flce.kernels.triton_math import exp, tanh
 
 #: The operand dtypes the kernel takes.
 OPERAND_DTYPES = (torch.bfloat16, torch.float16)
@@ -194,36 +195,67 @@ def tma_blocks(x_desc, w_desc, off_m, off_n, k, BLOCK_K: tl.constexpr, UPCAST: t
 
 
 @triton.jit
-def store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS: tl.constexpr):
-    """``acc`` (+ the bias, in fp32, rounded once: as out.add_(bias) after the GEMM) into out's rows rm and
-    columns rn that exist."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + tl.minimum(rn, N - 1))[None, :]
+def store_tile(acc, out_ptr, M, N, out_row_stride, rm, rn):
+    """``acc`` into out's rows rm and columns rn that exist (the warps' masked stores)."""
     out_tile = out_ptr + rm.to(tl.int64)[:, None] * out_row_stride + rn[None, :]
     tl.store(out_tile, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
-def store_tile_tma(
-    acc,
-    bias_ptr,
-    out_desc,
-    N,
-    off_m,
-    off_n,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
+def store_tile_tma(acc, out_desc, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """:func:`store_tile` through out's tensor descriptor (blocks [BLOCK_M, BLOCK_N // 2]): the copy engine
     writes the tile from shared memory and drops what lies past M and N. In halves, so the epilogue's shared
     buffer (32 KiB at 128 x 128) fits beside three 64 KiB stages."""
-    if HAS_BIAS:
-        rn = off_n + tl.arange(0, BLOCK_N)
-        acc += tl.load(bias_ptr + tl.minimum(rn, N - 1))[None, :]
     left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
     out_desc.store([off_m, off_n], left)
     out_desc.store([off_m, off_n + BLOCK_N // 2], right)
+
+
+@triton.jit
+def epilogue(
+    acc,
+    bias_ptr,
+    out_ptr,
+    out_desc,
+    tile_max_ptr,
+    tile_sum_ptr,
+    tile_row_stride,
+    softcap,
+    M,
+    N,
+    out_row_stride,
+    pid_m,
+    pid_n,
+    HAS_BIAS: tl.constexpr,
+    TILE_LSE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """A finished tile: the bias added in fp32 (rounded once, as out.add_(bias) after the GEMM); with TILE_LSE,
+    each row's log-sum-exp partial over the tile's columns (see :class:`TileLse`); then the store."""
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + tl.minimum(rn, N - 1))[None, :]
+    if TILE_LSE:
+        z = acc
+        if HAS_SOFTCAP:  # as the chunk kernel's load_logits: the same fp32 value, the same tanh
+            z = softcap * tanh(z / softcap)
+        z = tl.where(rn[None, :] < N, z, float("-inf"))
+        row_max = tl.max(z, 1)
+        # A row whose columns here are all -inf (a bias mask) sums exp(z - 0) = 0 instead of NaN.
+        row_ref = tl.where(row_max == float("-inf"), 0.0, row_max)
+        row_sum = tl.sum(exp(z - row_ref[:, None], PRECISE), 1)
+        partial = rm.to(tl.int64) * tile_row_stride + pid_n
+        tl.store(tile_max_ptr + partial, row_max, mask=rm < M)
+        tl.store(tile_sum_ptr + partial, row_sum, mask=rm < M)
+    if TMA_STORE:
+        store_tile_tma(acc, out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N)
+    else:
+        store_tile(acc, out_ptr, M, N, out_row_stride, rm, rn)
 
 
 @triton.jit
@@ -232,13 +264,20 @@ def _compensated_mm_kernel(
     w_ptr,  # [N, K] same dtype, unit stride along K
     bias_ptr,  # [N] fp32 (read only with HAS_BIAS)
     out_ptr,  # [M, N] fp32 out, unit stride along N
+    tile_max_ptr,  # [M, cdiv(N, BLOCK_N)] fp32 out (written only with TILE_LSE), row stride tile_row_stride
+    tile_sum_ptr,  # the same shape
     M,
     N,
     K,
     x_row_stride,
     w_row_stride,
     out_row_stride,
+    tile_row_stride,
+    softcap,
     HAS_BIAS: tl.constexpr,
+    TILE_LSE: tl.constexpr,  # write each row's log-sum-exp partials over each tile's columns
+    HAS_SOFTCAP: tl.constexpr,  # ... of softcap * tanh(logit / softcap)
+    PRECISE: tl.constexpr,  # libdevice exp (a GPU; not the interpreter)
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
     UPCAST: tl.constexpr,  # widen the operands to fp32 before tl.dot (the interpreter)
     BLOCK_M: tl.constexpr,
@@ -277,7 +316,10 @@ def _compensated_mm_kernel(
         part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
-    store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
+    epilogue(
+        acc, bias_ptr, out_ptr, None, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
+        out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, False, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -287,12 +329,19 @@ def _compensated_mm_tma_kernel(
     out_desc,  # TensorDescriptor of out [M, N], blocks [BLOCK_M, BLOCK_N // 2] (read only with TMA_STORE)
     bias_ptr,  # [N] fp32 (read only with HAS_BIAS)
     out_ptr,  # [M, N] fp32 out, unit stride along N (the masked store: N like 32003 is no TMA row)
+    tile_max_ptr,  # as _compensated_mm_kernel's
+    tile_sum_ptr,
     M,
     N,
     K,
     out_row_stride,
+    tile_row_stride,
+    softcap,
     num_programs,  # the grid: one program per tile, or (persistent) fewer, each walking tiles
     HAS_BIAS: tl.constexpr,
+    TILE_LSE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -312,20 +361,16 @@ def _compensated_mm_tma_kernel(
     # Not tl.range(flatten=True): Triton's flattened, pipelined nest was 1.3-1.7x slower here (run83).
     for tile in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_blocks):
-            a, b = tma_blocks(x_desc, w_desc, off_m, off_n, k, BLOCK_K, UPCAST)
+            a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
             part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
-        if TMA_STORE:
-            store_tile_tma(acc, bias_ptr, out_desc, N, off_m, off_n, BLOCK_M, BLOCK_N, HAS_BIAS)
-        else:
-            rm = off_m + tl.arange(0, BLOCK_M)
-            rn = off_n + tl.arange(0, BLOCK_N)
-            store_tile(acc, bias_ptr, out_ptr, M, N, out_row_stride, rm, rn, HAS_BIAS)
+        epilogue(
+            acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
+            out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, TMA_STORE, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
 
 
 @functools.cache
@@ -376,10 +421,47 @@ def persistent_programs(device: torch.device, tiles: int) -> int:
     return min(tiles, _multiprocessors(index))
 
 
-def kernel_constants(config: GemmConfig, has_bias: bool) -> dict:
+class TileLse(NamedTuple):
+    """Each row's log-sum-exp partials over the GEMM's column tiles, written by its epilogue (the
+    ``tile_lse`` argument of :func:`compensated_logits_mm`): for row r and tile t (columns [t BN, (t + 1) BN)),
+    ``max[r, t]`` is the largest z there and ``sum_exp[r, t] = sum(exp(z - max[r, t]))``, where z are the fp32
+    logits as stored (bias included), through ``softcap * tanh(z / softcap)`` when ``softcap > 0``. The chunk
+    kernel combines them into the row's LSE instead of reading the row for it (its first pass).
+
+    ``max`` and ``sum_exp`` are fp32 [rows, tiles], unit stride along tiles, with at least the GEMM's M rows
+    (:func:`empty_tile_lse` sizes them for a GEMM's config; :meth:`rows` slices a chunk's).
+    """
+
+    max: torch.Tensor
+    sum_exp: torch.Tensor
+    softcap: float
+
+    def rows(self, n: int) -> TileLse:
+        """The partials of the first ``n`` rows (a chunk of a buffer sized for the largest one)."""
+        return self._replace(max=self.max[:n], sum_exp=self.sum_exp[:n])
+
+
+def empty_tile_lse(
+    rows: int, n: int, device: torch.device, softcap: float = 0.0, config: Optional[GemmConfig] = None
+) -> TileLse:
+    """Buffers for :class:`TileLse` of GEMMs of up to ``rows`` rows and ``n`` columns, at ``config``'s tiles
+    (default: :func:`launch_config`'s)."""
+    config = config or launch_config(device)
+    tiles = triton.cdiv(n, config.block_n)
+    return TileLse(
+        torch.empty(rows, tiles, dtype=torch.float32, device=device),
+        torch.empty(rows, tiles, dtype=torch.float32, device=device),
+        float(softcap),
+    )
+
+
+def kernel_constants(config: GemmConfig, has_bias: bool, tile_lse: Optional[TileLse] = None) -> dict:
     """The compile-time arguments (and launch options) the kernels take for ``config``."""
     return {
         "HAS_BIAS": has_bias,
+        "TILE_LSE": tile_lse is not None,
+        "HAS_SOFTCAP": tile_lse is not None and tile_lse.softcap > 0.0,
+        "PRECISE": not TRITON_INTERPRET,
         "UPCAST": TRITON_INTERPRET,
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
@@ -398,16 +480,20 @@ def compensated_logits_mm(
     out: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     config: Optional[GemmConfig] = None,
+    tile_lse: Optional[TileLse] = None,
 ) -> torch.Tensor:
     """``out = x_c @ weight.T (+ bias)`` in fp32 with the compensated sum over K (see the module docstring).
 
     ``x_c`` [M, K] and ``weight`` [N, K] are bf16 or fp16 (the same dtype), ``out`` an fp32 [M, N] tensor with
     unit stride along N (a row slice of a larger buffer is fine), ``bias`` an optional [N] tensor (added in
     fp32). Operands whose last dimension is not unit-stride are made contiguous (a copy). ``config``
-    overrides :func:`launch_config`. Returns ``out``.
+    overrides :func:`launch_config`. ``tile_lse``: buffers (:func:`empty_tile_lse`, at this config) that the
+    epilogue fills with the rows' log-sum-exp partials (:class:`TileLse`). Returns ``out``.
     """
     _check(x_c, weight, out, bias)
     config = config or launch_config(x_c.device)
+    if tile_lse is not None:
+        _check_tile_lse(tile_lse, x_c.shape[0], weight.shape[0], config, x_c.device)
     if not config.kahan and config.chain_blocks < 2:
         raise ValueError(
             "compensated_logits_mm: kahan=False needs chain_blocks >= 2 (a plain sum of one-block dots is the"
@@ -425,8 +511,12 @@ def compensated_logits_mm(
         bias = bias.to(torch.float32).contiguous()
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     grid = (tiles,)
-    constants = kernel_constants(config, has_bias=bias is not None)
+    constants = kernel_constants(config, has_bias=bias is not None, tile_lse=tile_lse)
     bias_arg = bias if bias is not None else out  # a dummy pointer, never read without HAS_BIAS
+    # dummy pointers and stride without TILE_LSE (never written)
+    tile_max, tile_sum = (tile_lse.max, tile_lse.sum_exp) if tile_lse is not None else (out, out)
+    tile_row_stride = tile_max.stride(0)
+    softcap = tile_lse.softcap if tile_lse is not None else 0.0
     if config.tma and tma_usable(x_c, weight):
         TensorDescriptor = _tensor_descriptor()  # noqa: N806  (the class)
         x_desc = TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k])
@@ -439,10 +529,14 @@ def compensated_logits_mm(
             TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2]) if tma_store else x_desc,
             bias_arg,
             out,
+            tile_max,
+            tile_sum,
             m,
             n,
             k,
             out.stride(0),
+            tile_row_stride,
+            softcap,
             programs,
             TMA_STORE=tma_store,
             **constants,
@@ -453,12 +547,16 @@ def compensated_logits_mm(
         weight,
         bias_arg,
         out,
+        tile_max,
+        tile_sum,
         m,
         n,
         k,
         x_c.stride(0),
         weight.stride(0),
         out.stride(0),
+        tile_row_stride,
+        softcap,
         EVEN_K=k % config.block_k == 0,
         **constants,
     )
@@ -497,3 +595,26 @@ def _check(x_c: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: Opt
             raise ValueError(
                 f"compensated_logits_mm: {name} is on {tensor.device} but x_c is on {x_c.device}"
             )
+
+
+def _check_tile_lse(tile_lse: TileLse, m: int, n: int, config: GemmConfig, device: torch.device) -> None:
+    """Python errors for partial buffers the epilogue would overrun or misread."""
+    tiles = triton.cdiv(n, config.block_n)
+    for name, t in (("max", tile_lse.max), ("sum_exp", tile_lse.sum_exp)):
+        if (
+            t.dtype != torch.float32
+            or t.dim() != 2
+            or t.shape[0] < m
+            or t.shape[1] != tiles
+            or t.stride(1) != 1
+        ):
+            raise ValueError(
+                f"compensated_logits_mm: tile_lse.{name} must be float32 [>= {m}, {tiles}] (cdiv(N, block_n ="
+                f" {config.block_n})) with unit stride along tiles, got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != device:
+            raise ValueError(
+                f"compensated_logits_mm: tile_lse.{name} is on {t.device} but x_c is on {device}"
+            )
+    if tile_lse.max.stride(0) != tile_lse.sum_exp.stride(0):
+        raise ValueError("compensated_logits_mm: tile_lse.max and .sum_exp need the same row stride")

@@ -69,6 +69,9 @@ def _cross_entropy_chunk_kernel(
     lse_ptr,  # [C] fp32 out
     correct_ptr,  # [C] int8 out (only with COMPUTE_STATS)
     entropy_ptr,  # [C] fp32 out (only with COMPUTE_STATS)
+    tile_max_ptr,  # [C, TILES] fp32: the logits GEMM's per-tile row maxima (read only with TILE_LSE)
+    tile_sum_ptr,  # [C, TILES] fp32: sum(exp(z - max)) per tile
+    tile_row_stride,
     V: tl.constexpr,  # constexpr: fixed per model, and the interpreter cannot loop to a runtime bound
     ignore_index,
     label_smoothing,
@@ -81,6 +84,8 @@ def _cross_entropy_chunk_kernel(
     COMPUTE_STATS: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice exp/log (fp32 logits on a GPU)
     GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 rows' second halves
+    TILE_LSE: tl.constexpr,  # the LSE from the GEMM's tile partials, no first pass (no smoothing, no stats)
+    TILES: tl.constexpr,
     BLOCK_V: tl.constexpr,
     LAST_BLOCK_START: tl.constexpr,  # (V - 1) // BLOCK_V * BLOCK_V
 ):
@@ -102,14 +107,26 @@ def _cross_entropy_chunk_kernel(
             tl.store(correct_ptr + row, 0)
             tl.store(entropy_ptr + row, 0.0)
     else:
-        # Pass 1: online logsumexp (+ smoothing and statistics terms).
+        # Pass 1: online logsumexp (+ smoothing and statistics terms); with TILE_LSE over the GEMM's partials
+        # (TILES values a row instead of V).
         m = float("-inf")
         d = 0.0
         weighted_z_sum = 0.0
         exp_z_sum = 0.0
         best = float("-inf")
         best_idx = 0
-        for start in range(0, V, BLOCK_V):
+        if TILE_LSE:
+            tile_row = row * tile_row_stride
+            for start in range(0, TILES, BLOCK_V):
+                cols = start + offsets
+                mask = cols < TILES
+                part_max = tl.load(tile_max_ptr + tile_row + cols, mask=mask, other=float("-inf"))
+                part_sum = tl.load(tile_sum_ptr + tile_row + cols, mask=mask, other=0.0)
+                # sum_t sum_exp_t exp(max_t - m) over the partials, as online_lse_step over logits
+                m_new, _, e, rescale, _ = online_lse_step(part_max, m, 0.0, PRECISE)
+                d = d * rescale + tl.sum(part_sum * e, 0)
+                m = m_new
+        for start in range(0, 0 if TILE_LSE else V, BLOCK_V):
             cols = start + offsets
             mask = cols < V
             z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
@@ -196,11 +213,15 @@ def cross_entropy_chunk_triton(
     compute_stats: bool,
     grad_out: Optional[torch.Tensor] = None,
     config: Optional[LaunchConfig] = None,
+    tile_lse=None,
 ) -> ChunkOutputs:
     """Launch :func:`_cross_entropy_chunk_kernel` on a [C, V] chunk (contract in ``lightning_flce.kernels``);
     the gradient goes to ``grad_out`` (a [C, V] tensor of any float dtype, or the logits' own rows as
     :func:`~lightning_flce.kernels.gradient_in_logits_rows` lays them out; default: the logits, in place);
-    ``config`` overrides :func:`default_launch_config`."""
+    ``config`` overrides :func:`default_launch_config`. ``tile_lse``: the logits GEMM's log-sum-exp partials
+    of these rows (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`, the options' softcap): the
+    rows' LSE comes from them and the kernel reads the logits once (options without label smoothing,
+    ``compute_stats=False``: those need the first pass's other sums)."""
     n_rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
     device = logits.device
@@ -222,6 +243,11 @@ def cross_entropy_chunk_triton(
     grad_out = logits if grad_out is None else grad_out
     assert grad_out.shape == logits.shape and grad_out.stride(1) == 1
     grad_in_row = is_gradient_in_logits_rows(logits, grad_out)  # raises for any other overlap
+    if tile_lse is not None:
+        _check_tile_lse(tile_lse, n_rows, options, compute_stats)
+        tile_max, tile_sum = tile_lse.max, tile_lse.sum_exp
+    else:
+        tile_max = tile_sum = loss  # dummy pointers, never read without TILE_LSE
     _cross_entropy_chunk_kernel[(n_rows,)](
         logits,
         logits.stride(0),
@@ -237,6 +263,9 @@ def cross_entropy_chunk_triton(
         lse,
         correct,
         entropy,
+        tile_max,
+        tile_sum,
+        tile_max.stride(0),
         vocab,
         options.ignore_index,
         options.label_smoothing,
@@ -249,6 +278,8 @@ def cross_entropy_chunk_triton(
         COMPUTE_STATS=compute_stats,
         PRECISE=logits.dtype == torch.float32 and not TRITON_INTERPRET,
         GRAD_IN_ROW=grad_in_row,
+        TILE_LSE=tile_lse is not None,
+        TILES=tile_max.shape[1] if tile_lse is not None else 1,
         BLOCK_V=block_v,
         LAST_BLOCK_START=(vocab - 1) // block_v * block_v,
         num_warps=config.num_warps,
@@ -257,3 +288,22 @@ def cross_entropy_chunk_triton(
     if not compute_stats:
         return ChunkOutputs(loss, lse)
     return ChunkOutputs(loss, lse, correct.bool(), entropy)
+
+
+def _check_tile_lse(tile_lse, n_rows: int, options: LossOptions, compute_stats: bool) -> None:
+    """The partials must be these rows' and of the logits as this loss transforms them (its softcap), and the
+    loss must need nothing else of the first pass."""
+    if options.label_smoothing > 0.0 or compute_stats:
+        raise ValueError(
+            "cross_entropy_chunk_triton: tile_lse gives the LSE only; label smoothing and compute_stats need"
+            " the first pass over the logits"
+        )
+    if tile_lse.softcap != options.softcap:
+        raise ValueError(
+            f"cross_entropy_chunk_triton: tile_lse is of softcap {tile_lse.softcap}, the loss's is {options.softcap}"
+        )
+    if tile_lse.max.shape[0] != n_rows or tile_lse.sum_exp.shape != tile_lse.max.shape:
+        raise ValueError(
+            f"cross_entropy_chunk_triton: tile_lse must have the chunk's {n_rows} rows, got"
+            f" {tuple(tile_lse.max.shape)} and {tuple(tile_lse.sum_exp.shape)}"
+        )
