@@ -316,15 +316,18 @@ def test_cuda_fp32_logits_at_benchmark_shapes(shape):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lse_from_gemm", [False, True], ids=["two-pass", "lse-from-gemm"])
 @pytest.mark.parametrize(
     "shape", [(16384, 4096, 32000), (8192, 2304, 256000)], ids=lambda s: "x".join(map(str, s))
 )
-def test_cuda_fp32_compensated_logits_at_benchmark_shapes(shape):
+def test_cuda_fp32_compensated_logits_at_benchmark_shapes(shape, lse_from_gemm, monkeypatch):
     """The problem of test_cuda_fp32_logits_at_benchmark_shapes with "fp32_compensated" (the Triton GEMM with
     a compensated sum over H): per-token loss within 1e-5 of float64 and at least 5x closer than "fp32"'s.
     Measured on an H200 (benchmarks/results/2026-12-01_h200_torch2.11_triton3.6_run72_*, the GEMM alone):
     2.3e-6 / 2.1e-6 max at the two shapes, the floor of an fp32 loss from exactly rounded logits (2.7e-6 /
-    2.8e-6), against "fp32"'s 5.2e-5 / 2.8e-5 (13-22x)."""
+    2.8e-6), against "fp32"'s 5.2e-5 / 2.8e-5 (13-22x). ``lse_from_gemm``: the same with the LSE from the
+    GEMM's epilogue partials (``engine.LSE_FROM_LOGITS_GEMM``)."""
+    monkeypatch.setattr(engine, "LSE_FROM_LOGITS_GEMM", lse_from_gemm)
     x, w, b, t = _cuda_problem(shape)
     options = {"softcap": 30.0, "reduction": "none"}
     got = fused_linear_cross_entropy(x, w, t, b, logits_precision="fp32_compensated", **options)
@@ -335,6 +338,35 @@ def test_cuda_fp32_compensated_logits_at_benchmark_shapes(shape):
     print(f"max |error|: fp32_compensated {error.max():.2e}, fp32 {fp32_error.max():.2e}")
     assert error.max() <= 1e-5
     assert error.max() * 5 <= fp32_error.max()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [32003, 32000], ids=["masked-store", "tma-store"])
+def test_cuda_compensated_gemm_tile_lse_partials(n):
+    """The epilogue's LSE partials on the GPU (libdevice exp, softcap 30, bias, 4099 rows: an M tail; N = 32003
+    has a 3-column last tile) against float64 from the stored logits: maxima within 1e-6 relative, sums within
+    1e-5; the LSE they combine to within 2e-6 of float64's."""
+    from lightning_flce.kernels.compensated_gemm import compensated_logits_mm, empty_tile_lse, launch_config
+
+    m, k, softcap = 4099, 2048, 30.0
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5 * 2).bfloat16()
+    b = 0.1 * torch.randn(n, device="cuda", generator=gen)
+    config = launch_config(x.device)
+    partials = empty_tile_lse(m, n, x.device, softcap)
+    out = compensated_logits_mm(x, w, torch.empty(m, n, device="cuda"), b, tile_lse=partials)
+    z = softcap * torch.tanh(out.double() / softcap)
+    tiles = partials.max.shape[1]
+    padded = F.pad(z, (0, tiles * config.block_n - n), value=float("-inf")).view(m, tiles, config.block_n)
+    want_max = padded.amax(dim=2)
+    want_sum = (padded - want_max[..., None]).exp().sum(dim=2)
+    assert torch.allclose(partials.max.double(), want_max, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(partials.sum_exp.double(), want_sum, rtol=1e-5, atol=0)
+    lse = partials.max.double().amax(dim=1)
+    lse = lse + (partials.sum_exp.double() * (partials.max.double() - lse[:, None]).exp()).sum(dim=1).log()
+    assert (lse - torch.logsumexp(z, dim=1)).abs().max() <= 2e-6
 
 
 @pytest.mark.cuda
