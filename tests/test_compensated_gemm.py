@@ -321,6 +321,44 @@ def test_chunk_kernel_takes_the_lse_from_the_tiles(options):
         )
 
 
+def op_problem(seed, reduction):
+    """A small bf16 head problem for the op's Triton path: 40 tokens (every 9th ignored), H = 48, V = 203 (an N
+    tail), logits of std ~3, a bias; a grad_output for "none"."""
+    gen = torch.Generator().manual_seed(seed)
+    n, h, v = 40, 48, 203
+    x = torch.randn(n, h, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=gen) / h**0.5 * 3).bfloat16().requires_grad_()
+    b = (0.1 * torch.randn(v, generator=gen)).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), generator=gen)
+    t[::9] = -100
+    grad_output = torch.randn(n, generator=gen) if reduction == "none" else None
+    return x, w, b, t, grad_output
+
+
+def op_grads(problem, **kwargs):
+    """(loss, (dX, dW, d bias)) of the op in chunks of 16 rows."""
+    x, w, b, t, grad_output = problem
+    return grads_of(
+        lambda *a: fused_linear_cross_entropy(*a[:2], t, a[2], chunk_size=16, **kwargs),
+        x,
+        w,
+        b,
+        grad_output=grad_output,
+    )
+
+
+def float64_grads(problem, **options):
+    """The float64 reference's (loss, gradients)."""
+    x, w, b, t, grad_output = problem
+    return grads_of(
+        lambda *a: reference_loss(*a[:2], t, a[2], **options),
+        x.double(),
+        w.double(),
+        b.double(),
+        grad_output=grad_output,
+    )
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_op_can_take_the_lse_from_the_gemm(monkeypatch, reduction):
@@ -340,41 +378,13 @@ def test_op_can_take_the_lse_from_the_gemm(monkeypatch, reduction):
         return launch(*args, tile_lse=tile_lse, **kwargs)
 
     monkeypatch.setattr(ce, "cross_entropy_chunk_triton", spy)
-    gen = torch.Generator().manual_seed(10)
-    n, h, v = 40, 48, 203
-    x = torch.randn(n, h, generator=gen).bfloat16().requires_grad_()
-    w = (torch.randn(v, h, generator=gen) / h**0.5 * 3).bfloat16().requires_grad_()
-    b = (0.1 * torch.randn(v, generator=gen)).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), generator=gen)
-    t[::9] = -100
+    problem = op_problem(10, reduction)
     options = {"softcap": 15.0, "reduction": reduction}
-    grad_output = torch.randn(n, generator=gen) if reduction == "none" else None
 
     def fused(**extra):
-        return grads_of(
-            lambda *a: fused_linear_cross_entropy(
-                *a[:2],
-                t,
-                a[2],
-                logits_precision="fp32_compensated",
-                impl="triton",
-                chunk_size=16,
-                **options,
-                **extra,
-            ),
-            x,
-            w,
-            b,
-            grad_output=grad_output,
-        )
+        return op_grads(problem, logits_precision="fp32_compensated", impl="triton", **options, **extra)
 
-    want = grads_of(
-        lambda *a: reference_loss(*a[:2], t, a[2], **options),
-        x.double(),
-        w.double(),
-        b.double(),
-        grad_output=grad_output,
-    )
+    want = float64_grads(problem, **options)
     got = fused()
     assert handed and all(handed)
     assert (got[0].double() - want[0]).abs().max() <= 1e-5
@@ -436,34 +446,14 @@ def test_op_runs_the_kernel_on_the_triton_path(monkeypatch, reduction):
         return launch(x_c, weight, out, bias, config)
 
     monkeypatch.setattr(gemm, "compensated_logits_mm", spy)
-    gen = torch.Generator().manual_seed(4)
-    n, h, v = 40, 48, 203
-    x = torch.randn(n, h, generator=gen).bfloat16().requires_grad_()
-    w = (torch.randn(v, h, generator=gen) / h**0.5 * 3).bfloat16().requires_grad_()
-    b = (0.1 * torch.randn(v, generator=gen)).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), generator=gen)
-    t[::9] = -100
+    problem = op_problem(4, reduction)
+    t = problem[3]
     options = {"softcap": 15.0, "label_smoothing": 0.05, "reduction": reduction}
-    grad_output = torch.randn(n, generator=gen) if reduction == "none" else None
 
     def fused(precision, impl="triton"):
-        return grads_of(
-            lambda *a: fused_linear_cross_entropy(
-                *a[:2], t, a[2], logits_precision=precision, impl=impl, chunk_size=16, **options
-            ),
-            x,
-            w,
-            b,
-            grad_output=grad_output,
-        )
+        return op_grads(problem, logits_precision=precision, impl=impl, **options)
 
-    want = grads_of(
-        lambda *a: reference_loss(*a[:2], t, a[2], **options),
-        x.double(),
-        w.double(),
-        b.double(),
-        grad_output=grad_output,
-    )
+    want = float64_grads(problem, **options)
     got = fused("fp32_compensated")
     n_valid = int((t != -100).sum())
     chunks = [16, 16, n_valid - 32]
