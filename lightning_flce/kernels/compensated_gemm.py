@@ -316,8 +316,9 @@ def _compensated_mm_kernel(
         part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
+    # out_ptr stands in for the descriptor: never read without TMA_STORE
     epilogue(
-        acc, bias_ptr, out_ptr, None, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
+        acc, bias_ptr, out_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
         out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, False, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
