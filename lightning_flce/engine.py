@@ -750,9 +750,7 @@ class WideLogitsGemm:
         """``out = x_c @ W.T (+ b)``; ``tile_lse`` (the "triton" mode's, from :meth:`empty_tile_lse`): the
         rows' log-sum-exp partials, written by the kernel's epilogue."""
         if self.mode == "triton":  # the bias in the kernel's epilogue, in fp32
-            self.compensated_mm(
-                x_c, self.weight, out, bias, **({} if tile_lse is None else {"tile_lse": tile_lse})
-            )
+            self.compensated_mm(x_c, self.weight, out, bias, tile_lse=tile_lse)
             return
         assert tile_lse is None, "LSE partials come only from the Triton GEMM"
         if self.mode == "native":

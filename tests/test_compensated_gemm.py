@@ -441,9 +441,9 @@ def test_op_runs_the_kernel_on_the_triton_path(monkeypatch, reduction):
     calls = []
     launch = gemm.compensated_logits_mm
 
-    def spy(x_c, weight, out, bias=None, config=None):
+    def spy(x_c, weight, out, bias=None, config=None, tile_lse=None):
         calls.append(x_c.shape[0])
-        return launch(x_c, weight, out, bias, config)
+        return launch(x_c, weight, out, bias, config, tile_lse)
 
     monkeypatch.setattr(gemm, "compensated_logits_mm", spy)
     problem = op_problem(4, reduction)

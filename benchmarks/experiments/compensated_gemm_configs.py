@@ -22,7 +22,6 @@ rows of one chunk of the op's ``fp32_compensated`` path (``engine.chunk_rows``: 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -41,7 +40,6 @@ from lightning_flce.kernels.compensated_gemm import (  # noqa: E402
     compensated_logits_mm,
 )
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SOFTCAP = 30.0  # as test_logits_precision's CUDA tests
 SHAPES = [(16384, 4096, 32000), (16384, 4096, 128256), (8192, 2304, 256000), (8192, 3584, 151936)]
 # Two fp32 [BM, BN] tiles (the sum and its compensation) plus the MMA's own accumulator live in registers:
@@ -100,11 +98,6 @@ CONFIGS.update(
 )
 
 
-def run_gemm(config, x, w, out):
-    """The library's launcher at ``config``."""
-    return compensated_logits_mm(x, w, out, config=config)
-
-
 def timed_ms(fns, device, rounds, reps):
     """{name: median ms} over ``rounds`` interleaved rounds of ``reps`` calls each (after two warm-up calls)."""
     if device.type != "cuda":
@@ -139,7 +132,10 @@ def run_shape(shape, device, rounds, reps, configs):
             w = (w_unit * scale).bfloat16()
             exact = x.double() @ w.double().t()
             truth = loss_from_logits(exact, b, SOFTCAP, t)
-            variants = {name: (lambda c=c, w=w: run_gemm(c, x, w, out)) for name, c in configs.items()}
+            variants = {
+                name: (lambda c=c, w=w: compensated_logits_mm(x, w, out, config=c))
+                for name, c in configs.items()
+            }
             if device.type == "cuda":
                 variants["cublas_fp32_out"] = lambda w=w: torch.mm(x, w.t(), out_dtype=torch.float32, out=out)
             for name, fn in variants.items():
@@ -159,7 +155,7 @@ def run_shape(shape, device, rounds, reps, configs):
         w = (w_unit * 2.0).bfloat16()
         out_bf16 = torch.empty(rows, v, device=device, dtype=torch.bfloat16)
         fns = {
-            name: (lambda c=c: run_gemm(c, x, w, out))
+            name: (lambda c=c: compensated_logits_mm(x, w, out, config=c))
             for name, c in configs.items()
             if "error" not in result["errors"][name]["test"]
         }

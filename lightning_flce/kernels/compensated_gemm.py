@@ -393,16 +393,19 @@ def tma_usable(x_c: torch.Tensor, weight: torch.Tensor) -> bool:
         x_c.device.type != "cuda" or torch.cuda.get_device_capability(x_c.device)[0] < 9
     ):
         return False
-    return all(
-        t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-        for t in (x_c, weight)
-    )
+    return _tma_aligned(x_c) and _tma_aligned(weight)
 
 
 def tma_store_usable(out: torch.Tensor) -> bool:
-    """Whether the copy engine can write ``out`` (fp32 [M, N], unit stride along N): a 16-byte aligned base and
-    row stride (N a multiple of 4 for a whole buffer; the launcher checks :func:`tma_usable` first)."""
-    return out.stride(1) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0
+    """Whether the copy engine can write ``out`` (fp32 [M, N]): aligned as TMA reads need (N a multiple of 4
+    for a whole buffer; the launcher checks :func:`tma_usable` first)."""
+    return _tma_aligned(out)
+
+
+def _tma_aligned(t: torch.Tensor) -> bool:
+    """A 2-D tensor the copy engine can address: unit stride along its rows, base and row stride 16-byte
+    aligned."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
 @functools.cache

@@ -442,9 +442,8 @@ def _chunk_loop(
                 compute_stats=compute_stats,
             )
         )
-        if (
-            grad_out is not None
-        ):  # fp32 logits: the shard kernels write their gradient in place, narrowed here
+        # fp32 logits: the shard kernels write their gradient in place, narrowed here
+        if grad_out is not None:
             copy_gradient(logits, grad_out)
         return out
 
