@@ -482,11 +482,14 @@ def test_cuda_config_fits_the_shared_memory():
         num_stages=2
     )  # no room for 3 stages and the store
     assert cuda_config(163 * 1024, tma=False) == pointer._replace(num_stages=2)  # A100
-    # a smaller BK chains more blocks: the tensor cores' chains (the error) stay 256 products long
+    # a smaller BK chains more blocks: the tensor cores' chains (the error) stay as many products long
+    chain = MEASURED_CONFIG.block_k * MEASURED_CONFIG.chain_blocks
     assert cuda_config(99 * 1024, tma=False) == pointer._replace(
-        block_k=64, num_stages=3, chain_blocks=4
+        block_k=64, num_stages=3, chain_blocks=chain // 64
     )  # sm86/89
-    assert cuda_config(48 * 1024, tma=False) == pointer._replace(block_k=32, num_stages=2, chain_blocks=8)
+    assert cuda_config(48 * 1024, tma=False) == pointer._replace(
+        block_k=32, num_stages=2, chain_blocks=chain // 32
+    )
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,12 @@ logits are off by up to 6.9e-5 (H = 4096) and the per-token loss by 5e-5 / 2.8e-
 ``benchmarks/experiments/fp32_logits_accuracy.py``, ``benchmarks/results/2026-12-01_h200_torch2.11_triton3.6_run72_*``).
 
 How: each program owns a [BM, BN] output tile and keeps the tensor cores' fp32 chains short: every
-``chain_blocks`` BK-long blocks of K (the measured configuration: 2 x 128 = 256 products) are summed by the
+``chain_blocks`` BK-long blocks of K (the measured configuration: 4 x 128 = 512 products) are summed by the
 tensor cores from a zero accumulator, and the chains' sums are added into a running fp32 sum, plainly (the
 default) or Kahan-compensated (``GemmConfig.kahan``: ``y = part - comp; t = acc + y; comp = (t - acc) - y;
 acc = t``). The error follows the chain's length (run79: chains of 128 / 256 / 512 give per-token loss errors of
 1.8-1.9e-6 / 2.8-3.2e-6 / 4.4-5.3e-6 at the four benchmark shapes' chunks, bias and softcap 30; "fp32"'s one chain
-over H: 2.5-4.9e-5), while the plain sum of the K / 256 chains adds at most half an ulp per addition. The
+over H: 2.5-4.9e-5), while the plain sum of the K / 512 chains adds at most half an ulp per addition. The
 operand blocks come through the tensor-memory accelerator where the GPU has one (``GemmConfig.tma``,
 :func:`tma_usable`): Triton's pointer-load GEMM was itself 1.20-1.49x cuBLAS, its TMA one 1.07-1.15x (run80).
 Measured (run80, the GEMM of one chunk, against cuBLAS's fp32-output GEMM): 1.10-1.27x, where Kahan's sum of
@@ -90,18 +90,19 @@ class GemmConfig(NamedTuple):
     tma_store: bool = False
 
 
-#: The measured configuration (H200, results/*_run80_*, *_run84_*): chains of 2 x 128 products summed plainly,
-#: the blocks through TMA, one program per SM, the copy engine's stores. 1.19-1.33x cuBLAS's fp32-output GEMM at
-#: the op's chunk shapes in run84 (one program per tile: 1.26-1.33x there, 1.10-1.27x in run80; Triton's own
-#: one-chain GEMM: 1.06-1.20x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer loads (the
-#: configuration before them); per-token loss within 2.8-3.2e-6 of float64 (and "fp32"'s 2.5-4.9e-5).
+#: The measured configuration (H200, results/*_run80_*, *_run84_*, *_run85_*): chains of 4 x 128 products summed
+#: plainly, the blocks through TMA, one program per SM, the copy engine's stores. 1.13-1.27x cuBLAS's fp32-output
+#: GEMM at the op's chunk shapes in run84 (chains of 2 x 128: 1.19-1.33x; one program per tile: 1.26-1.33x;
+#: Triton's own one-chain GEMM: 1.06-1.20x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer
+#: loads (the configuration before them); per-token loss within 4.4-5.2e-6 of float64 (2 x 128: 2.8-3.2e-6;
+#: "fp32"'s one chain over H: 2.5-4.9e-5), inside issue 23's 1e-5 at 2-3% less time for the op (run85).
 MEASURED_CONFIG = GemmConfig(
     block_m=128,
     block_n=128,
     block_k=128,
     num_warps=8,
     num_stages=3,
-    chain_blocks=2,
+    chain_blocks=4,
     kahan=False,
     tma=True,
     persistent=True,
