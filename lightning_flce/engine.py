@@ -63,9 +63,9 @@ _Z_LOSS_LSE_BOUND = 64.0
 #: log-sum-exp partials over its column tiles (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`) and
 #: the chunk kernel takes the LSE from them, reading the fp32 logits once instead of twice (options without
 #: label smoothing, no statistics; front ends that pass ``chunk_lse_from_tiles=True``). Tested under Triton's
-#: interpreter and on CUDA; the provider rows ``flce_fp32comp_c2`` / ``flce_fp32comp_c4_twopass`` turn it off to
-#: measure what it saves. A module switch, not an option: the loss is the same either way (within fp32 rounding).
-LSE_FROM_LOGITS_GEMM = True
+#: interpreter and on CUDA (run86), and off: the epilogue's exponentials cost the GEMM more than the saved
+#: read saves (the op 0.8-4.6% slower at the four benchmark shapes, row ``flce_fp32comp_tilelse``).
+LSE_FROM_LOGITS_GEMM = False
 
 
 def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, large_chunks: bool) -> int:
