@@ -22,7 +22,10 @@ Measured (run80, the GEMM of one chunk, against cuBLAS's fp32-output GEMM): 1.10
 128-long chains with pointer loads (the default until then) took 1.97-2.07x. With one program per SM and the
 copy engine's stores (``GemmConfig.persistent``, ``tma_store``; run84 on another H200): 1.19-1.33x, against
 1.26-1.33x one program per tile in the same run; the op with ``logits_precision="fp32_compensated"`` 1.11-1.17x
-the default's time (run85). Chains of 4 x 128 were faster still in run85 (the op 1.09-1.13x) at 4.4-5.2e-6.
+the default's time with chains of 2 x 128 (run85); with chains of 4 x 128, the measured configuration since
+run86, 1.06-1.12x at 4.4-5.2e-6 per token. Chains of 8 x 128 were barely faster and past 1e-5 per token (run87:
+1.24e-5). Writing each row's LSE partials in the epilogue (:class:`TileLse`) costs the GEMM more than the chunk
+kernel's saved read (the op 0.8-4.6% slower, run86), so it is off (``engine.LSE_FROM_LOGITS_GEMM``).
 
 What the configurations measured (``benchmarks/experiments/compensated_gemm_configs.py``, run76 / run79 / run80):
 
@@ -95,7 +98,7 @@ class GemmConfig(NamedTuple):
 #: GEMM at the op's chunk shapes in run84 (chains of 2 x 128: 1.19-1.33x; one program per tile: 1.26-1.33x;
 #: Triton's own one-chain GEMM: 1.06-1.20x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer
 #: loads (the configuration before them); per-token loss within 4.4-5.2e-6 of float64 (2 x 128: 2.8-3.2e-6;
-#: "fp32"'s one chain over H: 2.5-4.9e-5), inside issue 23's 1e-5 at 2-3% less time for the op (run85).
+#: "fp32"'s one chain over H: 2.5-4.9e-5), inside issue 23's 1e-5 at 1-5% less time for the op (run86).
 MEASURED_CONFIG = GemmConfig(
     block_m=128,
     block_n=128,
