@@ -35,7 +35,9 @@ states) and, with ``--compile-layers``, a second one at the try's size (it recom
 shape), then up to ``--steps`` timed steps at the try's size, stopping after the first timed one once a try
 has run ``--try-soft-s``. A try fits when at least one timed step completed. Recorded per try (JSON): tokens,
 batch x seq, fit / OOM / error / timeout, peak ``max_memory_allocated`` over the timed steps (at an OOM: the
-peak before the failed allocation) and per phase, tokens/s (tokens / median timed step), wall time. On the
+peak before the failed allocation) and per phase, tokens/s (tokens / the median of the timed steps after the
+first one, which pays for the new shape; the one step where only one ran: ``rate_steps`` says how many), wall
+time. On the
 CPU peak memory is the process's peak RSS increase over the try (numbers mean nothing there).
 
 ``--sizes`` runs given lengths instead of the search (equal-size comparisons), ``--repeats`` times each: in
@@ -118,7 +120,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument(
         "--safety", type=float, default=0.97, help="a predicted maximum is tried at this fraction of it"
     )
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per try (after the small warm-up step)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="timed steps per try (after the small warm-up step); tokens/s is the median of all but the first",
+    )
     ap.add_argument(
         "--warmup-seq", type=int, default=None, help="the warm-up step's batch is 1 x this (4096)"
     )
@@ -399,8 +406,10 @@ def run_try(spec: Dict[str, Any]) -> Dict[str, Any]:
     timer.fill(filled)
     rec["step_s"] = filled.get("step_s")
     rec["timed_steps"] = filled.get("timed_steps", 0)
-    rec["tokens_per_s"] = filled.get("tokens_per_s")
-    rec["median_step_s"] = filled.get("median_step_s")
+    rec["tokens_per_s_all"] = filled.get("tokens_per_s")  # the median over every timed step, the first too
+    timed = (rec["step_s"] or [])[len(warmup) :][: rec["timed_steps"]]
+    rec["tokens_per_s"], rec["rate_steps"] = settled_rate(timed, batch * seq)
+    rec["median_step_s"] = batch * seq / rec["tokens_per_s"] if rec["tokens_per_s"] else None
     rec["loss_last"] = filled.get("loss_last")
     if cuda:
         rec["peak_mib"] = filled.get("peak_alloc_mib")
@@ -469,6 +478,24 @@ def _enable_checkpointing(model: Any) -> str:
             fn()
             return f"{name}()"
     raise RuntimeError(f"{type(model).__name__} has no activation/gradient checkpointing")
+
+
+def timed_cell(t: Dict[str, Any]) -> str:
+    """ "3 (2)": timed steps and, in brackets, how many of them tok/s is the median of (absent in older records,
+    whose tok/s is the median of every timed step)."""
+    timed = t.get("timed_steps", 0)
+    return f"{timed} ({t['rate_steps']})" if t.get("rate_steps") is not None else str(timed)
+
+
+def settled_rate(timed_s: List[float], tokens: int) -> Tuple[Optional[float], int]:
+    """Tokens/s of a try and the number of steps it is the median of: the timed steps after the first one at
+    the try's size where there are two or more (that first step pays for the new shape: allocator growth, the
+    kernels' autotuning and heuristics for new sizes; run87: with 6 timed steps at 1 x 16,384 every provider
+    ran 10-14% faster than the median of 2 said, the fused losses' most), the one step otherwise."""
+    if not timed_s:
+        return None, 0
+    settled = timed_s[1:] if len(timed_s) >= 2 else timed_s
+    return tokens / C.percentile(settled, 50), len(settled)
 
 
 def warmup_shapes(batch: int, seq: int, warmup_seq: int, compile_layers: bool) -> List[Tuple[int, int]]:
@@ -838,7 +865,8 @@ def markdown(payload: Dict[str, Any]) -> List[str]:
         f"- precision {meta['precision']}, fused AdamW (adamw_with_warmup_cosine), Lightning Trainer; per try: one"
         f" subprocess, a warm-up step at 1 x {meta['warmup_seq']}"
         + (" and one at the try's size (compiled layers)" if meta.get("compile_layers") else "")
-        + f", then up to {meta['steps']} timed steps;"
+        + f", then up to {meta['steps']} timed steps (tok/s: the median of all but the first where two or more ran;"
+        " tries recorded before run88 took every timed step, shown without a count in brackets);"
         f" batch axis at seq {meta['seq_len_batch_axis']}; resolution {meta['resolution']:.4g} x last fit"
         f" (>= {meta['min_resolution_tokens']} tokens); memory limit {meta.get('memory_limit_gib') or 'the device'}",
         "- peak = max_memory_allocated over the timed steps (weights, AdamW states, activations, gradients); at an"
@@ -854,7 +882,7 @@ def markdown(payload: Dict[str, Any]) -> List[str]:
         "",
     ]
     headers = ["provider", "axis", "ckpt", "tokens", "batch x seq", "status", "peak MiB",
-               "fwd / bwd / opt MiB", "tok/s", "timed", "wall s", "kind", "error / note"]  # fmt: skip
+               "fwd / bwd / opt MiB", "tok/s", "timed (in tok/s)", "wall s", "kind", "error / note"]  # fmt: skip
     rows = []
     for t in tries:
         phases = t.get("phase_peak_mib") or {}
@@ -869,7 +897,7 @@ def markdown(payload: Dict[str, Any]) -> List[str]:
                 C.fmt(t.get("peak_mib"), ".0f"),
                 " / ".join(C.fmt(phases.get(k), ".0f") for k in ("forward", "backward", "optimizer")),
                 C.fmt(t.get("tokens_per_s"), ".0f"),
-                t.get("timed_steps", 0),
+                timed_cell(t),
                 C.fmt(t.get("wall_s"), ".0f"),
                 t.get("kind", "-"),
                 (t.get("error") or t.get("note") or "")[:200],

@@ -158,3 +158,14 @@ def test_goal_three_compares_the_median_of_repeated_runs():
     assert (
         "lowest 0.996x at 16384" in line
     )  # 25700 / 25800; the last runs: 0.928x and "at least 3 runs per length" in line
+
+
+def test_the_rate_leaves_out_the_first_step_at_the_tries_size():
+    """Two or more timed steps: tokens/s is the median of those after the first (which pays for the new shape);
+    one: that step; none: no rate. The table says how many steps the rate is of, and nothing for older records."""
+    assert bench.settled_rate([2.0, 1.0, 1.25, 1.5], 1000) == (800.0, 3)  # the median of 1.0, 1.25, 1.5
+    assert bench.settled_rate([3.0, 1.0], 1000) == (1000.0, 1)
+    assert bench.settled_rate([4.0], 1000) == (250.0, 1)
+    assert bench.settled_rate([], 1000) == (None, 0)
+    assert bench.timed_cell({"timed_steps": 3, "rate_steps": 2}) == "3 (2)"
+    assert bench.timed_cell({"timed_steps": 2}) == "2"
