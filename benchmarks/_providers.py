@@ -45,9 +45,11 @@ FLCE_NAMED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # The head's GEMMs themselves in fp32 (an fp32 head).
     "flce_fp32head": {"logits_precision": "fp32_head"},
 }
-# Named rows of "fp32_compensated" with its Triton GEMM at another launch configuration than the measured one
-# ("config": fields of kernels.compensated_gemm.GemmConfig replaced) or with the GEMM's LSE partials feeding
-# the chunk kernel ("lse_from_gemm": engine.LSE_FROM_LOGITS_GEMM on): to choose from whole-op times in one run.
+# Named rows of "fp32_compensated" (or of "precision") with its Triton GEMM at another launch configuration
+# than the measured one ("config": fields of kernels.compensated_gemm.GemmConfig replaced), with the GEMM's LSE
+# partials feeding the chunk kernel ("lse_from_gemm": engine.LSE_FROM_LOGITS_GEMM on), or with the chunk
+# kernel's exponentials chosen otherwise ("exp": "precise", libdevice's in both passes as until run88; "fast",
+# the GPU's exp2 in both): to choose from whole-op times in one run.
 FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # one program per tile, masked stores (the configuration of run80-run83)
     "flce_fp32comp_pertile": {"config": {"persistent": False, "tma_store": False}},
@@ -57,6 +59,11 @@ FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce_fp32comp_c8": {"config": {"chain_blocks": 8}},
     # the chunk kernel's LSE from the GEMM's epilogue: one read of the fp32 logits instead of two
     "flce_fp32comp_tilelse": {"lse_from_gemm": True},
+    # libdevice's exp in the chunk kernel's gradient pass too (as until run88), for both wide-logits options
+    "flce_fp32comp_preciseexp": {"exp": "precise"},
+    "flce_fp32logits_preciseexp": {"exp": "precise", "precision": "fp32"},
+    # the GPU's exp2 in the first pass too (kernels.cross_entropy.FAST_LSE_EXP_FOR_16BIT_GRADIENT)
+    "flce_fp32comp_fastexp": {"exp": "fast"},
 }
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.
@@ -276,28 +283,38 @@ def _build_flce(kwargs: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
 
 
 def _build_flce_compensated(variant: Dict[str, Any]) -> Callable[[torch.device], LossFn]:
-    """``logits_precision="fp32_compensated"`` with the compensated GEMM's launch configuration changed and/or
-    the engine's LSE-from-GEMM switch set for the duration of each call (the library has neither as an option:
-    its configuration is the measured one)."""
+    """``logits_precision="fp32_compensated"`` (or ``variant["precision"]``) with the compensated GEMM's launch
+    configuration changed, the engine's LSE-from-GEMM switch set and/or the chunk kernel's exponentials chosen
+    otherwise, for the duration of each call (the library has none of them as an option: its configuration is
+    the measured one)."""
 
     def build(device: torch.device) -> LossFn:
         from lightning_flce import engine
         from lightning_flce.kernels import compensated_gemm
+        from lightning_flce.kernels import cross_entropy as chunk_kernel
 
-        plain = _build_flce({"logits_precision": "fp32_compensated"})(device)
+        precision = variant.get("precision", "fp32_compensated")
+        plain = _build_flce({"logits_precision": precision})(device)
         measured = compensated_gemm.launch_config
         replace = variant.get("config", {})
         lse_from_gemm = variant.get("lse_from_gemm", engine.LSE_FROM_LOGITS_GEMM)
+        rule = chunk_kernel.exp_precision
+        exp_rule = {
+            "precise": lambda logits_dtype, grad_dtype: (logits_dtype == torch.float32,) * 2,
+            "fast": lambda logits_dtype, grad_dtype: (False, False),
+        }.get(variant.get("exp"), rule)
 
         def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             default = engine.LSE_FROM_LOGITS_GEMM
             compensated_gemm.launch_config = lambda dev: measured(dev)._replace(**replace)
             engine.LSE_FROM_LOGITS_GEMM = lse_from_gemm
+            chunk_kernel.exp_precision = exp_rule
             try:
                 return plain(x, w, t)
             finally:
                 compensated_gemm.launch_config = measured
                 engine.LSE_FROM_LOGITS_GEMM = default
+                chunk_kernel.exp_precision = rule
 
         return fn
 
@@ -416,8 +433,8 @@ def make_providers(
         )
     for name, variant in FLCE_COMPENSATED_VARIANTS.items():
         desc = (
-            "lightning_flce.fused_linear_cross_entropy(logits_precision='fp32_compensated') with"
-            f" {variant}; only when named"
+            "lightning_flce.fused_linear_cross_entropy(logits_precision="
+            f"{variant.get('precision', 'fp32_compensated')!r}) with {variant}; only when named"
         )
         providers.append(Provider(name, desc, _build_flce_compensated(variant), True, default=False))
     providers += [

@@ -91,6 +91,10 @@ class GemmConfig(NamedTuple):
     #: of shared memory beside the stages) instead of the warps' masked stores. Needs a 16-byte aligned ``out``
     #: (base and row stride: N a multiple of 4 for a whole buffer); the masked store otherwise.
     tma_store: bool = False
+    #: With ``tma``: Triton's automatic warp specialization of the tile loop (``tl.range(...,
+    #: warp_specialize=True)``: a producer warp group issuing the TMA loads, the others the MMAs and the
+    #: epilogue), Triton >= 3.4 with Hopper support. Measured as a candidate only.
+    warp_specialize: bool = False
 
 
 #: The measured configuration (H200, results/*_run80_*, *_run84_*, *_run85_*): chains of 4 x 128 products summed
@@ -355,6 +359,7 @@ def _compensated_mm_tma_kernel(
     KAHAN: tl.constexpr,
     GROUP_M: tl.constexpr,
     TMA_STORE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,  # GemmConfig.warp_specialize
 ):
     """:func:`_compensated_mm_kernel` with the operand blocks loaded by the tensor-memory accelerator: the
     copy engine fills blocks past M, N and K with zeros, so there is no mask and no tail case. Program ``pid``
@@ -362,20 +367,44 @@ def _compensated_mm_tma_kernel(
     one tile each; with one per SM (``GemmConfig.persistent``) a program's next tile is loading while its last
     one is stored (run83: with the TMA store, 1.08-1.25x cuBLAS where one program per tile took 1.26-1.39x)."""
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_blocks = tl.cdiv(K, BLOCK_K)
     # Not tl.range(flatten=True): Triton's flattened, pipelined nest was 1.3-1.7x slower here (run83).
-    for tile in range(tl.program_id(0), num_tiles, num_programs):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, k_blocks):
-            a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
-            part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
-        epilogue(
-            acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
-            out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, TMA_STORE, BLOCK_M, BLOCK_N,
-        )  # fmt: skip
+    if WARP_SPECIALIZE:  # a constexpr branch: Tritons without the keyword never compile this one
+        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=True):
+            tma_tile(
+                x_desc, w_desc, out_desc, bias_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, M, N, K, out_row_stride,
+                tile_row_stride, softcap, tile, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, UPCAST, BLOCK_M,
+                BLOCK_N, BLOCK_K, CHAIN_BLOCKS, KAHAN, GROUP_M, TMA_STORE,
+            )  # fmt: skip
+    else:
+        for tile in range(tl.program_id(0), num_tiles, num_programs):
+            tma_tile(
+                x_desc, w_desc, out_desc, bias_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, M, N, K, out_row_stride,
+                tile_row_stride, softcap, tile, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, UPCAST, BLOCK_M,
+                BLOCK_N, BLOCK_K, CHAIN_BLOCKS, KAHAN, GROUP_M, TMA_STORE,
+            )  # fmt: skip
+
+
+@triton.jit
+def tma_tile(
+    x_desc, w_desc, out_desc, bias_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, M, N, K, out_row_stride,
+    tile_row_stride, softcap, tile, HAS_BIAS: tl.constexpr, TILE_LSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, CHAIN_BLOCKS: tl.constexpr, KAHAN: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+):  # fmt: skip
+    """Tile ``tile`` of :func:`_compensated_mm_tma_kernel`: the K loop through the descriptors, the epilogue."""
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, k_blocks):
+        a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
+        part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
+    epilogue(
+        acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
+        out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, TMA_STORE, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -547,6 +576,7 @@ def compensated_logits_mm(
             softcap,
             programs,
             TMA_STORE=tma_store,
+            WARP_SPECIALIZE=config.warp_specialize,
             **constants,
         )
         return out

@@ -52,6 +52,27 @@ def default_launch_config(vocab: int) -> LaunchConfig:
     return LaunchConfig(block_v, max(4, block_v // _ELEMENTS_PER_WARP))
 
 
+#: With fp32 logits and a 16-bit gradient (``logits_precision="fp32"`` / ``"fp32_compensated"`` on 16-bit
+#: operands): the first pass's exponentials too through the GPU's exp2 (see :func:`exp_precision`). Off until
+#: measured: the LSE is an output there, and its error budget is issue 23's.
+FAST_LSE_EXP_FOR_16BIT_GRADIENT = False
+
+
+def exp_precision(logits_dtype: torch.dtype, grad_dtype: Optional[torch.dtype]) -> tuple:
+    """(first pass, gradient pass): whether each pass's exponentials use libdevice's exp (correctly rounded
+    within an ulp, ~10 instructions) rather than ``tl.exp`` (the GPU's ``ex2.approx`` of ``x log2(e)``: a
+    relative error of ~|x| 6e-8 + 2^-22). 16-bit logits: neither (their own rounding is 2^-9 / 2^-12). fp32
+    logits: the first pass always (the LSE and loss are fp32 outputs) unless
+    :data:`FAST_LSE_EXP_FOR_16BIT_GRADIENT` with a 16-bit gradient; the gradient pass only where the gradient
+    is fp32 (``grad_dtype`` None: no gradient): a 16-bit gradient is rounded far more coarsely than the fast
+    exp errs (``benchmarks/experiments/chunk_kernel_exp.py`` measures both passes' cost and the LSE's error). The
+    interpreter has no libdevice."""
+    if TRITON_INTERPRET or logits_dtype != torch.float32:
+        return False, False
+    grad_16bit = grad_dtype is not None and grad_dtype != torch.float32
+    return not (FAST_LSE_EXP_FOR_16BIT_GRADIENT and grad_16bit), not grad_16bit
+
+
 @triton.jit
 def _cross_entropy_chunk_kernel(
     logits_ptr,  # [C, V] chunk logits (compute dtype, or fp32 logits of 16-bit GEMMs)
@@ -82,7 +103,8 @@ def _cross_entropy_chunk_kernel(
     HAS_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     COMPUTE_STATS: tl.constexpr,
-    PRECISE: tl.constexpr,  # libdevice exp/log (fp32 logits on a GPU)
+    PRECISE: tl.constexpr,  # libdevice exp/log in the first pass (fp32 logits on a GPU)
+    PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
     GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 rows' second halves
     TILE_LSE: tl.constexpr,  # the LSE from the GEMM's tile partials, no first pass (no smoothing, no stats)
     TILES: tl.constexpr,
@@ -184,7 +206,7 @@ def _cross_entropy_chunk_kernel(
                 cols = LAST_BLOCK_START - done + offsets
                 mask = cols < V
                 z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-                grad = exp(z - lse, PRECISE) * p_coef
+                grad = exp(z - lse, PRECISE_GRAD) * p_coef
                 if HAS_SMOOTHING:
                     if HAS_CLASS_WEIGHT:
                         w = tl.load(class_weight_ptr + cols, mask=mask, other=0.0)
@@ -243,6 +265,7 @@ def cross_entropy_chunk_triton(
     grad_out = logits if grad_out is None else grad_out
     assert grad_out.shape == logits.shape and grad_out.stride(1) == 1
     grad_in_row = is_gradient_in_logits_rows(logits, grad_out)  # raises for any other overlap
+    precise_lse, precise_grad = exp_precision(logits.dtype, grad_out.dtype if compute_grad else None)
     if tile_lse is not None:
         _check_tile_lse(tile_lse, n_rows, options, compute_stats)
         tile_max, tile_sum = tile_lse.max, tile_lse.sum_exp
@@ -276,7 +299,8 @@ def cross_entropy_chunk_triton(
         HAS_SOFTCAP=options.softcap > 0.0,
         COMPUTE_GRAD=compute_grad,
         COMPUTE_STATS=compute_stats,
-        PRECISE=logits.dtype == torch.float32 and not TRITON_INTERPRET,
+        PRECISE=precise_lse,
+        PRECISE_GRAD=precise_grad,
         GRAD_IN_ROW=grad_in_row,
         TILE_LSE=tile_lse is not None,
         TILES=tile_max.shape[1] if tile_lse is not None else 1,
