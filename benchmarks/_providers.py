@@ -53,10 +53,14 @@ FLCE_NAMED_VARIANTS: Dict[str, Dict[str, Any]] = {
 FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # one program per tile, masked stores (the configuration of run80-run83)
     "flce_fp32comp_pertile": {"config": {"persistent": False, "tma_store": False}},
-    # chains of 2 x 128 products (the default until run86: loss within 2.8-3.2e-6 of float64)
-    "flce_fp32comp_c2": {"config": {"chain_blocks": 2}},
-    # chains of 8 x 128 (fewer breaks of the MMA pipeline, a longer fp32 chain's rounding)
-    "flce_fp32comp_c8": {"config": {"chain_blocks": 8}},
+    # BK = 128, 3 stages: chains of 2 x 128 products (the default until run86: loss within 2.8-3.2e-6 of
+    # float64), of 4 x 128 (run86-run88's), of 8 x 128 (fewer breaks of the MMA pipeline, a longer fp32 chain's
+    # rounding: past 1e-5 in run87)
+    "flce_fp32comp_c2": {"config": {"block_k": 128, "num_stages": 3, "chain_blocks": 2}},
+    "flce_fp32comp_bk128": {"config": {"block_k": 128, "num_stages": 3, "chain_blocks": 4}},
+    "flce_fp32comp_c8": {"config": {"block_k": 128, "num_stages": 3, "chain_blocks": 8}},
+    # the measured BK = 64 chains of 8 x 64 with a sixth stage
+    "flce_fp32comp_s6": {"config": {"num_stages": 6}},
     # the chunk kernel's LSE from the GEMM's epilogue: one read of the fp32 logits instead of two
     "flce_fp32comp_tilelse": {"lse_from_gemm": True},
     # libdevice's exp in the chunk kernel's gradient pass too (as until run88), for both wide-logits options

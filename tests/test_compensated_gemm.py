@@ -469,27 +469,31 @@ def test_op_runs_the_kernel_on_the_triton_path(monkeypatch, reduction):
 
 
 def test_cuda_config_fits_the_shared_memory():
-    """The measured config (BK = 128, 3 stages of 64 KiB, the TMA store's 32 KiB half tile beside them) where it
-    fits, fewer stages or BK = 64 where not; a GPU without TMA gets the pointer kernel's config (no TMA flags,
-    no store buffer)."""
+    """The measured config (BK = 64, 5 stages of 32 KiB, the TMA store's 32 KiB half tile beside them) where it
+    fits, fewer stages or a smaller BK where not; a GPU without TMA gets the pointer kernel's config (no TMA
+    flags, no store buffer)."""
     pytest.importorskip("triton")
     from lightning_flce.kernels.compensated_gemm import MEASURED_CONFIG, cuda_config
 
     pointer = MEASURED_CONFIG._replace(tma=False, persistent=False, tma_store=False)
     assert cuda_config(None) == MEASURED_CONFIG
-    assert cuda_config(227 * 1024) == MEASURED_CONFIG  # H100 / H200: 3 x 64 + 32 KiB
-    assert cuda_config(223 * 1024) == MEASURED_CONFIG._replace(
-        num_stages=2
-    )  # no room for 3 stages and the store
-    assert cuda_config(163 * 1024, tma=False) == pointer._replace(num_stages=2)  # A100
+    assert cuda_config(227 * 1024) == MEASURED_CONFIG  # H100 / H200: 5 x 32 + 32 KiB
+    assert cuda_config(191 * 1024) == MEASURED_CONFIG._replace(
+        num_stages=4
+    )  # no room for 5 stages and the store
+    assert cuda_config(163 * 1024, tma=False) == pointer  # A100: 5 stages, no store buffer
     # a smaller BK chains more blocks: the tensor cores' chains (the error) stay as many products long
     chain = MEASURED_CONFIG.block_k * MEASURED_CONFIG.chain_blocks
-    assert cuda_config(99 * 1024, tma=False) == pointer._replace(
-        block_k=64, num_stages=3, chain_blocks=chain // 64
-    )  # sm86/89
+    assert cuda_config(99 * 1024, tma=False) == pointer._replace(num_stages=3)  # sm86/89
     assert cuda_config(48 * 1024, tma=False) == pointer._replace(
-        block_k=32, num_stages=2, chain_blocks=chain // 32
+        block_k=32, num_stages=3, chain_blocks=chain // 32
     )
+    assert cuda_config(24 * 1024, tma=False) == pointer._replace(
+        block_k=16, num_stages=3, chain_blocks=chain // 16
+    )
+    assert cuda_config(8 * 1024, tma=False) == pointer._replace(
+        block_k=16, num_stages=2, chain_blocks=chain // 16
+    )  # the smallest BK, two stages, whatever the GPU holds
 
 
 @pytest.mark.parametrize(
