@@ -63,8 +63,9 @@ _Z_LOSS_LSE_BOUND = 64.0
 #: log-sum-exp partials over its column tiles (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`) and
 #: the chunk kernel takes the LSE from them, reading the fp32 logits once instead of twice (options without
 #: label smoothing, no statistics; front ends that pass ``chunk_lse_from_tiles=True``). Tested under Triton's
-#: interpreter and on CUDA (run86), and off: the epilogue's exponentials cost the GEMM more than the saved
-#: read saves (the op 0.8-4.6% slower at the four benchmark shapes, row ``flce_fp32comp_tilelse``).
+#: interpreter and on CUDA (run86, run88), and off: with libdevice's exp the epilogue cost the GEMM more than the
+#: saved read saves (the op 0.8-4.6% slower at the four benchmark shapes, run86, row ``flce_fp32comp_tilelse``);
+#: with ``tl.exp`` there 0-1.7% faster (run88), inside the run's spread.
 LSE_FROM_LOGITS_GEMM = False
 
 

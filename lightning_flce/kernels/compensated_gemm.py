@@ -10,7 +10,7 @@ logits are off by up to 6.9e-5 (H = 4096) and the per-token loss by 5e-5 / 2.8e-
 ``benchmarks/experiments/fp32_logits_accuracy.py``, ``benchmarks/results/2026-12-01_h200_torch2.11_triton3.6_run72_*``).
 
 How: each program owns a [BM, BN] output tile and keeps the tensor cores' fp32 chains short: every
-``chain_blocks`` BK-long blocks of K (the measured configuration: 4 x 128 = 512 products) are summed by the
+``chain_blocks`` BK-long blocks of K (the measured configuration: 8 x 64 = 512 products) are summed by the
 tensor cores from a zero accumulator, and the chains' sums are added into a running fp32 sum, plainly (the
 default) or Kahan-compensated (``GemmConfig.kahan``: ``y = part - comp; t = acc + y; comp = (t - acc) - y;
 acc = t``). The error follows the chain's length (run79: chains of 128 / 256 / 512 give per-token loss errors of
@@ -22,10 +22,15 @@ Measured (run80, the GEMM of one chunk, against cuBLAS's fp32-output GEMM): 1.10
 128-long chains with pointer loads (the default until then) took 1.97-2.07x. With one program per SM and the
 copy engine's stores (``GemmConfig.persistent``, ``tma_store``; run84 on another H200): 1.19-1.33x, against
 1.26-1.33x one program per tile in the same run; the op with ``logits_precision="fp32_compensated"`` 1.11-1.17x
-the default's time with chains of 2 x 128 (run85); with chains of 4 x 128, the measured configuration since
-run86, 1.06-1.12x at 4.4-5.2e-6 per token. Chains of 8 x 128 were barely faster and past 1e-5 per token (run87:
-1.24e-5). Writing each row's LSE partials in the epilogue (:class:`TileLse`) costs the GEMM more than the chunk
-kernel's saved read (the op 0.8-4.6% slower, run86), so it is off (``engine.LSE_FROM_LOGITS_GEMM``).
+the default's time with chains of 2 x 128 (run85); with chains of 4 x 128 (run86) 1.06-1.12x at 4.4-5.2e-6 per
+token. Chains of 8 x 128 were barely faster and past 1e-5 per token (run87: 1.24e-5). The same 512 products as
+8 blocks of BK = 64 with 5 stages (half the shared memory per stage; the measured configuration since run88):
+the GEMM 1.08-1.29x cuBLAS, within 1-4% of Triton's own one-chain GEMM in the same loop, against 1.20-1.37x for
+4 x 128 with 3 stages in that run; the op 1.08-1.14x the default, within the run's spread of 4 x 128's. Triton's
+automatic warp specialization of the tile loop (``GemmConfig.warp_specialize``) compiles on Hopper and gains
+nothing (run88). Writing each row's LSE partials in the epilogue (:class:`TileLse`) cost the GEMM more than the
+chunk kernel's saved read with libdevice's exp (the op 0.8-4.6% slower, run86); with ``tl.exp`` the op is 0-1.7%
+faster (run88), inside the spread, so it stays off (``engine.LSE_FROM_LOGITS_GEMM``).
 
 What the configurations measured (``benchmarks/experiments/compensated_gemm_configs.py``, run76 / run79 / run80):
 
@@ -35,9 +40,9 @@ What the configurations measured (``benchmarks/experiments/compensated_gemm_conf
   the pattern Triton turns into the MMA's "no accumulator" flag.
 - Kahan's two fp32 [BM, BN] tiles beside the chain's break the MMA pipeline at every addition: chained Kahan
   configurations were 1.5-3x cuBLAS. The plain sum holds one tile less; 128 x 256 tiles spill either way (3.2-3.8x).
-- BK = 128 with 3 stages needs (128 + 128) x 128 x 2 bytes = 64 KiB of shared memory per stage, so a GPU with
-  less than 3 stages' worth (A100: 164 KiB) gets fewer stages or BK = 64 / 32 with as many more blocks per chain
-  (:func:`cuda_config`).
+- BK = 64 needs (128 + 128) x 64 x 2 bytes = 32 KiB of shared memory per stage: 5 stages and the TMA store's
+  32 KiB half tile take 192 of an H100/H200's 227 KiB; a GPU with less gets fewer stages, or BK = 32 / 16 with as
+  many more blocks per chain where two stages do not fit (:func:`cuda_config`).
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) the blocks are 16 wide and the operands are
 widened to fp32 before ``tl.dot``: the interpreter's bf16 dot is wrong. fp32 products of 16-bit values are
@@ -97,12 +102,12 @@ class GemmConfig(NamedTuple):
     warp_specialize: bool = False
 
 
-#: The measured configuration (H200, results/*_run80_*, *_run84_*, *_run85_*): chains of 4 x 128 products summed
-#: plainly, the blocks through TMA, one program per SM, the copy engine's stores. 1.13-1.27x cuBLAS's fp32-output
-#: GEMM at the op's chunk shapes in run84 (chains of 2 x 128: 1.19-1.33x; one program per tile: 1.26-1.33x;
-#: Triton's own one-chain GEMM: 1.06-1.20x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer
-#: loads (the configuration before them); per-token loss within 4.4-5.2e-6 of float64 (2 x 128: 2.8-3.2e-6;
-#: "fp32"'s one chain over H: 2.5-4.9e-5), inside issue 23's 1e-5 at 1-5% less time for the op (run86).
+#: The measured configuration (H200, results/*_run80_*, *_run84_*, *_run88_*): chains of 8 x 64 = 512 products
+#: summed plainly, the blocks through TMA five stages deep, one program per SM, the copy engine's stores. In run88
+#: 1.08-1.29x cuBLAS's fp32-output GEMM at the op's chunk shapes (4 x 128 with 3 stages: 1.20-1.37x; Triton's own
+#: one-chain GEMM: 1.07-1.25x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer loads (the
+#: configuration before them); per-token loss within 4.4-5.2e-6 of float64 ("fp32"'s one chain over H:
+#: 2.5-4.9e-5), inside issue 23's 1e-5.
 MEASURED_CONFIG = GemmConfig(
     block_m=128,
     block_n=128,
