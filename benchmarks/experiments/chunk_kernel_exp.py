@@ -21,6 +21,9 @@ and each variant's LSE and per-token loss error against float64 (logits of std 2
 and without softcap), and the gradient's error against float64's (max absolute, in units of the 16-bit
 gradient's own rounding).
 
+Run88 (H200): the fp32 kernel runs at 4.3-4.4 TB/s with libdevice's exp too: memory-bound after all; the fast
+exp saves 1-5% of it with the same errors (``benchmarks/results/*_run88_*``).
+
     python3 benchmarks/experiments/chunk_kernel_exp.py      # writes $OUT/chunk_kernel_exp.json
     TRITON_INTERPRET=1 python3 benchmarks/experiments/chunk_kernel_exp.py --device cpu --small   # plumbing
 """

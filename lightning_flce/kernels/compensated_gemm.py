@@ -101,6 +101,11 @@ class GemmConfig(NamedTuple):
     #: epilogue), Triton >= 3.4 with Hopper support. Measured as a candidate only.
     warp_specialize: bool = False
 
+    @property
+    def chain_products(self) -> int:
+        """Products per tensor-core chain (``chain_blocks x block_k``): what the error follows."""
+        return self.block_k * self.chain_blocks
+
 
 #: The measured configuration (H200, results/*_run80_*, *_run84_*, *_run88_*): chains of 8 x 64 = 512 products
 #: summed plainly, the blocks through TMA five stages deep, one program per SM, the copy engine's stores. In run88
@@ -137,7 +142,7 @@ def cuda_config(shared_memory_bytes: Optional[int], tma: bool = True) -> GemmCon
         config = config._replace(tma=False, persistent=False, tma_store=False)
     if shared_memory_bytes is None:
         return config
-    chain = config.block_k * config.chain_blocks  # the products per tensor-core chain: the error's size
+    chain = config.chain_products  # kept whatever BK becomes: the error's size
     # the TMA store's buffer: one [BM, BN / 2] fp32 half tile
     for_stages = shared_memory_bytes - (config.block_m * config.block_n * 2 if config.tma_store else 0)
     block_k = config.block_k
