@@ -66,7 +66,7 @@ FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # libdevice's exp in the chunk kernel's gradient pass too (as until run88), for both wide-logits options
     "flce_fp32comp_preciseexp": {"exp": "precise"},
     "flce_fp32logits_preciseexp": {"exp": "precise", "precision": "fp32"},
-    # the GPU's exp2 in the first pass too (kernels.cross_entropy.FAST_LSE_EXP_FOR_16BIT_GRADIENT)
+    # the GPU's exp2 in the first pass too (run88: inside the spread, so not the library's rule)
     "flce_fp32comp_fastexp": {"exp": "fast"},
 }
 

@@ -415,11 +415,10 @@ def test_cuda_compensated_gemm_alone_at_a_tail_shape(dtype, k, n):
         assert 4 * (256 / chain) ** 0.5 * error <= (native.double() - exact).abs().max().item()
 
 
-def test_chunk_kernel_exp_precision_follows_what_the_exponentials_become(monkeypatch):
+def test_chunk_kernel_exp_precision_follows_what_the_exponentials_become():
     """The chunk kernel's exponentials: libdevice's (exact within an ulp) where their result is fp32, the fast
     exp where it is rounded to 16 bits. fp32 logits: the first pass (LSE, loss) precise; the gradient pass
-    precise only for an fp32 gradient; 16-bit logits: neither; the interpreter has no libdevice (neither).
-    ``FAST_LSE_EXP_FOR_16BIT_GRADIENT`` moves the first pass of fp32 logits with a 16-bit gradient too."""
+    precise only for an fp32 gradient; 16-bit logits: neither; the interpreter has no libdevice (neither)."""
     pytest.importorskip("triton")
     from lightning_flce.kernels import cross_entropy as chunk_kernel
 
@@ -438,7 +437,3 @@ def test_chunk_kernel_exp_precision_follows_what_the_exponentials_become(monkeyp
     assert rule(torch.float32, torch.float16) == (True, False)
     assert rule(torch.bfloat16, torch.bfloat16) == (False, False)  # the default's 16-bit logits
     assert rule(torch.float16, None) == (False, False)
-    monkeypatch.setattr(chunk_kernel, "FAST_LSE_EXP_FOR_16BIT_GRADIENT", True)
-    assert rule(torch.float32, torch.bfloat16) == (False, False)
-    assert rule(torch.float32, torch.float32) == (True, True)
-    assert rule(torch.float32, None) == (True, True)

@@ -15,7 +15,7 @@ warm-up, median over interleaved rounds; the logits restored before each call, o
   (the kernel until run88);
 - ``fp32_fast_grad``: the gradient pass's exps through ``tl.exp`` (its 16-bit result rounds far more coarsely
   than the fast exp errs): ``exp_precision``'s rule since run88;
-- ``fp32_fast``: both passes (``FAST_LSE_EXP_FOR_16BIT_GRADIENT``).
+- ``fp32_fast``: both passes.
 
 and each variant's LSE and per-token loss error against float64 (logits of std 2, softcap 30 as the CUDA tests,
 and without softcap), and the gradient's error against float64's (max absolute, in units of the 16-bit

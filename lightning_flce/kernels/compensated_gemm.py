@@ -27,8 +27,8 @@ token. Chains of 8 x 128 were barely faster and past 1e-5 per token (run87: 1.24
 8 blocks of BK = 64 with 5 stages (half the shared memory per stage; the measured configuration since run88):
 the GEMM 1.08-1.29x cuBLAS, within 1-4% of Triton's own one-chain GEMM in the same loop, against 1.20-1.37x for
 4 x 128 with 3 stages in that run; the op 1.08-1.14x the default, within the run's spread of 4 x 128's. Triton's
-automatic warp specialization of the tile loop (``GemmConfig.warp_specialize``) compiles on Hopper and gains
-nothing (run88). Writing each row's LSE partials in the epilogue (:class:`TileLse`) cost the GEMM more than the
+automatic warp specialization of the tile loop (``tl.range(..., warp_specialize=True)``, commit cd9f10c) compiled
+on Hopper and gained nothing (run88), so the kernel does without it. Writing each row's LSE partials in the epilogue (:class:`TileLse`) cost the GEMM more than the
 chunk kernel's saved read with libdevice's exp (the op 0.8-4.6% slower, run86); with ``tl.exp`` the op is 0-1.7%
 faster (run88), inside the spread, so it stays off (``engine.LSE_FROM_LOGITS_GEMM``).
 
@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from lightning_flce._compat import TRITON_INTERPRET
-from lightning_flce.kernels.triton_math import exp, tanh
+from lightning_flce.kernels.triton_math import tanh
 
 #: The operand dtypes the kernel takes.
 OPERAND_DTYPES = (torch.bfloat16, torch.float16)
@@ -96,10 +96,6 @@ class GemmConfig(NamedTuple):
     #: of shared memory beside the stages) instead of the warps' masked stores. Needs a 16-byte aligned ``out``
     #: (base and row stride: N a multiple of 4 for a whole buffer); the masked store otherwise.
     tma_store: bool = False
-    #: With ``tma``: Triton's automatic warp specialization of the tile loop (``tl.range(...,
-    #: warp_specialize=True)``: a producer warp group issuing the TMA loads, the others the MMAs and the
-    #: epilogue), Triton >= 3.4 with Hopper support. Measured as a candidate only.
-    warp_specialize: bool = False
 
     @property
     def chain_products(self) -> int:
@@ -249,7 +245,6 @@ def epilogue(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    PRECISE: tl.constexpr,
     TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -268,7 +263,10 @@ def epilogue(
         row_max = tl.max(z, 1)
         # A row whose columns here are all -inf (a bias mask) sums exp(z - 0) = 0 instead of NaN.
         row_ref = tl.where(row_max == float("-inf"), 0.0, row_max)
-        row_sum = tl.sum(exp(z - row_ref[:, None], PRECISE), 1)
+        # tl.exp (ex2.approx), not libdevice's ~10-instruction exp between two tiles' MMAs: run88 measured the
+        # same LSE error either way in the chunk kernel's first pass (0.75-1.0e-6 at the benchmark shapes'
+        # chunks, benchmarks/experiments/chunk_kernel_exp.py), and the op 0-1.7% faster than with libdevice's.
+        row_sum = tl.sum(tl.exp(z - row_ref[:, None]), 1)
         partial = rm.to(tl.int64) * tile_row_stride + pid_n
         tl.store(tile_max_ptr + partial, row_max, mask=rm < M)
         tl.store(tile_sum_ptr + partial, row_sum, mask=rm < M)
@@ -297,7 +295,6 @@ def _compensated_mm_kernel(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,  # write each row's log-sum-exp partials over each tile's columns
     HAS_SOFTCAP: tl.constexpr,  # ... of softcap * tanh(logit / softcap)
-    PRECISE: tl.constexpr,  # libdevice exp (a GPU; not the interpreter)
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
     UPCAST: tl.constexpr,  # widen the operands to fp32 before tl.dot (the interpreter)
     BLOCK_M: tl.constexpr,
@@ -339,7 +336,7 @@ def _compensated_mm_kernel(
     # out_ptr stands in for the descriptor: never read without TMA_STORE
     epilogue(
         acc, bias_ptr, out_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
-        out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, False, BLOCK_M, BLOCK_N,
+        out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, False, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
 
@@ -362,7 +359,6 @@ def _compensated_mm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    PRECISE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -371,7 +367,6 @@ def _compensated_mm_tma_kernel(
     KAHAN: tl.constexpr,
     GROUP_M: tl.constexpr,
     TMA_STORE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,  # GemmConfig.warp_specialize
 ):
     """:func:`_compensated_mm_kernel` with the operand blocks loaded by the tensor-memory accelerator: the
     copy engine fills blocks past M, N and K with zeros, so there is no mask and no tail case. Program ``pid``
@@ -379,44 +374,20 @@ def _compensated_mm_tma_kernel(
     one tile each; with one per SM (``GemmConfig.persistent``) a program's next tile is loading while its last
     one is stored (run83: with the TMA store, 1.08-1.25x cuBLAS where one program per tile took 1.26-1.39x)."""
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    # Not tl.range(flatten=True): Triton's flattened, pipelined nest was 1.3-1.7x slower here (run83).
-    if WARP_SPECIALIZE:  # a constexpr branch: Tritons without the keyword never compile this one
-        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, warp_specialize=True):
-            tma_tile(
-                x_desc, w_desc, out_desc, bias_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, M, N, K, out_row_stride,
-                tile_row_stride, softcap, tile, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, UPCAST, BLOCK_M,
-                BLOCK_N, BLOCK_K, CHAIN_BLOCKS, KAHAN, GROUP_M, TMA_STORE,
-            )  # fmt: skip
-    else:
-        for tile in range(tl.program_id(0), num_tiles, num_programs):
-            tma_tile(
-                x_desc, w_desc, out_desc, bias_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, M, N, K, out_row_stride,
-                tile_row_stride, softcap, tile, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, UPCAST, BLOCK_M,
-                BLOCK_N, BLOCK_K, CHAIN_BLOCKS, KAHAN, GROUP_M, TMA_STORE,
-            )  # fmt: skip
-
-
-@triton.jit
-def tma_tile(
-    x_desc, w_desc, out_desc, bias_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, M, N, K, out_row_stride,
-    tile_row_stride, softcap, tile, HAS_BIAS: tl.constexpr, TILE_LSE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    PRECISE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, CHAIN_BLOCKS: tl.constexpr, KAHAN: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA_STORE: tl.constexpr,
-):  # fmt: skip
-    """Tile ``tile`` of :func:`_compensated_mm_tma_kernel`: the K loop through the descriptors, the epilogue."""
-    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_blocks = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, k_blocks):
-        a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
-        part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
-    epilogue(
-        acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
-        out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, PRECISE, TMA_STORE, BLOCK_M, BLOCK_N,
-    )  # fmt: skip
+    # Not tl.range(flatten=True): Triton's flattened, pipelined nest was 1.3-1.7x slower here (run83).
+    for tile in range(tl.program_id(0), num_tiles, num_programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, k_blocks):
+            a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
+            part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
+        epilogue(
+            acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
+            out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, TMA_STORE, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
 
 
 @functools.cache
@@ -510,10 +481,6 @@ def kernel_constants(config: GemmConfig, has_bias: bool, tile_lse: Optional[Tile
         "HAS_BIAS": has_bias,
         "TILE_LSE": tile_lse is not None,
         "HAS_SOFTCAP": tile_lse is not None and tile_lse.softcap > 0.0,
-        # The epilogue's LSE partials through tl.exp (ex2.approx), not libdevice's ~10-instruction exp between
-        # two tiles' MMAs: run88 measured the same LSE error either way in the chunk kernel's first pass
-        # (0.75-1.0e-6 at the benchmark shapes' chunks, benchmarks/experiments/chunk_kernel_exp.py).
-        "PRECISE": False,
         "UPCAST": TRITON_INTERPRET,
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
@@ -591,7 +558,6 @@ def compensated_logits_mm(
             softcap,
             programs,
             TMA_STORE=tma_store,
-            WARP_SPECIALIZE=config.warp_specialize,
             **constants,
         )
         return out
