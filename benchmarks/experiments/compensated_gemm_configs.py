@@ -109,6 +109,26 @@ CONFIGS.update(
     }
 )
 
+# Run89's candidates around the measured configuration (``MEASURED_CONFIG``, the s5 row above), for issue 23's
+# 8192x2304x256000 where it is 1.29x cuBLAS: row groups that read each weight block from memory once per chunk
+# (``group_m``: the chunks have 16-32 row tiles of 128), and 64-row tiles over one warp group with two programs
+# per SM (``programs_per_sm``), so one program's epilogue (a fp32 tile through the copy engine) overlaps the
+# other's MMAs, as cuBLAS's ping-pong kernels do with two warp groups.
+_MEASURED = GemmConfig(128, 128, 64, 8, 5, chain_blocks=8, kahan=False, tma=True, **PERSISTENT_STORE)
+CONFIGS.update(
+    {
+        "measured_g16": _MEASURED._replace(group_m=16),
+        "measured_g32": _MEASURED._replace(group_m=32),
+        "m64_w4_s3_p2": _MEASURED._replace(block_m=64, num_warps=4, num_stages=3, programs_per_sm=2),
+        "m64_w4_s4_p2": _MEASURED._replace(block_m=64, num_warps=4, num_stages=4, programs_per_sm=2),
+        "m64_w4_s4_p2_g32": _MEASURED._replace(
+            block_m=64, num_warps=4, num_stages=4, programs_per_sm=2, group_m=32
+        ),
+        "m64_n256_w8_s4": _MEASURED._replace(block_m=64, block_n=256, num_stages=4),
+        "one_chain_g16": CONFIGS["tma_bk64_one_chain_persistent_store"]._replace(num_stages=5, group_m=16),
+    }
+)
+
 
 def timed_ms(fns, device, rounds, reps):
     """{name: median ms} over ``rounds`` interleaved rounds of ``reps`` calls each (after two warm-up calls)."""
@@ -207,6 +227,9 @@ def main():
             "interpret_tma_c2_plain": INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False, tma=True),
             "interpret_tma_c2_plain_persistent_store": INTERPRET_CONFIG._replace(
                 chain_blocks=2, kahan=False, tma=True, **PERSISTENT_STORE
+            ),
+            "interpret_tma_c2_plain_persistent_store_g2_p2": INTERPRET_CONFIG._replace(
+                chain_blocks=2, kahan=False, tma=True, group_m=2, programs_per_sm=2, **PERSISTENT_STORE
             ),
         }
     else:

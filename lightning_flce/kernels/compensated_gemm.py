@@ -63,8 +63,6 @@ from lightning_flce.kernels.triton_math import tanh
 
 #: The operand dtypes the kernel takes.
 OPERAND_DTYPES = (torch.bfloat16, torch.float16)
-# Row tiles per group of grouped_tile's program order.
-_GROUP_M = 8
 
 
 class GemmConfig(NamedTuple):
@@ -96,6 +94,12 @@ class GemmConfig(NamedTuple):
     #: of shared memory beside the stages) instead of the warps' masked stores. Needs a 16-byte aligned ``out``
     #: (base and row stride: N a multiple of 4 for a whole buffer); the masked store otherwise.
     tma_store: bool = False
+    #: Row tiles per group of :func:`grouped_tile`'s program order: each column tile's [BN, K] block of the
+    #: weight is read from memory once per group of ``group_m`` row tiles (and from L2 by the others).
+    group_m: int = 8
+    #: With ``persistent``: programs per SM. Two let one program's epilogue overlap the other's MMAs where
+    #: both fit an SM's registers and shared memory (small tiles).
+    programs_per_sm: int = 1
 
     @property
     def chain_products(self) -> int:
@@ -433,12 +437,12 @@ def _multiprocessors(device_index: int) -> int:
 INTERPRET_PROGRAMS = 3
 
 
-def persistent_programs(device: torch.device, tiles: int) -> int:
-    """Programs of a persistent launch: one per SM (at most one per tile)."""
+def persistent_programs(device: torch.device, tiles: int, per_sm: int = 1) -> int:
+    """Programs of a persistent launch: ``per_sm`` per SM (at most one per tile)."""
     if TRITON_INTERPRET or device.type != "cuda":
         return min(tiles, INTERPRET_PROGRAMS)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return min(tiles, _multiprocessors(index))
+    return min(tiles, per_sm * _multiprocessors(index))
 
 
 class TileLse(NamedTuple):
@@ -487,7 +491,7 @@ def kernel_constants(config: GemmConfig, has_bias: bool, tile_lse: Optional[Tile
         "BLOCK_K": config.block_k,
         "CHAIN_BLOCKS": config.chain_blocks,
         "KAHAN": config.kahan,
-        "GROUP_M": _GROUP_M,
+        "GROUP_M": config.group_m,
         "num_warps": config.num_warps,
         "num_stages": config.num_stages,
     }
@@ -540,7 +544,9 @@ def compensated_logits_mm(
         TensorDescriptor = _tensor_descriptor()  # noqa: N806  (the class)
         x_desc = TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k])
         tma_store = config.tma_store and tma_store_usable(out)
-        programs = persistent_programs(x_c.device, tiles) if config.persistent else tiles
+        programs = (
+            persistent_programs(x_c.device, tiles, config.programs_per_sm) if config.persistent else tiles
+        )
         _compensated_mm_tma_kernel[(programs,)](
             x_desc,
             TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
