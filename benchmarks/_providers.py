@@ -68,11 +68,8 @@ FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce_fp32logits_preciseexp": {"exp": "precise", "precision": "fp32"},
     # the GPU's exp2 in the first pass too (run88: inside the spread, so not the library's rule)
     "flce_fp32comp_fastexp": {"exp": "fast"},
-    # run89's GEMM candidates: row groups of 16 / 32 tiles (each weight block read from memory once per chunk),
-    # 64-row tiles over one warp group with two programs per SM
-    "flce_fp32comp_g16": {"config": {"group_m": 16}},
-    "flce_fp32comp_g32": {"config": {"group_m": 32}},
-    "flce_fp32comp_m64p2": {"config": {"block_m": 64, "num_warps": 4, "num_stages": 4, "programs_per_sm": 2}},
+    # the compensated GEMM of run88 (128-row tiles over two warp groups, 5 stages, one program per SM)
+    "flce_fp32comp_m128": {"config": {"block_m": 128, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1}},
 }
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.

@@ -469,21 +469,23 @@ def test_op_runs_the_kernel_on_the_triton_path(monkeypatch, reduction):
 
 
 def test_cuda_config_fits_the_shared_memory():
-    """The measured config (BK = 64, 5 stages of 32 KiB, the TMA store's 32 KiB half tile beside them) where it
-    fits, fewer stages or a smaller BK where not; a GPU without TMA gets the pointer kernel's config (no TMA
-    flags, no store buffer)."""
+    """The measured config (64-row tiles, BK = 64, two programs per SM, each with 4 stages of 24 KiB and the TMA
+    store's 16 KiB half tile) where it fits, fewer stages or a smaller BK where not; a GPU without TMA gets the
+    pointer kernel's config (128 x 128 tiles, no TMA flags, no store buffer, 5 stages of 32 KiB)."""
     pytest.importorskip("triton")
-    from lightning_flce.kernels.compensated_gemm import MEASURED_CONFIG, cuda_config
+    from lightning_flce.kernels.compensated_gemm import MEASURED_CONFIG, POINTER_CONFIG, cuda_config
 
-    pointer = MEASURED_CONFIG._replace(tma=False, persistent=False, tma_store=False)
+    pointer = POINTER_CONFIG
+    assert not (pointer.tma or pointer.persistent or pointer.tma_store)
     assert cuda_config(None) == MEASURED_CONFIG
-    assert cuda_config(227 * 1024) == MEASURED_CONFIG  # H100 / H200: 5 x 32 + 32 KiB
+    assert cuda_config(227 * 1024) == MEASURED_CONFIG  # H100 / H200: 2 x (4 x 24 + 16 KiB)
     assert cuda_config(191 * 1024) == MEASURED_CONFIG._replace(
-        num_stages=4
-    )  # no room for 5 stages and the store
+        num_stages=3
+    )  # no room for two programs of 4 stages and the store
     assert cuda_config(163 * 1024, tma=False) == pointer  # A100: 5 stages, no store buffer
     # a smaller BK chains more blocks: the tensor cores' chains (the error) stay as many products long
-    chain = MEASURED_CONFIG.block_k * MEASURED_CONFIG.chain_blocks
+    chain = pointer.block_k * pointer.chain_blocks
+    assert MEASURED_CONFIG.chain_products == chain
     assert cuda_config(99 * 1024, tma=False) == pointer._replace(num_stages=3)  # sm86/89
     assert cuda_config(48 * 1024, tma=False) == pointer._replace(
         block_k=32, num_stages=3, chain_blocks=chain // 32
@@ -494,6 +496,10 @@ def test_cuda_config_fits_the_shared_memory():
     assert cuda_config(8 * 1024, tma=False) == pointer._replace(
         block_k=16, num_stages=2, chain_blocks=chain // 16
     )  # the smallest BK, two stages, whatever the GPU holds
+    # the TMA config halves its BK too where two programs' two stages do not fit
+    assert cuda_config(80 * 1024) == MEASURED_CONFIG._replace(
+        block_k=32, num_stages=2, chain_blocks=chain // 32
+    )
 
 
 @pytest.mark.parametrize(

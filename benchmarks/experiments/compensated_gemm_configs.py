@@ -129,6 +129,22 @@ CONFIGS.update(
     }
 )
 
+# Run89's second call, around the configuration the first one found (m64_w4_s4_p2, the library's since):
+# its row groups, shorter chains, BK = 128 over two stages, masked stores, the transposed tile, and its one-chain
+# reference (Triton's own GEMM at that tile).
+_M64P2 = CONFIGS["m64_w4_s4_p2"]
+CONFIGS.update(
+    {
+        "m64_p2_g4": _M64P2._replace(group_m=4),
+        "m64_p2_g16": _M64P2._replace(group_m=16),
+        "m64_p2_c4": _M64P2._replace(chain_blocks=4),
+        "m64_p2_bk128_s2": _M64P2._replace(block_k=128, num_stages=2, chain_blocks=4),
+        "m64_p2_masked_store": _M64P2._replace(tma_store=False),
+        "m128_n64_w4_s4_p2": _M64P2._replace(block_m=128, block_n=64),
+        "m64_p2_one_chain": _M64P2._replace(chain_blocks=1 << 20),
+    }
+)
+
 
 def timed_ms(fns, device, rounds, reps):
     """{name: median ms} over ``rounds`` interleaved rounds of ``reps`` calls each (after two warm-up calls)."""

@@ -107,44 +107,50 @@ class GemmConfig(NamedTuple):
         return self.block_k * self.chain_blocks
 
 
-#: The measured configuration (H200, results/*_run80_*, *_run84_*, *_run88_*): chains of 8 x 64 = 512 products
-#: summed plainly, the blocks through TMA five stages deep, one program per SM, the copy engine's stores. In run88
-#: 1.08-1.29x cuBLAS's fp32-output GEMM at the op's chunk shapes (4 x 128 with 3 stages: 1.20-1.37x; Triton's own
-#: one-chain GEMM: 1.07-1.25x), against 1.97-2.07x for Kahan's sum of 128-long chains with pointer loads (the
-#: configuration before them); per-token loss within 4.4-5.2e-6 of float64 ("fp32"'s one chain over H:
-#: 2.5-4.9e-5), inside issue 23's 1e-5.
+#: The measured configuration on Hopper (H200, results/*_run80_*, *_run84_*, *_run88_*, *_run89_*): chains of
+#: 8 x 64 = 512 products summed plainly, the blocks through TMA four stages deep, 64-row tiles over one warp group
+#: with two persistent programs per SM (one program's epilogue, an fp32 tile through the copy engine, overlaps the
+#: other's MMAs), the copy engine's stores. In run89 1.13-1.18x cuBLAS's fp32-output GEMM at the op's chunk shapes,
+#: against 1.15-1.30x for 128-row tiles over two warp groups, one program per SM (:data:`POINTER_CONFIG`'s tiles,
+#: the configuration of run88) and 1.09-1.16x for Triton's own one-chain GEMM; per-token loss within 4.4-5.2e-6
+#: of float64 ("fp32"'s one chain over H: 2.5-4.9e-5), inside issue 23's 1e-5.
 MEASURED_CONFIG = GemmConfig(
-    block_m=128,
+    block_m=64,
     block_n=128,
     block_k=64,
-    num_warps=8,
-    num_stages=5,
+    num_warps=4,
+    num_stages=4,
     chain_blocks=8,
     kahan=False,
     tma=True,
     persistent=True,
     tma_store=True,
+    programs_per_sm=2,
+)
+#: GPUs without the tensor-memory accelerator (pointer loads, one program per tile, masked stores): the same
+#: chains in 128 x 128 tiles over two warp groups, five stages (Hopper's measured configuration until run89; the
+#: pointer kernel is not measured on such a GPU here).
+POINTER_CONFIG = GemmConfig(
+    block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=5, chain_blocks=8, kahan=False
 )
 #: The interpreter's: tl.dot's smallest blocks (each program is a Python loop there).
 INTERPRET_CONFIG = GemmConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
 
 
 def cuda_config(shared_memory_bytes: Optional[int], tma: bool = True) -> GemmConfig:
-    """The measured configuration, with fewer pipeline stages (or a smaller BK: 32, 16) where a GPU's shared
-    memory per block (``shared_memory_per_block_optin``; None: unknown, assumed an H100/H200's) holds fewer
-    than its stages. Each stage holds a [BM, BK] block of x and a [BN, BK] block of w in 16 bits. A smaller BK
-    chains more blocks, so the tensor cores' chains (and the error) stay as long. ``tma``: the GPU has the
-    tensor-memory accelerator (compute capability 9+): the TMA store's fp32 half tile is kept beside the
-    stages. Without it the pointer kernel runs (one program per tile, masked stores) and the configuration says
-    so (no TMA flags). Whether TMA reads given operands is :func:`tma_usable`'s call at launch."""
-    config = MEASURED_CONFIG
-    if not tma:
-        config = config._replace(tma=False, persistent=False, tma_store=False)
+    """The measured configuration (:data:`MEASURED_CONFIG` on a GPU with the tensor-memory accelerator, compute
+    capability 9+; :data:`POINTER_CONFIG` without it), with fewer pipeline stages (or a smaller BK: 32, 16)
+    where a GPU's shared memory per block (``shared_memory_per_block_optin``; None: unknown, assumed an
+    H100/H200's) holds fewer than its stages for each of its programs per SM. Each stage holds a [BM, BK] block
+    of x and a [BN, BK] block of w in 16 bits; the TMA store's fp32 half tile ([BM, BN / 2]) is kept beside
+    them. A smaller BK chains more blocks, so the tensor cores' chains (and the error) stay as long. Whether
+    TMA reads given operands is :func:`tma_usable`'s call at launch."""
+    config = MEASURED_CONFIG if tma else POINTER_CONFIG
     if shared_memory_bytes is None:
         return config
     chain = config.chain_products  # kept whatever BK becomes: the error's size
-    # the TMA store's buffer: one [BM, BN / 2] fp32 half tile
-    for_stages = shared_memory_bytes - (config.block_m * config.block_n * 2 if config.tma_store else 0)
+    per_program = shared_memory_bytes // (config.programs_per_sm if config.persistent else 1)
+    for_stages = per_program - (config.block_m * config.block_n * 2 if config.tma_store else 0)
     block_k = config.block_k
     while True:
         stages = min(config.num_stages, for_stages // ((config.block_m + config.block_n) * block_k * 2))
