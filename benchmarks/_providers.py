@@ -70,6 +70,9 @@ FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce_fp32comp_fastexp": {"exp": "fast"},
     # the compensated GEMM of run88 (128-row tiles over two warp groups, 5 stages, one program per SM)
     "flce_fp32comp_m128": {"config": {"block_m": 128, "num_warps": 8, "num_stages": 5, "programs_per_sm": 1}},
+    # the warps' masked stores instead of the copy engine's; chains of 12 x 64 = 768 products (fewer drains)
+    "flce_fp32comp_masked": {"config": {"tma_store": False}},
+    "flce_fp32comp_c12": {"config": {"chain_blocks": 12}},
 }
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.

@@ -144,6 +144,16 @@ CONFIGS.update(
         "m64_p2_one_chain": _M64P2._replace(chain_blocks=1 << 20),
     }
 )
+# Run89's third call: masked stores (call 2 measured them faster at three shapes), chains of 10 / 12 blocks (640 /
+# 768 products: fewer drains of the MMA pipeline, an error between 512's and 1024's), three programs per SM.
+CONFIGS.update(
+    {
+        "m64_p2_c10": _M64P2._replace(chain_blocks=10),
+        "m64_p2_c12": _M64P2._replace(chain_blocks=12),
+        "m64_p2_c12_masked_store": _M64P2._replace(chain_blocks=12, tma_store=False),
+        "m64_p3_s3_masked_store": _M64P2._replace(num_stages=3, programs_per_sm=3, tma_store=False),
+    }
+)
 
 
 def timed_ms(fns, device, rounds, reps):
