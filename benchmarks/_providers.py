@@ -39,8 +39,8 @@ FLCE_MAX_SAMPLES: Dict[str, int] = {"flce_fp32head": 4}
 FLCE_NAMED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # Each chunk's logits kept in fp32 (the 16-bit GEMM accumulates and writes fp32).
     "flce_fp32logits": {"logits_precision": "fp32"},
-    # The same with the logits GEMM's sum over H in short tensor-core chains (a Triton GEMM, 1.13-1.27x the
-    # fp32-output GEMM's time in run84).
+    # The same with the logits GEMM's sum over H in short tensor-core chains (a Triton GEMM, 1.12-1.22x the
+    # fp32-output GEMM's time in run89).
     "flce_fp32comp": {"logits_precision": "fp32_compensated"},
     # The head's GEMMs themselves in fp32 (an fp32 head).
     "flce_fp32head": {"logits_precision": "fp32_head"},

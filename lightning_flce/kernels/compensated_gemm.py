@@ -12,25 +12,32 @@ logits are off by up to 6.9e-5 (H = 4096) and the per-token loss by 5e-5 / 2.8e-
 How: each program owns a [BM, BN] output tile and keeps the tensor cores' fp32 chains short: every
 ``chain_blocks`` BK-long blocks of K (the measured configuration: 8 x 64 = 512 products) are summed by the
 tensor cores from a zero accumulator, and the chains' sums are added into a running fp32 sum, plainly (the
-default) or Kahan-compensated (``GemmConfig.kahan``: ``y = part - comp; t = acc + y; comp = (t - acc) - y;
-acc = t``). The error follows the chain's length (run79: chains of 128 / 256 / 512 give per-token loss errors of
-1.8-1.9e-6 / 2.8-3.2e-6 / 4.4-5.3e-6 at the four benchmark shapes' chunks, bias and softcap 30; "fp32"'s one chain
-over H: 2.5-4.9e-5), while the plain sum of the K / 512 chains adds at most half an ulp per addition. The
-operand blocks come through the tensor-memory accelerator where the GPU has one (``GemmConfig.tma``,
+default) or Kahan-compensated (``GemmConfig.kahan``: ``y = part - comp; t = acc + y; comp = (t - acc) - y; acc
+= t``). The error follows the chain's length (run79: chains of 128 / 256 / 512 give per-token loss errors of
+1.8-1.9e-6 / 2.8-3.2e-6 / 4.4-5.3e-6 at the four benchmark shapes' chunks, bias and softcap 30; "fp32"'s one
+chain over H: 2.5-4.9e-5), while the plain sum of the K / 512 chains adds at most half an ulp per addition.
+The operand blocks come through the tensor-memory accelerator where the GPU has one (``GemmConfig.tma``,
 :func:`tma_usable`): Triton's pointer-load GEMM was itself 1.20-1.49x cuBLAS, its TMA one 1.07-1.15x (run80).
 Measured (run80, the GEMM of one chunk, against cuBLAS's fp32-output GEMM): 1.10-1.27x, where Kahan's sum of
 128-long chains with pointer loads (the default until then) took 1.97-2.07x. With one program per SM and the
 copy engine's stores (``GemmConfig.persistent``, ``tma_store``; run84 on another H200): 1.19-1.33x, against
-1.26-1.33x one program per tile in the same run; the op with ``logits_precision="fp32_compensated"`` 1.11-1.17x
-the default's time with chains of 2 x 128 (run85); with chains of 4 x 128 (run86) 1.06-1.12x at 4.4-5.2e-6 per
-token. Chains of 8 x 128 were barely faster and past 1e-5 per token (run87: 1.24e-5). The same 512 products as
-8 blocks of BK = 64 with 5 stages (half the shared memory per stage; the measured configuration since run88):
-the GEMM 1.08-1.29x cuBLAS, within 1-4% of Triton's own one-chain GEMM in the same loop, against 1.20-1.37x for
-4 x 128 with 3 stages in that run; the op 1.08-1.14x the default, within the run's spread of 4 x 128's. Triton's
-automatic warp specialization of the tile loop (``tl.range(..., warp_specialize=True)``, commit cd9f10c) compiled
-on Hopper and gained nothing (run88), so the kernel does without it. Writing each row's LSE partials in the epilogue (:class:`TileLse`) cost the GEMM more than the
-chunk kernel's saved read with libdevice's exp (the op 0.8-4.6% slower, run86); with ``tl.exp`` the op is 0-1.7%
-faster (run88), inside the spread, so it stays off (``engine.LSE_FROM_LOGITS_GEMM``).
+1.26-1.33x one program per tile in the same run; the op with ``logits_precision="fp32_compensated"``
+1.11-1.17x the default's time with chains of 2 x 128 (run85); with chains of 4 x 128 (run86) 1.06-1.12x at
+4.4-5.2e-6 per token. Chains of 8 x 128 were barely faster and past 1e-5 per token (run87: 1.24e-5). The same
+512 products as 8 blocks of BK = 64 with 5 stages (half the shared memory per stage; run88): the GEMM
+1.08-1.29x cuBLAS, within 1-4% of Triton's own one-chain GEMM in the same loop, against 1.20-1.37x for 4 x 128
+with 3 stages in that run; the op 1.08-1.14x the default, within the run's spread of 4 x 128's. Triton's
+automatic warp specialization of the tile loop (``tl.range(..., warp_specialize=True)``, commit cd9f10c)
+compiled on Hopper and gained nothing (run88), so the kernel does without it. Those 128 x 128 tiles over two
+warp groups stall each program's MMAs through its epilogue and at every chain's end; 64 x 128 tiles over one
+warp group, two persistent programs per SM and four stages each (``GemmConfig.programs_per_sm``; the measured
+configuration since run89) let one program's MMAs run while the other adds a chain or stores a tile: the GEMM
+1.12-1.22x cuBLAS in three runs where the 128 x 128 tiles took 1.15-1.30x, the op 1.07-1.12x the default's
+time. Row groups of 4 / 16 / 32 tiles, three stages, 128 x 64 or 64 x 256 tiles, three programs per SM and BK
+= 128 were slower there; the warps' masked stores were faster at two shapes and 1.41x at the fourth. Writing
+each row's LSE partials in the epilogue (:class:`TileLse`) cost the GEMM more than the chunk kernel's saved
+read with libdevice's exp (the op 0.8-4.6% slower, run86); with ``tl.exp`` the op is 0-1.7% faster (run88),
+inside the spread, so it stays off (``engine.LSE_FROM_LOGITS_GEMM``).
 
 What the configurations measured (``benchmarks/experiments/compensated_gemm_configs.py``, run76 / run79 / run80):
 
@@ -40,9 +47,10 @@ What the configurations measured (``benchmarks/experiments/compensated_gemm_conf
   the pattern Triton turns into the MMA's "no accumulator" flag.
 - Kahan's two fp32 [BM, BN] tiles beside the chain's break the MMA pipeline at every addition: chained Kahan
   configurations were 1.5-3x cuBLAS. The plain sum holds one tile less; 128 x 256 tiles spill either way (3.2-3.8x).
-- BK = 64 needs (128 + 128) x 64 x 2 bytes = 32 KiB of shared memory per stage: 5 stages and the TMA store's
-  32 KiB half tile take 192 of an H100/H200's 227 KiB; a GPU with less gets fewer stages, or BK = 32 / 16 with as
-  many more blocks per chain where two stages do not fit (:func:`cuda_config`).
+- A stage of 64 x 128 tiles holds (64 + 128) x 64 x 2 bytes = 24 KiB of shared memory: each of two programs per
+  SM takes four stages and the TMA store's 16 KiB half tile, 112 of an H100/H200's 227 KiB (128 x 128 tiles: 32
+  KiB per stage, five stages and a 32 KiB half tile, one program). A GPU with less gets fewer stages, or BK = 32 /
+  16 with as many more blocks per chain where two stages do not fit (:func:`cuda_config`).
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, the CPU tests) the blocks are 16 wide and the operands are
 widened to fp32 before ``tl.dot``: the interpreter's bf16 dot is wrong. fp32 products of 16-bit values are
@@ -110,9 +118,9 @@ class GemmConfig(NamedTuple):
 #: The measured configuration on Hopper (H200, results/*_run80_*, *_run84_*, *_run88_*, *_run89_*): chains of
 #: 8 x 64 = 512 products summed plainly, the blocks through TMA four stages deep, 64-row tiles over one warp group
 #: with two persistent programs per SM (one program's epilogue, an fp32 tile through the copy engine, overlaps the
-#: other's MMAs), the copy engine's stores. In run89 1.13-1.18x cuBLAS's fp32-output GEMM at the op's chunk shapes,
+#: other's MMAs), the copy engine's stores. In run89 1.12-1.22x cuBLAS's fp32-output GEMM at the op's chunk shapes (three runs),
 #: against 1.15-1.30x for 128-row tiles over two warp groups, one program per SM (:data:`POINTER_CONFIG`'s tiles,
-#: the configuration of run88) and 1.09-1.16x for Triton's own one-chain GEMM; per-token loss within 4.4-5.2e-6
+#: the configuration of run88) and 1.09-1.24x for Triton's own one-chain GEMM; per-token loss within 4.4-5.2e-6
 #: of float64 ("fp32"'s one chain over H: 2.5-4.9e-5), inside issue 23's 1e-5.
 MEASURED_CONFIG = GemmConfig(
     block_m=64,
@@ -231,7 +239,7 @@ def store_tile(acc, out_ptr, M, N, out_row_stride, rm, rn):
 def store_tile_tma(acc, out_desc, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """:func:`store_tile` through out's tensor descriptor (blocks [BLOCK_M, BLOCK_N // 2]): the copy engine
     writes the tile from shared memory and drops what lies past M and N. In halves, so the epilogue's shared
-    buffer (32 KiB at 128 x 128) fits beside three 64 KiB stages."""
+    buffer is a [BLOCK_M, BLOCK_N / 2] fp32 block (16 KiB at 64 x 128, 32 KiB at 128 x 128) beside the stages."""
     left, right = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
     out_desc.store([off_m, off_n], left)
     out_desc.store([off_m, off_n + BLOCK_N // 2], right)
