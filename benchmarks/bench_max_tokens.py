@@ -1006,10 +1006,10 @@ def plot_png(payload: Dict[str, Any], path: Path) -> Optional[str]:
     for ax in list(axs.flat)[len(panels) :]:
         ax.set_visible(False)
     env = payload["env"]
+    compiled = "\nevery decoder layer compiled" if payload["meta"].get("compile_layers") else ""
     fig.suptitle(
         f"largest micro-batch per loss: {payload['meta']['model']} Llama, {payload['meta']['precision']}, fused AdamW,"
-        f" {env.get('gpu') or env['device']}"
-        f"{chr(10) + 'every decoder layer compiled' if payload['meta'].get('compile_layers') else ''}"
+        f" {env.get('gpu') or env['device']}{compiled}"
         "\no fit, * largest fit, x out of memory (drawn at the device memory)",
         fontsize=10,
     )

@@ -12,8 +12,8 @@ logits are off by up to 6.9e-5 (H = 4096) and the per-token loss by 5e-5 / 2.8e-
 How: each program owns a [BM, BN] output tile and keeps the tensor cores' fp32 chains short: every
 ``chain_blocks`` BK-long blocks of K (the measured configuration: 8 x 64 = 512 products) are summed by the
 tensor cores from a zero accumulator, and the chains' sums are added into a running fp32 sum, plainly (the
-default) or Kahan-compensated (``GemmConfig.kahan``: ``y = part - comp; t = acc + y; comp = (t - acc) - y; acc
-= t``). The error follows the chain's length (run79: chains of 128 / 256 / 512 give per-token loss errors of
+default) or Kahan-compensated (``GemmConfig.kahan``: ``y = part - comp; t = acc + y; comp = (t - acc) - y;
+acc = t``). The error follows the chain's length (run79: chains of 128 / 256 / 512 give per-token loss errors of
 1.8-1.9e-6 / 2.8-3.2e-6 / 4.4-5.3e-6 at the four benchmark shapes' chunks, bias and softcap 30; "fp32"'s one
 chain over H: 2.5-4.9e-5), while the plain sum of the K / 512 chains adds at most half an ulp per addition.
 The operand blocks come through the tensor-memory accelerator where the GPU has one (``GemmConfig.tma``,
@@ -33,8 +33,8 @@ warp groups stall each program's MMAs through its epilogue and at every chain's 
 warp group, two persistent programs per SM and four stages each (``GemmConfig.programs_per_sm``; the measured
 configuration since run89) let one program's MMAs run while the other adds a chain or stores a tile: the GEMM
 1.12-1.22x cuBLAS in three runs where the 128 x 128 tiles took 1.15-1.30x, the op 1.07-1.12x the default's
-time. Row groups of 4 / 16 / 32 tiles, three stages, 128 x 64 or 64 x 256 tiles, three programs per SM and BK
-= 128 were slower there; the warps' masked stores were faster at two shapes and 1.41x at the fourth. Writing
+time. Row groups of 4 / 16 / 32 tiles, three stages, 128 x 64 or 64 x 256 tiles, three programs per SM and
+BK = 128 were slower there; the warps' masked stores were faster at two shapes and 1.41x at the fourth. Writing
 each row's LSE partials in the epilogue (:class:`TileLse`) cost the GEMM more than the chunk kernel's saved
 read with libdevice's exp (the op 0.8-4.6% slower, run86); with ``tl.exp`` the op is 0-1.7% faster (run88),
 inside the spread, so it stays off (``engine.LSE_FROM_LOGITS_GEMM``).
@@ -118,10 +118,10 @@ class GemmConfig(NamedTuple):
 #: The measured configuration on Hopper (H200, results/*_run80_*, *_run84_*, *_run88_*, *_run89_*): chains of
 #: 8 x 64 = 512 products summed plainly, the blocks through TMA four stages deep, 64-row tiles over one warp group
 #: with two persistent programs per SM (one program's epilogue, an fp32 tile through the copy engine, overlaps the
-#: other's MMAs), the copy engine's stores. In run89 1.12-1.22x cuBLAS's fp32-output GEMM at the op's chunk shapes (three runs),
-#: against 1.15-1.30x for 128-row tiles over two warp groups, one program per SM (:data:`POINTER_CONFIG`'s tiles,
-#: the configuration of run88) and 1.09-1.24x for Triton's own one-chain GEMM; per-token loss within 4.4-5.2e-6
-#: of float64 ("fp32"'s one chain over H: 2.5-4.9e-5), inside issue 23's 1e-5.
+#: other's MMAs), the copy engine's stores. In three runs of run89 1.12-1.22x cuBLAS's fp32-output GEMM at the
+#: op's chunk shapes, against 1.15-1.30x for 128-row tiles over two warp groups, one program per SM
+#: (:data:`POINTER_CONFIG`'s tiles, the configuration of run88) and 1.09-1.24x for Triton's own one-chain GEMM;
+#: per-token loss within 4.4-5.2e-6 of float64 ("fp32"'s one chain over H: 2.5-4.9e-5), inside issue 23's 1e-5.
 MEASURED_CONFIG = GemmConfig(
     block_m=64,
     block_n=128,

@@ -1,10 +1,11 @@
-"""The compiled-layers series of the max-tokens table in one JSON, for ``bench_max_tokens.py --plot-only``:
+"""The compiled-layers series of the max-tokens table in one JSON, for ``bench_max_tokens.py --plot-only``,
+which redraws it in place (adding the summary and the goals) with its markdown and PNG:
 HF's own loss from run78 (its FLCEMixin tries there, at an older commit, are left out), Liger from run89
 call 2, FLCEMixin from run89 calls 1 and 3. Every try is copied as recorded; ``sources`` names each one's file.
 
     python benchmarks/results/<this run>/compiled_all/merge.py
     OUT=benchmarks/results/<this run>/compiled_all python benchmarks/bench_max_tokens.py \
-        --plot-only benchmarks/results/<this run>/compiled_all/merged.json --tag _compiled_all
+        --plot-only benchmarks/results/<this run>/compiled_all/max_tokens_compiled_all.json --tag _compiled_all
 """
 
 import json
@@ -37,5 +38,5 @@ for payload, providers, path in payloads:
     sources.append({"file": str(path.relative_to(RESULTS)), "providers": sorted(providers), "tries": len(mine),
                     "commit": payload["env"]["lightning_flce_commit"]})  # fmt: skip
 merged = {"env": payloads[1][0]["env"], "meta": first["meta"], "tries": tries, "sources": sources}
-(HERE / "merged.json").write_text(json.dumps(merged, indent=1) + "\n")
-print(f"{len(tries)} tries from {len(sources)} files -> {HERE / 'merged.json'}")
+(HERE / "max_tokens_compiled_all.json").write_text(json.dumps(merged, indent=1) + "\n")
+print(f"{len(tries)} tries from {len(sources)} files -> {HERE / 'max_tokens_compiled_all.json'}")
