@@ -46,8 +46,9 @@ FLCE_NAMED_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce_fp32head": {"logits_precision": "fp32_head"},
 }
 # Named rows of "fp32_compensated" (or of "precision") with its Triton GEMM at another launch configuration
-# than the measured one ("config": fields of kernels.compensated_gemm.GemmConfig replaced), with the GEMM's LSE
-# partials feeding the chunk kernel ("lse_from_gemm": engine.LSE_FROM_LOGITS_GEMM on), or with the chunk
+# than the measured one ("config": fields of kernels.compensated_gemm.GemmConfig replaced), with the fp32 chunk
+# buffer ("relative": engine.RELATIVE_16BIT_LOGITS off) and the GEMM's LSE partials feeding the chunk kernel
+# ("lse_from_gemm": engine.LSE_FROM_LOGITS_GEMM on), or with the chunk
 # kernel's exponentials chosen otherwise ("exp": "precise", libdevice's in both passes as until run88; "fast",
 # the GPU's exp2 in both): to choose from whole-op times in one run.
 FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
@@ -61,8 +62,8 @@ FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     "flce_fp32comp_c8": {"config": {"block_k": 128, "num_stages": 3, "chain_blocks": 8}},
     # the measured BK = 64 chains of 8 x 64 with a sixth stage
     "flce_fp32comp_s6": {"config": {"num_stages": 6}},
-    # the chunk kernel's LSE from the GEMM's epilogue: one read of the fp32 logits instead of two
-    "flce_fp32comp_tilelse": {"lse_from_gemm": True},
+    # the fp32 buffer with the chunk kernel's LSE from the GEMM's epilogue: one read of the fp32 logits, not two
+    "flce_fp32comp_tilelse": {"lse_from_gemm": True, "relative": False},
     # libdevice's exp in the chunk kernel's gradient pass too (as until run88), for both wide-logits options
     "flce_fp32comp_preciseexp": {"exp": "precise"},
     "flce_fp32logits_preciseexp": {"exp": "precise", "precision": "fp32"},
@@ -73,6 +74,9 @@ FLCE_COMPENSATED_VARIANTS: Dict[str, Dict[str, Any]] = {
     # the warps' masked stores instead of the copy engine's; chains of 12 x 64 = 768 products (fewer drains)
     "flce_fp32comp_masked": {"config": {"tma_store": False}},
     "flce_fp32comp_c12": {"config": {"chain_blocks": 12}},
+    # the fp32 chunk buffer holding its 16-bit gradient, two passes of the chunk kernel (the library's path
+    # until the 16-bit relative logits, engine.RELATIVE_16BIT_LOGITS; run89's row "flce_fp32comp")
+    "flce_fp32comp_rows": {"relative": False},
 }
 
 # Where benchmarks/fetch_peers.sh copies torch 2.13's pure-Python linear_cross_entropy modules.
@@ -307,6 +311,7 @@ def _build_flce_compensated(variant: Dict[str, Any]) -> Callable[[torch.device],
         measured = compensated_gemm.launch_config
         replace = variant.get("config", {})
         lse_from_gemm = variant.get("lse_from_gemm", engine.LSE_FROM_LOGITS_GEMM)
+        relative = variant.get("relative", engine.RELATIVE_16BIT_LOGITS)
         rule = chunk_kernel.exp_precision
         exp_rule = {
             "precise": lambda logits_dtype, grad_dtype: (logits_dtype == torch.float32,) * 2,
@@ -314,15 +319,17 @@ def _build_flce_compensated(variant: Dict[str, Any]) -> Callable[[torch.device],
         }.get(variant.get("exp"), rule)
 
         def fn(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            default = engine.LSE_FROM_LOGITS_GEMM
+            default, default_relative = engine.LSE_FROM_LOGITS_GEMM, engine.RELATIVE_16BIT_LOGITS
             compensated_gemm.launch_config = lambda dev: measured(dev)._replace(**replace)
             engine.LSE_FROM_LOGITS_GEMM = lse_from_gemm
+            engine.RELATIVE_16BIT_LOGITS = relative
             chunk_kernel.exp_precision = exp_rule
             try:
                 return plain(x, w, t)
             finally:
                 compensated_gemm.launch_config = measured
                 engine.LSE_FROM_LOGITS_GEMM = default
+                engine.RELATIVE_16BIT_LOGITS = default_relative
                 chunk_kernel.exp_precision = rule
 
         return fn

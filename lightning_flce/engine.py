@@ -67,6 +67,15 @@ _Z_LOSS_LSE_BOUND = 64.0
 #: saved read saves (the op 0.8-4.6% slower at the four benchmark shapes, run86, row ``flce_fp32comp_tilelse``);
 #: with ``tl.exp`` there 0-1.7% faster (run88), inside the run's spread.
 LSE_FROM_LOGITS_GEMM = False
+#: ``logits_precision="fp32_compensated"`` on the Triton path where the chunk kernel needs only each row's LSE and
+#: target logit (no label smoothing, no statistics; front ends that pass ``chunk_lse_from_tiles=True``): the
+#: logits GEMM's epilogue computes both from its fp32 tile (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`
+#: with ``target_logit``), and the chunk's buffer holds each logit minus its column tile's maximum, rounded to
+#: the 16-bit compute dtype, for the gradient only (bf16: an absolute error of 2^-9 |z - max|, so the gradient of
+#: the logits near the maximum, the ones that carry it, is about as exact as from fp32 logits). The buffer is the
+#: default's (no fp32 [C, V] buffer), the chunk kernel reads it once, and the loss and LSE are those of the fp32
+#: logits. Off (or with smoothing / statistics): the fp32 buffer of ``"fp32"``.
+RELATIVE_16BIT_LOGITS = True
 
 
 def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, large_chunks: bool) -> int:
@@ -296,8 +305,7 @@ def run_chunks(
     # is added in fp32; the logit gradient goes to the dX/dW GEMMs in their operand dtype, written into the
     # second half of each fp32 row (gradient_in_logits_rows: no second [C, V] buffer).
     wide_logits = logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION
-    logits_dtype = torch.float32 if wide_logits else compute_dtype
-    bias_c = bias.to(logits_dtype) if bias is not None else None
+    bias_c = bias.to(torch.float32 if wide_logits else compute_dtype) if bias is not None else None
     logits_gemm = (
         WideLogitsGemm(
             weight_c, compensated=logits_precision == "fp32_compensated", triton=triton_logits_gemm
@@ -305,19 +313,24 @@ def run_chunks(
         if wide_logits
         else None
     )
-    per_row_scale = ce_scale.numel() > 1
-    # The GEMM's LSE partials, one buffer for the largest chunk (rows x V / 128 x 8 bytes: 1/64 of the fp32
-    # logits buffer at 128-wide tiles), sliced per chunk.
-    tile_lse = None
-    if (
-        LSE_FROM_LOGITS_GEMM
-        and chunk_lse_from_tiles
+    # The GEMM's LSE partials (and target logits) for the chunk kernel, where it needs nothing else of the logits.
+    tiles_suffice = (
+        chunk_lse_from_tiles
         and logits_gemm is not None
         and logits_gemm.mode == "triton"
         and options.label_smoothing == 0.0
         and not compute_stats
-    ):
-        tile_lse = logits_gemm.empty_tile_lse(min(chunk_size, n_valid), vocab, softcap=options.softcap)
+    )
+    relative_logits = tiles_suffice and RELATIVE_16BIT_LOGITS
+    logits_dtype = torch.float32 if wide_logits and not relative_logits else compute_dtype
+    per_row_scale = ce_scale.numel() > 1
+    # One buffer for the largest chunk (rows x V / 128 x 8 bytes: 1/64 of the fp32 logits at 128-wide tiles, plus
+    # 4 bytes a row for the target logits), sliced per chunk.
+    tile_lse = None
+    if tiles_suffice and (relative_logits or LSE_FROM_LOGITS_GEMM):
+        tile_lse = logits_gemm.empty_tile_lse(
+            min(chunk_size, n_valid), vocab, softcap=options.softcap, with_target_logit=relative_logits
+        )
 
     loss_dtype = softmax_dtype(compute_dtype)
     loss = torch.zeros(n_rows, dtype=loss_dtype, device=device)
@@ -378,7 +391,7 @@ def run_chunks(
         logits = logits_buffer[: end - start]
         tile_lse_c = tile_lse.rows(end - start) if tile_lse is not None else None
         if logits_gemm is not None:
-            logits_gemm(x_c, bias_c, out=logits, tile_lse=tile_lse_c)
+            logits_gemm(x_c, bias_c, out=logits, tile_lse=tile_lse_c, target=t_c if relative_logits else None)
         elif bias_c is not None:
             torch.addmm(bias_c, x_c, weight_c.t(), out=logits)
         else:
@@ -387,7 +400,7 @@ def run_chunks(
         # d loss / d logits: over the logits, or (fp32 logits) in the GEMMs' operand dtype into the second
         # half of each fp32 row
         grad_logits = logits
-        if wide_logits and (need_grad_input or need_grad_weight):
+        if logits_dtype != compute_dtype and (need_grad_input or need_grad_weight):
             grad_logits = gradient_in_logits_rows(logits, compute_dtype)
         out = chunk_cross_entropy(
             logits,
@@ -748,13 +761,16 @@ class WideLogitsGemm:
         wide_dtype = self.WEIGHT_COPY_DTYPES.get(self.mode)
         self.weight_wide = weight.to(wide_dtype) if wide_dtype is not None else None
 
-    def __call__(self, x_c: Tensor, bias: Optional[Tensor], *, out: Tensor, tile_lse=None) -> None:
+    def __call__(
+        self, x_c: Tensor, bias: Optional[Tensor], *, out: Tensor, tile_lse=None, target=None
+    ) -> None:
         """``out = x_c @ W.T (+ b)``; ``tile_lse`` (the "triton" mode's, from :meth:`empty_tile_lse`): the
-        rows' log-sum-exp partials, written by the kernel's epilogue."""
+        rows' log-sum-exp partials, written by the kernel's epilogue, with ``target`` their target logits (and
+        ``out`` may then be 16-bit: the logits relative to their tiles' maxima, see ``compensated_logits_mm``)."""
         if self.mode == "triton":  # the bias in the kernel's epilogue, in fp32
-            self.compensated_mm(x_c, self.weight, out, bias, tile_lse=tile_lse)
+            self.compensated_mm(x_c, self.weight, out, bias, tile_lse=tile_lse, target=target)
             return
-        assert tile_lse is None, "LSE partials come only from the Triton GEMM"
+        assert tile_lse is None and target is None, "LSE partials come only from the Triton GEMM"
         if self.mode == "native":
             torch.mm(x_c, self.weight.t(), out_dtype=torch.float32, out=out)
         elif self.mode == "widened":

@@ -362,13 +362,15 @@ def float64_grads(problem, **options):
 @pytest.mark.interpret
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_op_can_take_the_lse_from_the_gemm(monkeypatch, reduction):
-    """With ``engine.LSE_FROM_LOGITS_GEMM`` on, ``"fp32_compensated"`` on the Triton path hands every chunk's
-    GEMM partials to the chunk kernel (softcap, bias, ignored rows, three chunks; "none" recomputes in its
-    backward): per-token loss within 1e-5 of float64 and within 2e-6 of the same op without them, gradients as
-    accurate. Label smoothing or statistics keep the first pass (no partials made)."""
+    """With ``engine.LSE_FROM_LOGITS_GEMM`` on (and the fp32 buffer: ``RELATIVE_16BIT_LOGITS`` off),
+    ``"fp32_compensated"`` on the Triton path hands every chunk's GEMM partials to the chunk kernel (softcap, bias,
+    ignored rows, three chunks; "none" recomputes in its backward): per-token loss within 1e-5 of float64 and
+    within 2e-6 of the same op without them, gradients as accurate. Label smoothing or statistics keep the first
+    pass (no partials made)."""
     import lightning_flce.engine as engine
     import lightning_flce.kernels.cross_entropy as ce
 
+    monkeypatch.setattr(engine, "RELATIVE_16BIT_LOGITS", False)
     monkeypatch.setattr(engine, "LSE_FROM_LOGITS_GEMM", True)
     handed = []
     launch = ce.cross_entropy_chunk_triton
@@ -441,9 +443,9 @@ def test_op_runs_the_kernel_on_the_triton_path(monkeypatch, reduction):
     calls = []
     launch = gemm.compensated_logits_mm
 
-    def spy(x_c, weight, out, bias=None, config=None, tile_lse=None):
+    def spy(x_c, weight, out, bias=None, config=None, tile_lse=None, target=None):
         calls.append(x_c.shape[0])
-        return launch(x_c, weight, out, bias, config, tile_lse)
+        return launch(x_c, weight, out, bias, config, tile_lse, target)
 
     monkeypatch.setattr(gemm, "compensated_logits_mm", spy)
     problem = op_problem(4, reduction)

@@ -316,20 +316,26 @@ def test_cuda_fp32_logits_at_benchmark_shapes(shape):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("lse_from_gemm", [False, True], ids=["two-pass", "lse-from-gemm"])
+@pytest.mark.parametrize(
+    ("relative", "lse_from_gemm"),
+    [(True, False), (False, False), (False, True)],
+    ids=["relative-16bit", "fp32-two-pass", "fp32-lse-from-gemm"],
+)
 @pytest.mark.parametrize(
     "shape", [(16384, 4096, 32000), (8192, 2304, 256000)], ids=lambda s: "x".join(map(str, s))
 )
-def test_cuda_fp32_compensated_logits_at_benchmark_shapes(shape, lse_from_gemm, monkeypatch):
+def test_cuda_fp32_compensated_logits_at_benchmark_shapes(shape, relative, lse_from_gemm, monkeypatch):
     """The problem of test_cuda_fp32_logits_at_benchmark_shapes with "fp32_compensated" (the Triton GEMM with
     short tensor-core chains over H): per-token loss within 1e-5 of float64 and at least 5 sqrt(256 / chain)
     times closer than "fp32"'s (its one chain over H; a chain's rounding grows like the square root of its
     length). Measured on an H200 (benchmarks/results/2026-12-01_h200_torch2.11_triton3.6_run72_*, the GEMM
     alone): 2.3e-6 / 2.1e-6 max at the two shapes with Kahan's sum of 128-long chains, against "fp32"'s
-    5.2e-5 / 2.8e-5 (13-22x); chains of 512 (run84): 4.4-5.2e-6. ``lse_from_gemm``: with and without the LSE
-    from the GEMM's epilogue partials (``engine.LSE_FROM_LOGITS_GEMM``)."""
+    5.2e-5 / 2.8e-5 (13-22x); chains of 512 (run84): 4.4-5.2e-6. ``relative``: the library's path, the LSE and
+    target logits from the GEMM's epilogue and 16-bit relative logits (``engine.RELATIVE_16BIT_LOGITS``); else
+    the fp32 buffer, with and without the LSE from the epilogue's partials (``engine.LSE_FROM_LOGITS_GEMM``)."""
     from lightning_flce.kernels.compensated_gemm import launch_config
 
+    monkeypatch.setattr(engine, "RELATIVE_16BIT_LOGITS", relative)
     monkeypatch.setattr(engine, "LSE_FROM_LOGITS_GEMM", lse_from_gemm)
     x, w, b, t = _cuda_problem(shape)
     options = {"softcap": 30.0, "reduction": "none"}
@@ -372,6 +378,44 @@ def test_cuda_compensated_gemm_tile_lse_partials(n):
     lse = partials.max.double().amax(dim=1)
     lse = lse + (partials.sum_exp.double() * (partials.max.double() - lse[:, None]).exp()).sum(dim=1).log()
     assert (lse - torch.logsumexp(z, dim=1)).abs().max() <= 2e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [32003, 32000], ids=["masked-store", "tma-store"])
+def test_cuda_compensated_gemm_relative_logits_and_target_logits(n):
+    """The epilogue's 16-bit store on the GPU (bf16 out, softcap 30, bias, 4099 rows; N = 32003: the warps'
+    masked stores, 32000: the copy engine's): every value is the fp32 logit through the softcap minus its row's
+    tile maximum, rounded once to bf16 (against the same GEMM into fp32: within half a bf16 ulp of that
+    difference plus the fp32 GEMM's own few ulps), and each row's target logit is the fp32 GEMM's value at its
+    target column (1e-6 relative); rows with target -100 keep their buffer's NaN."""
+    from lightning_flce.kernels.compensated_gemm import compensated_logits_mm, empty_tile_lse, launch_config
+
+    m, k, softcap = 4099, 2048, 30.0
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5 * 2).bfloat16()
+    b = 0.1 * torch.randn(n, device="cuda", generator=gen)
+    t = torch.randint(0, n, (m,), device="cuda", generator=gen)
+    t[::5] = -100
+    config = launch_config(x.device)
+    fp32_partials = empty_tile_lse(m, n, x.device, softcap)
+    exact = compensated_logits_mm(x, w, torch.empty(m, n, device="cuda"), b, tile_lse=fp32_partials)
+    z = softcap * torch.tanh(exact.double() / softcap)
+    partials = empty_tile_lse(m, n, x.device, softcap, with_target_logit=True)
+    partials.target_logit.fill_(float("nan"))
+    out = compensated_logits_mm(
+        x, w, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), b, tile_lse=partials, target=t
+    )
+    assert torch.equal(partials.max, fp32_partials.max)
+    tile_max = partials.max.double().repeat_interleave(config.block_n, dim=1)[:, :n]
+    relative = z - tile_max
+    bound = 2**-9 * relative.abs() + 1e-5 * (1 + z.abs())
+    assert ((out.double() - relative).abs() <= bound).all()
+    valid = t != -100
+    want = z[valid].gather(1, t[valid, None]).squeeze(1)
+    assert torch.allclose(partials.target_logit[valid].double(), want, rtol=1e-6, atol=1e-6)
+    assert partials.target_logit[~valid].isnan().all()
 
 
 @pytest.mark.cuda

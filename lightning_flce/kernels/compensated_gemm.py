@@ -254,6 +254,8 @@ def epilogue(
     tile_max_ptr,
     tile_sum_ptr,
     tile_row_stride,
+    target_ptr,
+    target_logit_ptr,
     softcap,
     M,
     N,
@@ -263,12 +265,16 @@ def epilogue(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TARGET_LOGIT: tl.constexpr,
+    RELATIVE: tl.constexpr,
     TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """A finished tile: the bias added in fp32 (rounded once, as out.add_(bias) after the GEMM); with TILE_LSE,
-    each row's log-sum-exp partial over the tile's columns (see :class:`TileLse`); then the store."""
+    each row's log-sum-exp partial over the tile's columns (see :class:`TileLse`); with TARGET_LOGIT, the fp32
+    logit of each row whose target column lies in the tile; then the store: the fp32 tile, or with RELATIVE
+    each (softcapped) logit minus its row's tile maximum, rounded to out's 16-bit dtype."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
@@ -288,6 +294,18 @@ def epilogue(
         partial = rm.to(tl.int64) * tile_row_stride + pid_n
         tl.store(tile_max_ptr + partial, row_max, mask=rm < M)
         tl.store(tile_sum_ptr + partial, row_sum, mask=rm < M)
+        if TARGET_LOGIT:
+            # Targets outside [0, N) (ignore_index) match no column: their rows are not written.
+            target = tl.load(target_ptr + rm, mask=rm < M, other=-1)
+            hit = rn[None, :] == target[:, None]
+            in_tile = (target >= pid_n * BLOCK_N) & (target < pid_n * BLOCK_N + BLOCK_N) & (target < N)
+            z_target = tl.sum(tl.where(hit, z, 0.0), 1)
+            tl.store(target_logit_ptr + rm, z_target, mask=(rm < M) & in_tile)
+        if RELATIVE:
+            # The 16-bit value's rounding is relative to z - max, not to z: absolute 2^-9 |z - max| (bf16), so
+            # the logits that carry the gradient (within a few units of the maximum) keep ~fp32's softmax error.
+            acc = z - row_ref[:, None]
+    acc = acc.to(out_ptr.dtype.element_ty)  # fp32, or RELATIVE's 16 bits
     if TMA_STORE:
         store_tile_tma(acc, out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N)
     else:
@@ -299,9 +317,11 @@ def _compensated_mm_kernel(
     x_ptr,  # [M, K] bf16/fp16, unit stride along K
     w_ptr,  # [N, K] same dtype, unit stride along K
     bias_ptr,  # [N] fp32 (read only with HAS_BIAS)
-    out_ptr,  # [M, N] fp32 out, unit stride along N
+    out_ptr,  # [M, N] out (fp32, or with RELATIVE the operands' 16-bit dtype), unit stride along N
     tile_max_ptr,  # [M, cdiv(N, BLOCK_N)] fp32 out (written only with TILE_LSE), row stride tile_row_stride
     tile_sum_ptr,  # the same shape
+    target_ptr,  # [M] int64 target columns (read only with TARGET_LOGIT)
+    target_logit_ptr,  # [M] fp32 out: each row's logit at its target column (written only with TARGET_LOGIT)
     M,
     N,
     K,
@@ -313,6 +333,8 @@ def _compensated_mm_kernel(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,  # write each row's log-sum-exp partials over each tile's columns
     HAS_SOFTCAP: tl.constexpr,  # ... of softcap * tanh(logit / softcap)
+    TARGET_LOGIT: tl.constexpr,  # with TILE_LSE: write each row's target logit (as the partials see it)
+    RELATIVE: tl.constexpr,  # with TILE_LSE: store z - its row's tile max in out's 16-bit dtype
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
     UPCAST: tl.constexpr,  # widen the operands to fp32 before tl.dot (the interpreter)
     BLOCK_M: tl.constexpr,
@@ -353,8 +375,9 @@ def _compensated_mm_kernel(
         w_tile += BLOCK_K
     # out_ptr stands in for the descriptor: never read without TMA_STORE
     epilogue(
-        acc, bias_ptr, out_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
-        out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, False, BLOCK_M, BLOCK_N,
+        acc, bias_ptr, out_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, tile_row_stride, target_ptr,
+        target_logit_ptr, softcap, M, N, out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP,
+        TARGET_LOGIT, RELATIVE, False, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
 
@@ -364,9 +387,11 @@ def _compensated_mm_tma_kernel(
     w_desc,  # TensorDescriptor of w [N, K], blocks [BLOCK_N, BLOCK_K]
     out_desc,  # TensorDescriptor of out [M, N], blocks [BLOCK_M, BLOCK_N // 2] (read only with TMA_STORE)
     bias_ptr,  # [N] fp32 (read only with HAS_BIAS)
-    out_ptr,  # [M, N] fp32 out, unit stride along N (the masked store: N like 32003 is no TMA row)
+    out_ptr,  # [M, N] out, unit stride along N (the masked store: N like 32003 is no TMA row)
     tile_max_ptr,  # as _compensated_mm_kernel's
     tile_sum_ptr,
+    target_ptr,
+    target_logit_ptr,
     M,
     N,
     K,
@@ -377,6 +402,8 @@ def _compensated_mm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TARGET_LOGIT: tl.constexpr,
+    RELATIVE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -403,8 +430,9 @@ def _compensated_mm_tma_kernel(
             a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
             part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
         epilogue(
-            acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
-            out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, TMA_STORE, BLOCK_M, BLOCK_N,
+            acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, target_ptr,
+            target_logit_ptr, softcap, M, N, out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP,
+            TARGET_LOGIT, RELATIVE, TMA_STORE, BLOCK_M, BLOCK_N,
         )  # fmt: skip
 
 
@@ -461,10 +489,12 @@ def persistent_programs(device: torch.device, tiles: int, per_sm: int = 1) -> in
 
 class TileLse(NamedTuple):
     """Each row's log-sum-exp partials over the GEMM's column tiles, written by its epilogue (the
-    ``tile_lse`` argument of :func:`compensated_logits_mm`): for row r and tile t (columns [t BN, (t + 1) BN)),
-    ``max[r, t]`` is the largest z there and ``sum_exp[r, t] = sum(exp(z - max[r, t]))``, where z are the fp32
-    logits as stored (bias included), through ``softcap * tanh(z / softcap)`` when ``softcap > 0``. The chunk
-    kernel combines them into the row's LSE instead of reading the row for it (its first pass).
+    ``tile_lse`` argument of :func:`compensated_logits_mm`): for row r and tile t (columns [t BN, (t + 1) BN),
+    ``block_n`` = BN), ``max[r, t]`` is the largest z there and ``sum_exp[r, t] = sum(exp(z - max[r, t]))``,
+    where z are the fp32 logits (bias included), through ``softcap * tanh(z / softcap)`` when ``softcap > 0``.
+    The chunk kernel combines them into the row's LSE instead of reading the row for it (its first pass).
+    ``target_logit`` (optional, fp32 [rows]): z at each row's target column, written by the epilogue when the
+    GEMM is given the targets (rows whose target is no column, e.g. ``ignore_index``, are left as they were).
 
     ``max`` and ``sum_exp`` are fp32 [rows, tiles], unit stride along tiles, with at least the GEMM's M rows
     (:func:`empty_tile_lse` sizes them for a GEMM's config; :meth:`rows` slices a chunk's).
@@ -473,32 +503,51 @@ class TileLse(NamedTuple):
     max: torch.Tensor
     sum_exp: torch.Tensor
     softcap: float
+    block_n: int
+    target_logit: Optional[torch.Tensor] = None
 
     def rows(self, n: int) -> TileLse:
         """The partials of the first ``n`` rows (a chunk of a buffer sized for the largest one)."""
-        return self._replace(max=self.max[:n], sum_exp=self.sum_exp[:n])
+        target_logit = self.target_logit[:n] if self.target_logit is not None else None
+        return self._replace(max=self.max[:n], sum_exp=self.sum_exp[:n], target_logit=target_logit)
 
 
 def empty_tile_lse(
-    rows: int, n: int, device: torch.device, softcap: float = 0.0, config: Optional[GemmConfig] = None
+    rows: int,
+    n: int,
+    device: torch.device,
+    softcap: float = 0.0,
+    config: Optional[GemmConfig] = None,
+    with_target_logit: bool = False,
 ) -> TileLse:
     """Buffers for :class:`TileLse` of GEMMs of up to ``rows`` rows and ``n`` columns, at ``config``'s tiles
-    (default: :func:`launch_config`'s)."""
+    (default: :func:`launch_config`'s); ``with_target_logit``: with the target logits' buffer."""
     config = config or launch_config(device)
     tiles = triton.cdiv(n, config.block_n)
     return TileLse(
         torch.empty(rows, tiles, dtype=torch.float32, device=device),
         torch.empty(rows, tiles, dtype=torch.float32, device=device),
         float(softcap),
+        config.block_n,
+        torch.empty(rows, dtype=torch.float32, device=device) if with_target_logit else None,
     )
 
 
-def kernel_constants(config: GemmConfig, has_bias: bool, tile_lse: Optional[TileLse] = None) -> dict:
+def kernel_constants(
+    config: GemmConfig,
+    has_bias: bool,
+    tile_lse: Optional[TileLse] = None,
+    *,
+    target_logit: bool = False,
+    relative: bool = False,
+) -> dict:
     """The compile-time arguments (and launch options) the kernels take for ``config``."""
     return {
         "HAS_BIAS": has_bias,
         "TILE_LSE": tile_lse is not None,
         "HAS_SOFTCAP": tile_lse is not None and tile_lse.softcap > 0.0,
+        "TARGET_LOGIT": target_logit,
+        "RELATIVE": relative,
         "UPCAST": TRITON_INTERPRET,
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
@@ -518,6 +567,7 @@ def compensated_logits_mm(
     bias: Optional[torch.Tensor] = None,
     config: Optional[GemmConfig] = None,
     tile_lse: Optional[TileLse] = None,
+    target: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``out = x_c @ weight.T (+ bias)`` in fp32 with the compensated sum over K (see the module docstring).
 
@@ -525,9 +575,13 @@ def compensated_logits_mm(
     unit stride along N (a row slice of a larger buffer is fine), ``bias`` an optional [N] tensor (added in
     fp32). Operands whose last dimension is not unit-stride are made contiguous (a copy). ``config``
     overrides :func:`launch_config`. ``tile_lse``: buffers (:func:`empty_tile_lse`, at this config) that the
-    epilogue fills with the rows' log-sum-exp partials (:class:`TileLse`). Returns ``out``.
+    epilogue fills with the rows' log-sum-exp partials (:class:`TileLse`); with them ``target`` (int64 [M]:
+    each row's target column, or any value outside [0, N)) has the epilogue write ``tile_lse.target_logit``,
+    and ``out`` may be of the operands' 16-bit dtype: it then holds each logit (softcapped) minus its row's
+    maximum over its column tile, ``z - tile_lse.max[r, t]`` (0 in place of a -inf maximum), rounded once: the
+    gradient's values, whose rounding is then relative to their distance from the maximum. Returns ``out``.
     """
-    _check(x_c, weight, out, bias)
+    _check(x_c, weight, out, bias, tile_lse, target)
     config = config or launch_config(x_c.device)
     if tile_lse is not None:
         _check_tile_lse(tile_lse, x_c.shape[0], weight.shape[0], config, x_c.device)
@@ -548,12 +602,19 @@ def compensated_logits_mm(
         bias = bias.to(torch.float32).contiguous()
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     grid = (tiles,)
-    constants = kernel_constants(config, has_bias=bias is not None, tile_lse=tile_lse)
+    constants = kernel_constants(
+        config,
+        has_bias=bias is not None,
+        tile_lse=tile_lse,
+        target_logit=target is not None,
+        relative=out.dtype != torch.float32,
+    )
     bias_arg = bias if bias is not None else out  # a dummy pointer, never read without HAS_BIAS
-    # dummy pointers and stride without TILE_LSE (never written)
+    # dummy pointers and stride without TILE_LSE / TARGET_LOGIT (never read or written)
     tile_max, tile_sum = (tile_lse.max, tile_lse.sum_exp) if tile_lse is not None else (out, out)
     tile_row_stride = tile_max.stride(0)
     softcap = tile_lse.softcap if tile_lse is not None else 0.0
+    target_arg, target_logit = (target.contiguous(), tile_lse.target_logit) if target is not None else (out, out)
     if config.tma and tma_usable(x_c, weight):
         TensorDescriptor = _tensor_descriptor()  # noqa: N806  (the class)
         x_desc = TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k])
@@ -570,6 +631,8 @@ def compensated_logits_mm(
             out,
             tile_max,
             tile_sum,
+            target_arg,
+            target_logit,
             m,
             n,
             k,
@@ -588,6 +651,8 @@ def compensated_logits_mm(
         out,
         tile_max,
         tile_sum,
+        target_arg,
+        target_logit,
         m,
         n,
         k,
@@ -602,7 +667,14 @@ def compensated_logits_mm(
     return out
 
 
-def _check(x_c: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+def _check(
+    x_c: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    tile_lse: Optional[TileLse] = None,
+    target: Optional[torch.Tensor] = None,
+) -> None:
     """Python errors for arguments the kernel would misread (before it runs)."""
     if x_c.dim() != 2 or weight.dim() != 2:
         raise ValueError(
@@ -619,17 +691,28 @@ def _check(x_c: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: Opt
             f" {x_c.dtype} and {weight.dtype}"
         )
     expected = (x_c.shape[0], weight.shape[0])
-    if out.dtype != torch.float32 or tuple(out.shape) != expected:
+    relative_ok = tile_lse is not None and out.dtype == x_c.dtype
+    if tuple(out.shape) != expected or not (out.dtype == torch.float32 or relative_ok):
         raise ValueError(
-            f"compensated_logits_mm: out must be float32 of shape {expected}, got {out.dtype} {tuple(out.shape)}"
+            f"compensated_logits_mm: out must be float32 of shape {expected}, or {x_c.dtype} with tile_lse (the"
+            f" logits relative to their tiles' maxima, which only tile_lse records), got {out.dtype}"
+            f" {tuple(out.shape)}"
         )
+    if target is not None:
+        if tile_lse is None or tile_lse.target_logit is None:
+            raise ValueError("compensated_logits_mm: target needs tile_lse with a target_logit buffer")
+        if target.dtype != torch.int64 or tuple(target.shape) != (x_c.shape[0],):
+            raise ValueError(
+                f"compensated_logits_mm: target must be int64 [M]=[{x_c.shape[0]}], got {target.dtype}"
+                f" {tuple(target.shape)}"
+            )
     if out.shape[1] > 1 and out.stride(1) != 1:
         raise ValueError("compensated_logits_mm: out needs unit stride along its last dimension")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(
             f"compensated_logits_mm: bias must be [N]=[{weight.shape[0]}], got {tuple(bias.shape)}"
         )
-    for name, tensor in (("weight", weight), ("out", out), ("bias", bias)):
+    for name, tensor in (("weight", weight), ("out", out), ("bias", bias), ("target", target)):
         if tensor is not None and tensor.device != x_c.device:
             raise ValueError(
                 f"compensated_logits_mm: {name} is on {tensor.device} but x_c is on {x_c.device}"
@@ -657,3 +740,19 @@ def _check_tile_lse(tile_lse: TileLse, m: int, n: int, config: GemmConfig, devic
             )
     if tile_lse.max.stride(0) != tile_lse.sum_exp.stride(0):
         raise ValueError("compensated_logits_mm: tile_lse.max and .sum_exp need the same row stride")
+    if tile_lse.block_n != config.block_n:
+        raise ValueError(
+            f"compensated_logits_mm: tile_lse is of {tile_lse.block_n}-wide tiles, the config's are {config.block_n}"
+        )
+    target_logit = tile_lse.target_logit
+    if target_logit is not None and (
+        target_logit.dtype != torch.float32
+        or target_logit.dim() != 1
+        or target_logit.shape[0] < m
+        or target_logit.stride(0) != 1
+        or target_logit.device != device
+    ):
+        raise ValueError(
+            f"compensated_logits_mm: tile_lse.target_logit must be float32 [>= {m}] with unit stride on {device},"
+            f" got {target_logit.dtype} {tuple(target_logit.shape)} on {target_logit.device}"
+        )

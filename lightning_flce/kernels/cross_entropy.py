@@ -86,6 +86,7 @@ def _cross_entropy_chunk_kernel(
     tile_max_ptr,  # [C, TILES] fp32: the logits GEMM's per-tile row maxima (read only with TILE_LSE)
     tile_sum_ptr,  # [C, TILES] fp32: sum(exp(z - max)) per tile
     tile_row_stride,
+    target_logit_ptr,  # [C] fp32: the GEMM's target logits, softcap applied (read only with TARGET_LOGIT)
     V: tl.constexpr,  # constexpr: fixed per model, and the interpreter cannot loop to a runtime bound
     ignore_index,
     label_smoothing,
@@ -100,7 +101,10 @@ def _cross_entropy_chunk_kernel(
     PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
     GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 rows' second halves
     TILE_LSE: tl.constexpr,  # the LSE from the GEMM's tile partials, no first pass (no smoothing, no stats)
+    TARGET_LOGIT: tl.constexpr,  # with TILE_LSE: z_target from target_logit_ptr, not from the row
+    RELATIVE: tl.constexpr,  # with TARGET_LOGIT: the row holds z - its tile's max (tile_max_ptr) in 16 bits
     TILES: tl.constexpr,
+    TILE_N: tl.constexpr,  # the tiles' width (columns per partial)
     BLOCK_V: tl.constexpr,
     LAST_BLOCK_START: tl.constexpr,  # (V - 1) // BLOCK_V * BLOCK_V
 ):
@@ -130,8 +134,8 @@ def _cross_entropy_chunk_kernel(
         exp_z_sum = 0.0
         best = float("-inf")
         best_idx = 0
+        tile_row = row * tile_row_stride
         if TILE_LSE:
-            tile_row = row * tile_row_stride
             for start in range(0, TILES, BLOCK_V):
                 cols = start + offsets
                 mask = cols < TILES
@@ -163,9 +167,12 @@ def _cross_entropy_chunk_kernel(
             m = m_new
         lse = m + log(d, PRECISE)
 
-        z_target = tl.load(row_ptr + target).to(tl.float32)
-        if HAS_SOFTCAP:
-            z_target = softcap * tanh(z_target / softcap)
+        if TARGET_LOGIT:  # the GEMM's fp32 value, through the softcap already
+            z_target = tl.load(target_logit_ptr + row)
+        else:
+            z_target = tl.load(row_ptr + target).to(tl.float32)
+            if HAS_SOFTCAP:
+                z_target = softcap * tanh(z_target / softcap)
         if HAS_CLASS_WEIGHT:
             w_target = tl.load(class_weight_ptr + target)
             w_total = tl.load(class_weight_sum_ptr)
@@ -198,7 +205,14 @@ def _cross_entropy_chunk_kernel(
             for done in range(0, V, BLOCK_V):
                 cols = LAST_BLOCK_START - done + offsets
                 mask = cols < V
-                z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+                if RELATIVE:
+                    # z = stored + the tile's max (0 for a -inf max, as the epilogue subtracted), softcapped
+                    # already; the maxima are [TILES] per row, gathered from L1/L2.
+                    z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                    ref = tl.load(tile_max_ptr + tile_row + cols // TILE_N, mask=mask, other=0.0)
+                    z += tl.where(ref == float("-inf"), 0.0, ref)
+                else:
+                    z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
                 grad = exp(z - lse, PRECISE_GRAD) * p_coef
                 if HAS_SMOOTHING:
                     if HAS_CLASS_WEIGHT:
@@ -236,7 +250,10 @@ def cross_entropy_chunk_triton(
     ``config`` overrides :func:`default_launch_config`. ``tile_lse``: the logits GEMM's log-sum-exp partials
     of these rows (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`, the options' softcap): the
     rows' LSE comes from them and the kernel reads the logits once (options without label smoothing,
-    ``compute_stats=False``: those need the first pass's other sums)."""
+    ``compute_stats=False``: those need the first pass's other sums), the target logit from its
+    ``target_logit`` where it has one. 16-bit ``logits`` with ``tile_lse`` are the GEMM's relative values
+    (``compensated_logits_mm`` into a 16-bit ``out``: each softcapped logit minus its tile's maximum), which
+    need ``target_logit``."""
     n_rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
     device = logits.device
@@ -258,12 +275,17 @@ def cross_entropy_chunk_triton(
     grad_out = logits if grad_out is None else grad_out
     assert grad_out.shape == logits.shape and grad_out.stride(1) == 1
     grad_in_row = is_gradient_in_logits_rows(logits, grad_out)  # raises for any other overlap
-    precise_lse, precise_grad = exp_precision(logits.dtype, grad_out.dtype if compute_grad else None)
+    relative = tile_lse is not None and logits.dtype != torch.float32
     if tile_lse is not None:
-        _check_tile_lse(tile_lse, n_rows, options, compute_stats)
+        _check_tile_lse(tile_lse, n_rows, options, compute_stats, relative)
         tile_max, tile_sum = tile_lse.max, tile_lse.sum_exp
     else:
         tile_max = tile_sum = loss  # dummy pointers, never read without TILE_LSE
+    target_logit = tile_lse.target_logit if tile_lse is not None else None
+    # Relative logits' LSE and loss come from fp32 partials and target logits: fp32 results, as of fp32 logits.
+    precise_lse, precise_grad = exp_precision(
+        torch.float32 if relative else logits.dtype, grad_out.dtype if compute_grad else None
+    )
     _cross_entropy_chunk_kernel[(n_rows,)](
         logits,
         logits.stride(0),
@@ -282,6 +304,7 @@ def cross_entropy_chunk_triton(
         tile_max,
         tile_sum,
         tile_max.stride(0),
+        target_logit if target_logit is not None else loss,  # a dummy pointer without TARGET_LOGIT
         vocab,
         options.ignore_index,
         options.label_smoothing,
@@ -296,7 +319,10 @@ def cross_entropy_chunk_triton(
         PRECISE_GRAD=precise_grad,
         GRAD_IN_ROW=grad_in_row,
         TILE_LSE=tile_lse is not None,
+        TARGET_LOGIT=target_logit is not None,
+        RELATIVE=relative,
         TILES=tile_max.shape[1] if tile_lse is not None else 1,
+        TILE_N=tile_lse.block_n if tile_lse is not None else 1,
         BLOCK_V=block_v,
         LAST_BLOCK_START=(vocab - 1) // block_v * block_v,
         num_warps=config.num_warps,
@@ -307,9 +333,12 @@ def cross_entropy_chunk_triton(
     return ChunkOutputs(loss, lse, correct.bool(), entropy)
 
 
-def _check_tile_lse(tile_lse, n_rows: int, options: LossOptions, compute_stats: bool) -> None:
+def _check_tile_lse(
+    tile_lse, n_rows: int, options: LossOptions, compute_stats: bool, relative: bool
+) -> None:
     """The partials must be these rows' and of the logits as this loss transforms them (its softcap), and the
-    loss must need nothing else of the first pass."""
+    loss must need nothing else of the first pass; relative logits need the target logits (their row holds no
+    exact one)."""
     if options.label_smoothing > 0.0 or compute_stats:
         raise ValueError(
             "cross_entropy_chunk_triton: tile_lse gives the LSE only; label smoothing and compute_stats need"
@@ -323,4 +352,15 @@ def _check_tile_lse(tile_lse, n_rows: int, options: LossOptions, compute_stats: 
         raise ValueError(
             f"cross_entropy_chunk_triton: tile_lse must have the chunk's {n_rows} rows, got"
             f" {tuple(tile_lse.max.shape)} and {tuple(tile_lse.sum_exp.shape)}"
+        )
+    target_logit = tile_lse.target_logit
+    if target_logit is not None and tuple(target_logit.shape) != (n_rows,):
+        raise ValueError(
+            f"cross_entropy_chunk_triton: tile_lse.target_logit must have the chunk's {n_rows} rows, got"
+            f" {tuple(target_logit.shape)}"
+        )
+    if relative and target_logit is None:
+        raise ValueError(
+            "cross_entropy_chunk_triton: 16-bit logits with tile_lse are relative to their tiles' maxima and"
+            " hold no exact target logit: tile_lse needs target_logit"
         )
