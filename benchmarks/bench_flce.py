@@ -417,7 +417,12 @@ RATIO_GOALS: List[Tuple[str, str, float, str]] = [
     ("flce_fp32logits", "flce", 1.10, "fp32 logits <= 10% slower than the default"),
     ("flce_fp32comp", "flce", 1.10, "compensated fp32 logits <= 10% slower than the default"),
     ("flce_fp32comp", "flce_fp32logits", None, "compensated against plain fp32 logits (no goal)"),
-    ("flce_fp32comp_rows", "flce", None, "compensated, the fp32 chunk buffer (run89's path), against the default"),
+    (
+        "flce_fp32comp_rows",
+        "flce",
+        None,
+        "compensated, the fp32 chunk buffer (run89's path), against the default",
+    ),
     ("flce_fp32comp", "flce_fp32comp_rows", None, "16-bit relative logits against the fp32 chunk buffer"),
     ("flce_fp32head", "flce", None, "fp32 head against the default (no goal)"),
 ]

@@ -321,6 +321,127 @@ def test_chunk_kernel_takes_the_lse_from_the_tiles(options):
         )
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("softcap", [0.0, 15.0], ids=["no-softcap", "softcap"])
+@pytest.mark.parametrize("loop", ["per-tile", "persistent-store", "pointer"])
+def test_epilogue_stores_relative_16bit_logits_and_target_logits(loop, softcap, dtype_name):
+    """A 16-bit ``out`` with ``tile_lse`` and ``target``: every stored value is the fp32 logit (bias, softcap)
+    minus its row's tile maximum, rounded once to out's dtype (within half its ulp of the float64 difference, plus
+    a few fp32 ulps of the logits), a tile masked to -inf by the bias stores -inf (its maximum -inf: 0 subtracted);
+    the partials are those of the same GEMM into fp32, and ``target_logit`` is each row's fp32 logit at its target
+    column (through the softcap), rows with target -100 untouched. 37 x 203 (M and N tails), the TMA kernel per
+    tile and persistent with the copy engine's store, and the pointer kernel (K = 70: no TMA)."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+
+    dtype = DTYPES[dtype_name]
+    m, n = 37, 203
+    k = 70 if loop == "pointer" else 72
+    x, w, b = gemm_problem(m, n, k, dtype, seed=11)
+    b[16:32] = float("-inf")
+    gen = torch.Generator().manual_seed(12)
+    target = torch.randint(0, n, (m,), generator=gen)
+    target[::6] = -100
+    target[1] = 20  # a target in the masked tile: its logit is -inf (or -softcap)
+    config = gemm.INTERPRET_CONFIG._replace(chain_blocks=2, kahan=False)
+    if loop != "pointer":
+        config = config._replace(tma=True, **TILE_LOOPS[loop])
+    fp32_partials = gemm.empty_tile_lse(m, n, x.device, softcap, config=config)
+    exact = gemm.compensated_logits_mm(x, w, torch.empty(m, n), b, config=config, tile_lse=fp32_partials)
+    partials = gemm.empty_tile_lse(m, n, x.device, softcap, config=config, with_target_logit=True)
+    partials.target_logit.fill_(float("nan"))
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    gemm.compensated_logits_mm(x, w, out, b, config=config, tile_lse=partials, target=target)
+
+    assert torch.equal(partials.max, fp32_partials.max) and torch.equal(
+        partials.sum_exp, fp32_partials.sum_exp
+    )
+    z = exact.double()
+    if softcap > 0.0:
+        z = softcap * torch.tanh(z / softcap)
+    tile_max = partials.max.double().repeat_interleave(config.block_n, dim=1)[:, :n]
+    relative = z - torch.where(tile_max == float("-inf"), torch.zeros_like(tile_max), tile_max)
+    finite = relative.isfinite()
+    # One rounding: half an ulp of the 16-bit value, a whole one for bf16 here (Triton's interpreter truncates
+    # fp32 -> bf16; the GPU rounds to nearest, test_cuda_compensated_gemm_relative_logits_and_target_logits).
+    rounding = torch.finfo(dtype).eps / (1 if dtype == torch.bfloat16 else 2)
+    bound = rounding * relative[finite].abs() + ULPS * fp32_ulp(z[finite])
+    assert ((out.double()[finite] - relative[finite]).abs() <= bound).all()
+    assert torch.equal(out[~finite].double(), relative[~finite])  # the masked tile's -inf
+    if softcap == 0.0:
+        assert (~finite[:, 16:32]).all()
+    valid = target != -100
+    want = z[valid].gather(1, target[valid, None]).squeeze(1)
+    got = partials.target_logit[valid].double()
+    assert torch.equal(got.isfinite(), want.isfinite())
+    assert torch.allclose(got[want.isfinite()], want[want.isfinite()], rtol=1e-6, atol=1e-6)
+    assert partials.target_logit[~valid].isnan().all()
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"softcap": 15.0, "lse_square_scale": 1e-3}, {"class_weight": True}],
+    ids=["plain", "softcap-zloss", "class-weight"],
+)
+def test_chunk_kernel_on_relative_logits(options):
+    """The chunk kernel on the GEMM's 16-bit relative logits (the partials and target logits from its epilogue):
+    loss and LSE within 2e-6 of the kernel on the same GEMM's fp32 logits (fp32 values throughout), ignored rows
+    included; the gradient within bf16's rounding of the relative values (an ulp of |z - tile max| times each
+    element's probability term, plus the bf16 output's own ulp) of the fp32 logits' gradient; and refused without the
+    target logits (the row holds no exact one)."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+    from lightning_flce.engine import kernel_options
+    from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton
+
+    m, n, k = 37, 203, 72
+    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    target = torch.randint(0, n, (m,), generator=gen)
+    target[::7] = -100
+    class_weight = torch.rand(n, generator=gen) + 0.5 if options.get("class_weight") else None
+    opts = kernel_options(
+        -100,
+        0.0,
+        options.get("lse_square_scale", 0.0),
+        options.get("softcap", 0.0),
+        class_weight,
+        torch.bfloat16,
+    )
+    config = gemm.INTERPRET_CONFIG._replace(
+        chain_blocks=2, kahan=False, tma=True, persistent=True, tma_store=True
+    )
+    fp32_partials = gemm.empty_tile_lse(m, n, x.device, opts.softcap, config=config)
+    logits = gemm.compensated_logits_mm(x, w, torch.empty(m, n), b, config=config, tile_lse=fp32_partials)
+    partials = gemm.empty_tile_lse(m, n, x.device, opts.softcap, config=config, with_target_logit=True)
+    relative = torch.empty(m, n, dtype=torch.bfloat16)
+    gemm.compensated_logits_mm(x, w, relative, b, config=config, tile_lse=partials, target=target)
+    scale = torch.full((1,), 1.0 / m)
+    kwargs = {"ce_scale": scale, "z_scale": scale, "compute_grad": True, "compute_stats": False}
+    fp32_grad = torch.empty(m, n)
+    want = cross_entropy_chunk_triton(logits.clone(), target, opts, grad_out=fp32_grad, **kwargs)
+    got = cross_entropy_chunk_triton(relative, target, opts, tile_lse=partials, **kwargs)
+    assert (got.lse - want.lse).abs().max() <= 2e-6
+    assert (got.loss - want.loss).abs().max() <= ULPS * fp32_ulp(want.loss)  # fp32 sums in another order
+    z = logits.double()
+    if opts.softcap > 0.0:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    tile_max = partials.max.double().repeat_interleave(config.block_n, dim=1)[:, :n]
+    # bf16 rounding of the relative value (carried into exp) and of the gradient itself, a whole ulp each (2^-7
+    # relative: the interpreter truncates fp32 -> bf16, the GPU rounds to nearest), plus the fp32 path's own ulps.
+    prob_term = (z - want.lse.double()[:, None]).exp() / m * (2 if class_weight is not None else 1)
+    # The softcap's factor 1 - (z / c)^2 moves by 2 |z| / c^2 per unit of z as well.
+    ulp = torch.finfo(torch.bfloat16).eps
+    slope = 1.0 + (2.0 * z.abs() / opts.softcap**2 if opts.softcap > 0.0 else 0.0)
+    bound = ulp * ((z - tile_max).abs() * slope + 1.0) * prob_term + ulp * fp32_grad.double().abs() + 1e-7
+    assert ((relative.double() - fp32_grad.double()).abs() <= bound).all()
+    assert (relative[::7] == 0).all()  # ignored rows: zero gradient
+    with pytest.raises(ValueError, match="needs target_logit"):
+        cross_entropy_chunk_triton(
+            relative.clone(), target, opts, tile_lse=partials._replace(target_logit=None), **kwargs
+        )
+
+
 def op_problem(seed, reduction):
     """A small bf16 head problem for the op's Triton path: 40 tokens (every 9th ignored), H = 48, V = 203 (an N
     tail), logits of std ~3, a bias; a grad_output for "none"."""
@@ -401,6 +522,53 @@ def test_op_can_take_the_lse_from_the_gemm(monkeypatch, reduction):
     handed.clear()
     fused(label_smoothing=0.05)
     assert handed and not any(handed)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_op_runs_on_relative_16bit_logits(monkeypatch, reduction):
+    """``"fp32_compensated"`` on the Triton path (``engine.RELATIVE_16BIT_LOGITS``, the default): every chunk's
+    buffer is 16-bit (the default's, no fp32 [C, V] buffer) and the chunk kernel gets the GEMM's partials with the
+    target logits (softcap, z-loss, bias, ignored rows, three chunks; "none" recomputes in its backward). The
+    per-token loss is within 1e-5 of float64 and within 2e-6 of the fp32 buffer's (``RELATIVE_16BIT_LOGITS``
+    off), dX / dW / d bias within 1.05x its error and no worse than the default's (all rounded to bf16 at the
+    end). Label smoothing and statistics take the fp32 buffer (their sums need every logit)."""
+    import lightning_flce.engine as engine
+    import lightning_flce.kernels.cross_entropy as ce
+
+    seen = []
+    launch = ce.cross_entropy_chunk_triton
+
+    def spy(logits, *args, tile_lse=None, **kwargs):
+        seen.append((logits.dtype, tile_lse is not None and tile_lse.target_logit is not None))
+        return launch(logits, *args, tile_lse=tile_lse, **kwargs)
+
+    monkeypatch.setattr(ce, "cross_entropy_chunk_triton", spy)
+    problem = op_problem(15, reduction)
+    options = {"softcap": 15.0, "lse_square_scale": 1e-3, "reduction": reduction}
+
+    def fused(**extra):
+        seen.clear()
+        out = op_grads(problem, logits_precision="fp32_compensated", impl="triton", **options, **extra)
+        return out, list(seen)
+
+    want = float64_grads(problem, **options)
+    got, chunks = fused()
+    assert len(chunks) == (3 if reduction == "mean" else 6)
+    assert chunks == [(torch.bfloat16, True)] * len(chunks)
+    assert (got[0].double() - want[0]).abs().max() <= 1e-5
+    monkeypatch.setattr(engine, "RELATIVE_16BIT_LOGITS", False)
+    rows, chunks = fused()
+    assert chunks and all(dtype == torch.float32 for dtype, _ in chunks)
+    monkeypatch.setattr(engine, "RELATIVE_16BIT_LOGITS", True)
+    default = op_grads(problem, impl="triton", **options)
+    assert (got[0] - rows[0]).abs().max() <= 2e-6
+    for g, r, d, ref in zip(got[1], rows[1], default[1], want[1]):
+        assert relative_error(g, ref) <= 1.05 * relative_error(r, ref) + 1e-6
+        # as test_logits_precision's "no worse" than the default, up to the final rounding to bf16
+        assert relative_error(g, ref) <= 1.05 * relative_error(d, ref) + 1e-3
+    _, chunks = fused(label_smoothing=0.05)
+    assert chunks and all(dtype == torch.float32 and not target for dtype, target in chunks)
 
 
 def test_plain_sum_needs_chains_of_two_blocks():

@@ -304,8 +304,7 @@ def epilogue(
         if RELATIVE:
             # The 16-bit value's rounding is relative to z - max, not to z: absolute 2^-9 |z - max| (bf16), so
             # the logits that carry the gradient (within a few units of the maximum) keep ~fp32's softmax error.
-            acc = z - row_ref[:, None]
-    acc = acc.to(out_ptr.dtype.element_ty)  # fp32, or RELATIVE's 16 bits
+            acc = (z - row_ref[:, None]).to(out_ptr.dtype.element_ty)  # rounded to nearest on the GPU
     if TMA_STORE:
         store_tile_tma(acc, out_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, BLOCK_M, BLOCK_N)
     else:
@@ -614,7 +613,9 @@ def compensated_logits_mm(
     tile_max, tile_sum = (tile_lse.max, tile_lse.sum_exp) if tile_lse is not None else (out, out)
     tile_row_stride = tile_max.stride(0)
     softcap = tile_lse.softcap if tile_lse is not None else 0.0
-    target_arg, target_logit = (target.contiguous(), tile_lse.target_logit) if target is not None else (out, out)
+    target_arg, target_logit = (
+        (target.contiguous(), tile_lse.target_logit) if target is not None else (out, out)
+    )
     if config.tma and tma_usable(x_c, weight):
         TensorDescriptor = _tensor_descriptor()  # noqa: N806  (the class)
         x_desc = TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k])

@@ -211,6 +211,9 @@ def _cross_entropy_chunk_kernel(
                     z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
                     ref = tl.load(tile_max_ptr + tile_row + cols // TILE_N, mask=mask, other=0.0)
                     z += tl.where(ref == float("-inf"), 0.0, ref)
+                    # The target's own term (-1 times the softcap's factor) from its exact logit: a 16-bit value
+                    # far below its tile's max would move that factor by 2^-9 |z - max| 2 |z| / c^2.
+                    z = tl.where(cols == target, z_target, z)
                 else:
                     z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
                 grad = exp(z - lse, PRECISE_GRAD) * p_coef
@@ -333,9 +336,7 @@ def cross_entropy_chunk_triton(
     return ChunkOutputs(loss, lse, correct.bool(), entropy)
 
 
-def _check_tile_lse(
-    tile_lse, n_rows: int, options: LossOptions, compute_stats: bool, relative: bool
-) -> None:
+def _check_tile_lse(tile_lse, n_rows: int, options: LossOptions, compute_stats: bool, relative: bool) -> None:
     """The partials must be these rows' and of the logits as this loss transforms them (its softcap), and the
     loss must need nothing else of the first pass; relative logits need the target logits (their row holds no
     exact one)."""
