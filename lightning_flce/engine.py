@@ -59,7 +59,8 @@ _FP16_LOGIT_GRAD_MAX = 2.0**10
 _FP16_STORED_GRAD_MAX = 2.0**14
 # The z-loss gradient 2 lam lse p is bounded assuming |lse| <= this (the headroom covers far more).
 _Z_LOSS_LSE_BOUND = 64.0
-#: ``logits_precision="fp32_compensated"`` on the Triton path: the logits GEMM's epilogue writes each row's
+#: ``logits_precision="fp32_compensated"`` on the Triton path with the fp32 buffer (:data:`RELATIVE_16BIT_LOGITS`
+#: off): the logits GEMM's epilogue writes each row's
 #: log-sum-exp partials over its column tiles (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`) and
 #: the chunk kernel takes the LSE from them, reading the fp32 logits once instead of twice (options without
 #: label smoothing, no statistics; front ends that pass ``chunk_lse_from_tiles=True``). Tested under Triton's
@@ -117,7 +118,8 @@ def chunk_rows(
     (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
     ``n_valid`` rows that run (:func:`balanced_chunk_rows`). The wide-logits precisions take the same rows: their
     fp32 buffer holds the 16-bit gradient in its own rows (:func:`~lightning_flce.kernels.gradient_in_logits_rows`),
-    so it is exactly one default chunk buffer more."""
+    so it is exactly one default chunk buffer more (and :data:`RELATIVE_16BIT_LOGITS`'s 16-bit buffer is the
+    default's)."""
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()

@@ -39,6 +39,12 @@ each row's LSE partials in the epilogue (:class:`TileLse`) cost the GEMM more th
 read with libdevice's exp (the op 0.8-4.6% slower, run86); with ``tl.exp`` the op is 0-1.7% faster (run88),
 inside the spread, so it stays off (``engine.LSE_FROM_LOGITS_GEMM``).
 
+What the op hands the chunk kernel (``engine.RELATIVE_16BIT_LOGITS``): where the loss needs only each row's LSE
+and target logit, the epilogue writes both in fp32 (:class:`TileLse` with ``target_logit``) and stores each logit
+minus its row's tile maximum in the operands' 16-bit dtype, for the gradient only: the chunk's buffer is the
+default's (no fp32 [C, V] one) and is read once, and the rounding of a stored value, 2^-9 |z - max| in bf16, is
+small where the gradient is large (the logits near the maximum).
+
 What the configurations measured (``benchmarks/experiments/compensated_gemm_configs.py``, run76 / run79 / run80):
 
 - Triton's combine pass folds ``acc = acc + tl.dot(a, b)`` back into ``tl.dot(a, b, acc)`` (one chain again,
