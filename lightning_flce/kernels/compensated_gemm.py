@@ -42,7 +42,7 @@ inside the spread, so it stays off (``engine.LSE_FROM_LOGITS_GEMM``).
 What the op hands the chunk kernel (``engine.RELATIVE_16BIT_LOGITS``): where the loss needs only each row's LSE
 and target logit, the epilogue writes both in fp32 (:class:`TileLse` with ``target_logit``) and stores each logit
 minus its row's tile maximum in the operands' 16-bit dtype, for the gradient only: the chunk's buffer is the
-default's (no fp32 [C, V] one) and is read once, and the rounding of a stored value, 2^-9 |z - max| in bf16, is
+default's (no fp32 [C, V] one) and is read once, and the rounding of a stored value, 2^-8 |z - max| in bf16, is
 small where the gradient is large (the logits near the maximum).
 
 What the configurations measured (``benchmarks/experiments/compensated_gemm_configs.py``, run76 / run79 / run80):
@@ -308,7 +308,7 @@ def epilogue(
             z_target = tl.sum(tl.where(hit, z, 0.0), 1)
             tl.store(target_logit_ptr + rm, z_target, mask=(rm < M) & in_tile)
         if RELATIVE:
-            # The 16-bit value's rounding is relative to z - max, not to z: absolute 2^-9 |z - max| (bf16), so
+            # The 16-bit value's rounding is relative to z - max, not to z: absolute 2^-8 |z - max| (bf16), so
             # the logits that carry the gradient (within a few units of the maximum) keep ~fp32's softmax error.
             acc = (z - row_ref[:, None]).to(out_ptr.dtype.element_ty)  # rounded to nearest on the GPU
     if TMA_STORE:

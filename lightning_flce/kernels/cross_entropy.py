@@ -104,7 +104,7 @@ def _cross_entropy_chunk_kernel(
     TARGET_LOGIT: tl.constexpr,  # with TILE_LSE: z_target from target_logit_ptr, not from the row
     RELATIVE: tl.constexpr,  # with TARGET_LOGIT: the row holds z - its tile's max (tile_max_ptr) in 16 bits
     TILES: tl.constexpr,
-    TILE_N: tl.constexpr,  # the tiles' width (columns per partial)
+    TILE_N: tl.constexpr,  # the tiles' width (columns per partial; with RELATIVE, BLOCK_V is a multiple of it)
     BLOCK_V: tl.constexpr,
     LAST_BLOCK_START: tl.constexpr,  # (V - 1) // BLOCK_V * BLOCK_V
 ):
@@ -203,18 +203,23 @@ def _cross_entropy_chunk_kernel(
             # Backwards over the row: its last blocks, read last in pass 1, are the likeliest still in L2
             # (rows of 128K+ bf16 logits in flight on every SM exceed it).
             for done in range(0, V, BLOCK_V):
-                cols = LAST_BLOCK_START - done + offsets
-                mask = cols < V
+                start = LAST_BLOCK_START - done
                 if RELATIVE:
-                    # z = stored + the tile's max (0 for a -inf max, as the epilogue subtracted), softcapped
-                    # already; the maxima are [TILES] per row, gathered from L1/L2.
-                    z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                    ref = tl.load(tile_max_ptr + tile_row + cols // TILE_N, mask=mask, other=0.0)
-                    z += tl.where(ref == float("-inf"), 0.0, ref)
+                    # The block as [tiles, TILE_N]: each stored value plus its tile's max (0 for a -inf max, as the
+                    # epilogue subtracted; softcapped already), one load of the maxima per tile, not per element.
+                    tiles_here = tl.arange(0, BLOCK_V // TILE_N)
+                    cols = start + tiles_here[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+                    mask = cols < V
+                    tile_first = start // TILE_N + tiles_here
+                    ref = tl.load(tile_max_ptr + tile_row + tile_first, mask=tile_first < TILES, other=0.0)
+                    ref = tl.where(ref == float("-inf"), 0.0, ref)
+                    z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) + ref[:, None]
                     # The target's own term (-1 times the softcap's factor) from its exact logit: a 16-bit value
-                    # far below its tile's max would move that factor by 2^-9 |z - max| 2 |z| / c^2.
+                    # far below its tile's max would move that factor by 2^-8 |z - max| 2 |z| / c^2.
                     z = tl.where(cols == target, z_target, z)
                 else:
+                    cols = start + offsets
+                    mask = cols < V
                     z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
                 grad = exp(z - lse, PRECISE_GRAD) * p_coef
                 if HAS_SMOOTHING:
@@ -274,6 +279,8 @@ def cross_entropy_chunk_triton(
     scale_stride = 1 if ce_scale.numel() > 1 else 0
     config = config or default_launch_config(vocab)
     block_v = config.block_v
+    if tile_lse is not None and logits.dtype != torch.float32:  # relative logits: whole tiles per block
+        block_v = max(block_v, tile_lse.block_n)
     extra = {} if config.num_stages is None else {"num_stages": config.num_stages}
     grad_out = logits if grad_out is None else grad_out
     assert grad_out.shape == logits.shape and grad_out.stride(1) == 1
