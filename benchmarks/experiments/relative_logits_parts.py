@@ -44,6 +44,8 @@ PARTS = {
     ("tilelse", "gemm"): "compensated GEMM, fp32 out + LSE partials",
     ("relative", "gemm"): "compensated GEMM, bf16 relative out + LSE partials + target logits",
     ("relative", "chunk"): "chunk kernel on relative bf16 logits, one pass",
+    ("relative_no_target", "gemm"): "compensated GEMM, bf16 relative out + LSE partials (no target logits)",
+    ("target_torch", "gemm"): "the target logits apart: (x.float() * W[t].float()).sum(-1) in PyTorch",
 }
 
 
@@ -80,6 +82,11 @@ def run_shape(shape, device, rounds, reps):
             None,
             lambda: gemm.compensated_logits_mm(x, w, out16, tile_lse=partials, target=target),
         ),
+        ("relative_no_target", "gemm"): (
+            None,
+            lambda: gemm.compensated_logits_mm(x, w, out16, tile_lse=lse_only),
+        ),
+        ("target_torch", "gemm"): (None, lambda: (x.float() * w[target].float()).sum(-1)),
         ("default", "chunk"): (
             restore(work16, logits16),
             lambda: ce.cross_entropy_chunk_triton(work16, target, options, **kwargs),
