@@ -571,6 +571,29 @@ def test_op_runs_on_relative_16bit_logits(monkeypatch, reduction):
     assert chunks and all(dtype == torch.float32 and not target for dtype, target in chunks)
 
 
+@pytest.mark.interpret
+def test_memory_model_counts_the_relative_buffer():
+    """The memory callback's model of the fused head follows the op: ``"fp32_compensated"`` on the Triton path
+    holds the 16-bit chunk buffer plus the LSE partials (8 bytes a row and column tile) and target logits (4 a
+    row); with label smoothing the fp32 buffer (twice the 16-bit one)."""
+    from lightning_flce import engine
+    from lightning_flce.callbacks.memory_model import HeadMemoryModel
+    from lightning_flce.kernels.compensated_gemm import launch_config
+
+    n, h, v = 4096, 256, 50000
+    rows = engine.chunk_rows(None, n, n, v, h, torch.bfloat16, True)
+    tiles = -(-v // launch_config(torch.device("cpu")).block_n)
+
+    def chunk_bytes(**options):
+        model = HeadMemoryModel("bf16-true", torch.bfloat16, h, impl="triton", **options)
+        return model.estimate(n, v).chunk_bytes
+
+    assert chunk_bytes(logits_precision="fp32_compensated") == rows * v * 2 + rows * (tiles * 8 + 4)
+    assert chunk_bytes(logits_precision="fp32_compensated", label_smoothing=0.1) == rows * v * 4
+    assert chunk_bytes(logits_precision="fp32") == rows * v * 4
+    assert chunk_bytes() == rows * v * 2
+
+
 def test_plain_sum_needs_chains_of_two_blocks():
     """One block per chain with a plain sum would compile back into one chain over K: refused up front."""
     from lightning_flce.kernels.compensated_gemm import INTERPRET_CONFIG, compensated_logits_mm

@@ -519,6 +519,7 @@ class FLCEMemoryCallback(Callback):
             accum="fp32" if accum_fp32 else "auto",
             device=weight_device,
             logits_precision=getattr(head_loss, "logits_precision", "input"),
+            label_smoothing=getattr(head_loss, "label_smoothing", 0.0),
         )
 
     @staticmethod

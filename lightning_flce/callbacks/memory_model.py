@@ -25,7 +25,9 @@ states' gradient ``N x H`` and the weight gradient's accumulator ``V x H`` (fp32
 fp32 GEMMs on GPUs with full-rate fp64, whose dX GEMM then also reads an fp64 copy of the weight). The
 chunk's rows are the op's own (``engine.chunk_rows``). With ``logits_precision`` "fp32" / "fp32_compensated"
 the chunk's logits are fp32 (their gradient, in the compute dtype, written into the same rows), plus the weight
-copy a fallback GEMM makes (fp32, or fp64 with an fp64 chunk product); "fp32_head" runs the fp32 path.
+copy a fallback GEMM makes (fp32, or fp64 with an fp64 chunk product); "fp32_compensated"'s Triton GEMM without
+label smoothing keeps the 16-bit buffer and adds its LSE partials (``engine.RELATIVE_16BIT_LOGITS``); "fp32_head"
+runs the fp32 path.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from lightning_flce import engine
 from lightning_flce.engine import WideLogitsGemm, chunk_rows, saved_grad_weight_dtype
 from lightning_flce.kernels import BACKENDS, LOW_PRECISION, backend_for, softmax_dtype
 from lightning_flce.options import WIDE_LOGITS_PRECISIONS, FLCEOptions, resolve_logits_precision
@@ -113,7 +116,9 @@ class HeadMemoryModel:
         device: the head weight's device (the dW accumulator's dtype depends on the GPU).
         logits_precision: the op's ``logits_precision`` (fp32 chunk logits, twice the 16-bit ones, for
             ``"fp32"`` / ``"fp32_compensated"``, fp32 GEMMs for ``"fp32_head"``, and the weight copies their
-            fallbacks make).
+            fallbacks make; ``"fp32_compensated"``'s Triton GEMM without label smoothing: the 16-bit buffer and
+            the LSE partials, ``engine.RELATIVE_16BIT_LOGITS``).
+        label_smoothing: the loss's label smoothing (it keeps ``"fp32_compensated"`` on the fp32 buffer).
     """
 
     def __init__(
@@ -129,8 +134,10 @@ class HeadMemoryModel:
         accum: str = "auto",
         device: Optional[torch.device] = None,
         logits_precision: str = "input",
+        label_smoothing: float = 0.0,
     ) -> None:
         self.precision = str(precision)
+        self.label_smoothing = label_smoothing
         self.logits_precision = logits_precision
         self.weight_dtype = weight_dtype
         self.hidden_size = hidden_size
@@ -190,20 +197,32 @@ class HeadMemoryModel:
         )
         rows = min(rows, num_tokens)
         wide = options.logits_precision in WIDE_LOGITS_PRECISIONS and compute_dtype in LOW_PRECISION
+        mode = (
+            WideLogitsGemm.mode_for(
+                self.device,
+                compensated=options.logits_precision == "fp32_compensated",
+                triton=backend.name == "triton",  # as the op decides it
+            )
+            if wide
+            else None
+        )
+        # "fp32_compensated"'s Triton GEMM hands the chunk kernel 16-bit relative logits (the op's rule for a loss
+        # without label smoothing or statistics, as the mixin's training loss)
+        relative = mode == "triton" and engine.RELATIVE_16BIT_LOGITS and not self.label_smoothing
         # the chunk's logits buffer (fp32 logits: their 16-bit gradient goes into its rows' second halves)
-        logits_itemsize = 4 if wide else itemsize
+        logits_itemsize = 4 if wide and not relative else itemsize
         softmax_itemsize = softmax_dtype(compute_dtype).itemsize
         if use_triton:  # the kernel overwrites the logits with their gradient in place
             per_logit = logits_itemsize
         else:  # the PyTorch twins: the chunk, its upcast (if it has one) and logsumexp's temporary
             per_logit = logits_itemsize + softmax_itemsize * (1 if softmax_itemsize == logits_itemsize else 2)
         copies = 0  # made once per call
+        partials = 0  # the relative path's LSE partials (max, sum per row and column tile) and target logits
+        if relative:
+            from lightning_flce.kernels.compensated_gemm import launch_config
+
+            partials = rows * (-(-vocab_size // launch_config(self.device).block_n) * 8 + 4)
         if wide:
-            mode = WideLogitsGemm.mode_for(
-                self.device,
-                compensated=options.logits_precision == "fp32_compensated",
-                triton=backend.name == "triton",  # as the op decides it
-            )
             copy_dtype = WideLogitsGemm.WEIGHT_COPY_DTYPES.get(mode)
             if copy_dtype is not None:  # the fallbacks' widened weight
                 copies += vocab_size * hidden_size * copy_dtype.itemsize
@@ -213,7 +232,7 @@ class HeadMemoryModel:
                 per_logit += 8 - (0 if use_triton else softmax_itemsize)
         elif compute_dtype != self.compute_dtype and self.weight_dtype != compute_dtype:
             copies += vocab_size * hidden_size * compute_dtype.itemsize  # "fp32_head": the weight widened
-        chunk_bytes = rows * vocab_size * per_logit
+        chunk_bytes = rows * vocab_size * per_logit + partials
         # shapes only: the op's rule reads the sizes and the weight's dtype and device, never the data
         # (one element on the weight's device, whose GPU model decides between an fp32 and an fp64 accumulator)
         hidden = torch.empty((num_tokens, hidden_size), dtype=compute_dtype, device="meta")
