@@ -70,8 +70,9 @@ _Z_LOSS_LSE_BOUND = 64.0
 LSE_FROM_LOGITS_GEMM = False
 #: ``logits_precision="fp32_compensated"`` on the Triton path where the chunk kernel needs only each row's LSE and
 #: target logit (no label smoothing, no statistics; front ends that pass ``chunk_lse_from_tiles=True``): the
-#: logits GEMM's epilogue computes both from its fp32 tile (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`
-#: with ``target_logit``), and the chunk's buffer holds each logit minus its column tile's maximum, rounded to
+#: logits GEMM computes both in fp32 (its epilogue the LSE partials, a small kernel the target logits:
+#: :class:`~lightning_flce.kernels.compensated_gemm.TileLse` with ``target_logit``), and the chunk's buffer holds
+#: each logit minus its column tile's maximum, rounded to
 #: the 16-bit compute dtype, for the gradient only (bf16: an absolute error of 2^-8 |z - max|, so the gradient of
 #: the logits near the maximum, the ones that carry it, is about as exact as from fp32 logits). The buffer is the
 #: default's (no fp32 [C, V] buffer), the chunk kernel reads it once, and the loss and LSE are those of the fp32

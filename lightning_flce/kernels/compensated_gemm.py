@@ -40,10 +40,12 @@ read with libdevice's exp (the op 0.8-4.6% slower, run86); with ``tl.exp`` the o
 inside the spread, so it stays off (``engine.LSE_FROM_LOGITS_GEMM``).
 
 What the op hands the chunk kernel (``engine.RELATIVE_16BIT_LOGITS``): where the loss needs only each row's LSE
-and target logit, the epilogue writes both in fp32 (:class:`TileLse` with ``target_logit``) and stores each logit
-minus its row's tile maximum in the operands' 16-bit dtype, for the gradient only: the chunk's buffer is the
-default's (no fp32 [C, V] one) and is read once, and the rounding of a stored value, 2^-8 |z - max| in bf16, is
-small where the gradient is large (the logits near the maximum).
+and target logit, the epilogue writes the LSE partials in fp32 (:class:`TileLse`) and stores each logit minus its
+row's tile maximum in the operands' 16-bit dtype, for the gradient only, and :func:`target_logits` computes the
+target logits in fp32 apart (in the epilogue, the target's column search cost the GEMM 0.4 ms a chunk at
+8192x2304x256000, the separate kernel 0.1 ms; run90). The chunk's buffer is the default's (no fp32 [C, V] one) and
+is read once, and the rounding of a stored value, 2^-8 |z - max| in bf16, is small where the gradient is large
+(the logits near the maximum).
 
 What the configurations measured (``benchmarks/experiments/compensated_gemm_configs.py``, run76 / run79 / run80):
 
@@ -260,8 +262,6 @@ def epilogue(
     tile_max_ptr,
     tile_sum_ptr,
     tile_row_stride,
-    target_ptr,
-    target_logit_ptr,
     softcap,
     M,
     N,
@@ -271,16 +271,14 @@ def epilogue(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    TARGET_LOGIT: tl.constexpr,
     RELATIVE: tl.constexpr,
     TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """A finished tile: the bias added in fp32 (rounded once, as out.add_(bias) after the GEMM); with TILE_LSE,
-    each row's log-sum-exp partial over the tile's columns (see :class:`TileLse`); with TARGET_LOGIT, the fp32
-    logit of each row whose target column lies in the tile; then the store: the fp32 tile, or with RELATIVE
-    each (softcapped) logit minus its row's tile maximum, rounded to out's 16-bit dtype."""
+    each row's log-sum-exp partial over the tile's columns (see :class:`TileLse`); then the store: the fp32 tile,
+    or with RELATIVE each (softcapped) logit minus its row's tile maximum, rounded to out's 16-bit dtype."""
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
@@ -300,13 +298,6 @@ def epilogue(
         partial = rm.to(tl.int64) * tile_row_stride + pid_n
         tl.store(tile_max_ptr + partial, row_max, mask=rm < M)
         tl.store(tile_sum_ptr + partial, row_sum, mask=rm < M)
-        if TARGET_LOGIT:
-            # Targets outside [0, N) (ignore_index) match no column: their rows are not written.
-            target = tl.load(target_ptr + rm, mask=rm < M, other=-1)
-            hit = rn[None, :] == target[:, None]
-            in_tile = (target >= pid_n * BLOCK_N) & (target < pid_n * BLOCK_N + BLOCK_N) & (target < N)
-            z_target = tl.sum(tl.where(hit, z, 0.0), 1)
-            tl.store(target_logit_ptr + rm, z_target, mask=(rm < M) & in_tile)
         if RELATIVE:
             # The 16-bit value's rounding is relative to z - max, not to z: absolute 2^-8 |z - max| (bf16), so
             # the logits that carry the gradient (within a few units of the maximum) keep ~fp32's softmax error.
@@ -325,8 +316,6 @@ def _compensated_mm_kernel(
     out_ptr,  # [M, N] out (fp32, or with RELATIVE the operands' 16-bit dtype), unit stride along N
     tile_max_ptr,  # [M, cdiv(N, BLOCK_N)] fp32 out (written only with TILE_LSE), row stride tile_row_stride
     tile_sum_ptr,  # the same shape
-    target_ptr,  # [M] int64 target columns (read only with TARGET_LOGIT)
-    target_logit_ptr,  # [M] fp32 out: each row's logit at its target column (written only with TARGET_LOGIT)
     M,
     N,
     K,
@@ -338,7 +327,6 @@ def _compensated_mm_kernel(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,  # write each row's log-sum-exp partials over each tile's columns
     HAS_SOFTCAP: tl.constexpr,  # ... of softcap * tanh(logit / softcap)
-    TARGET_LOGIT: tl.constexpr,  # with TILE_LSE: write each row's target logit (as the partials see it)
     RELATIVE: tl.constexpr,  # with TILE_LSE: store z - its row's tile max in out's 16-bit dtype
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
     UPCAST: tl.constexpr,  # widen the operands to fp32 before tl.dot (the interpreter)
@@ -380,9 +368,8 @@ def _compensated_mm_kernel(
         w_tile += BLOCK_K
     # out_ptr stands in for the descriptor: never read without TMA_STORE
     epilogue(
-        acc, bias_ptr, out_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, tile_row_stride, target_ptr,
-        target_logit_ptr, softcap, M, N, out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP,
-        TARGET_LOGIT, RELATIVE, False, BLOCK_M, BLOCK_N,
+        acc, bias_ptr, out_ptr, out_ptr, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
+        out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, RELATIVE, False, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
 
@@ -395,8 +382,6 @@ def _compensated_mm_tma_kernel(
     out_ptr,  # [M, N] out, unit stride along N (the masked store: N like 32003 is no TMA row)
     tile_max_ptr,  # as _compensated_mm_kernel's
     tile_sum_ptr,
-    target_ptr,
-    target_logit_ptr,
     M,
     N,
     K,
@@ -407,7 +392,6 @@ def _compensated_mm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     TILE_LSE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    TARGET_LOGIT: tl.constexpr,
     RELATIVE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -435,10 +419,79 @@ def _compensated_mm_tma_kernel(
             a, b = tma_blocks(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k, BLOCK_K, UPCAST)
             part, acc, comp = chain_step(a, b, part, acc, comp, k, k_blocks, CHAIN_BLOCKS, KAHAN)
         epilogue(
-            acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, target_ptr,
-            target_logit_ptr, softcap, M, N, out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP,
-            TARGET_LOGIT, RELATIVE, TMA_STORE, BLOCK_M, BLOCK_N,
+            acc, bias_ptr, out_ptr, out_desc, tile_max_ptr, tile_sum_ptr, tile_row_stride, softcap, M, N,
+            out_row_stride, pid_m, pid_n, HAS_BIAS, TILE_LSE, HAS_SOFTCAP, RELATIVE, TMA_STORE, BLOCK_M, BLOCK_N,
         )  # fmt: skip
+
+
+@triton.jit
+def _target_logits_kernel(
+    x_ptr,  # [M, K] 16-bit, unit stride along K
+    w_ptr,  # [N, K] same dtype, unit stride along K
+    bias_ptr,  # [N] fp32 (read only with HAS_BIAS)
+    target_ptr,  # [M] int64: a column of w, or any value outside [0, N) (the row is skipped)
+    out_ptr,  # [M] fp32 out
+    N,
+    x_row_stride,
+    w_row_stride,
+    softcap,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row's logit at its target column, ``x[r] . w[t] (+ b[t])`` through the softcap, in fp32: exact
+    products, a running fp32 sum per lane over the K / BLOCK_K blocks and a tree sum over the lanes (a few ulps)."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(target_ptr + row)
+    if (target >= 0) & (target < N):
+        offsets = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            cols = start + offsets
+            a = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < K, other=0.0).to(tl.float32)
+            b = tl.load(w_ptr + target * w_row_stride + cols, mask=cols < K, other=0.0).to(tl.float32)
+            acc += a * b
+        z = tl.sum(acc, 0)
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + target)
+        if HAS_SOFTCAP:  # as the epilogue's partials and the chunk kernel see it
+            z = softcap * tanh(z / softcap)
+        tl.store(out_ptr + row, z)
+
+
+def target_logits(
+    x_c: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    softcap: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out[r] = softcap(x_c[r] . weight[target[r]] (+ bias[target[r]]))`` in fp32 for the rows whose target is a
+    column of ``weight`` (the others, e.g. ``ignore_index``, are left as they were): the target logits of
+    :class:`TileLse`, one [H] dot product a row (C H 16-bit reads of each operand, next to the GEMM's C H V)."""
+    m, k = x_c.shape
+    if m == 0:
+        return out
+    block_k = 16 if TRITON_INTERPRET else min(1024, triton.next_power_of_2(k))
+    _target_logits_kernel[(m,)](
+        x_c,
+        weight,
+        bias if bias is not None else out,  # a dummy pointer without HAS_BIAS
+        target,
+        out,
+        weight.shape[0],
+        x_c.stride(0),
+        weight.stride(0),
+        softcap,
+        K=k,
+        HAS_BIAS=bias is not None,
+        HAS_SOFTCAP=softcap > 0.0,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
 
 
 @functools.cache
@@ -498,8 +551,8 @@ class TileLse(NamedTuple):
     ``block_n`` = BN), ``max[r, t]`` is the largest z there and ``sum_exp[r, t] = sum(exp(z - max[r, t]))``,
     where z are the fp32 logits (bias included), through ``softcap * tanh(z / softcap)`` when ``softcap > 0``.
     The chunk kernel combines them into the row's LSE instead of reading the row for it (its first pass).
-    ``target_logit`` (optional, fp32 [rows]): z at each row's target column, written by the epilogue when the
-    GEMM is given the targets (rows whose target is no column, e.g. ``ignore_index``, are left as they were).
+    ``target_logit`` (optional, fp32 [rows]): z at each row's target column, written (:func:`target_logits`) when
+    the GEMM is given the targets (rows whose target is no column, e.g. ``ignore_index``, are left as they were).
 
     ``max`` and ``sum_exp`` are fp32 [rows, tiles], unit stride along tiles, with at least the GEMM's M rows
     (:func:`empty_tile_lse` sizes them for a GEMM's config; :meth:`rows` slices a chunk's).
@@ -543,7 +596,6 @@ def kernel_constants(
     has_bias: bool,
     tile_lse: Optional[TileLse] = None,
     *,
-    target_logit: bool = False,
     relative: bool = False,
 ) -> dict:
     """The compile-time arguments (and launch options) the kernels take for ``config``."""
@@ -551,7 +603,6 @@ def kernel_constants(
         "HAS_BIAS": has_bias,
         "TILE_LSE": tile_lse is not None,
         "HAS_SOFTCAP": tile_lse is not None and tile_lse.softcap > 0.0,
-        "TARGET_LOGIT": target_logit,
         "RELATIVE": relative,
         "UPCAST": TRITON_INTERPRET,
         "BLOCK_M": config.block_m,
@@ -581,7 +632,7 @@ def compensated_logits_mm(
     fp32). Operands whose last dimension is not unit-stride are made contiguous (a copy). ``config``
     overrides :func:`launch_config`. ``tile_lse``: buffers (:func:`empty_tile_lse`, at this config) that the
     epilogue fills with the rows' log-sum-exp partials (:class:`TileLse`); with them ``target`` (int64 [M]:
-    each row's target column, or any value outside [0, N)) has the epilogue write ``tile_lse.target_logit``,
+    each row's target column, or any value outside [0, N)) fills ``tile_lse.target_logit`` (:func:`target_logits`),
     and ``out`` may be of the operands' 16-bit dtype: it then holds each logit (softcapped) minus its row's
     maximum over its column tile, ``z - tile_lse.max[r, t]`` (0 in place of a -inf maximum), rounded once: the
     gradient's values, whose rounding is then relative to their distance from the maximum. Returns ``out``.
@@ -611,11 +662,10 @@ def compensated_logits_mm(
         config,
         has_bias=bias is not None,
         tile_lse=tile_lse,
-        target_logit=target is not None,
         relative=out.dtype != torch.float32,
     )
     bias_arg = bias if bias is not None else out  # a dummy pointer, never read without HAS_BIAS
-    # dummy pointers and stride without TILE_LSE / TARGET_LOGIT (never read or written)
+    # dummy pointers and stride without TILE_LSE (never read or written)
     tile_max, tile_sum = (tile_lse.max, tile_lse.sum_exp) if tile_lse is not None else (out, out)
     tile_row_stride = tile_max.stride(0)
     softcap = tile_lse.softcap if tile_lse is not None else 0.0
@@ -638,8 +688,6 @@ def compensated_logits_mm(
             out,
             tile_max,
             tile_sum,
-            target_arg,
-            target_logit,
             m,
             n,
             k,
@@ -650,27 +698,27 @@ def compensated_logits_mm(
             TMA_STORE=tma_store,
             **constants,
         )
-        return out
-    _compensated_mm_kernel[grid](
-        x_c,
-        weight,
-        bias_arg,
-        out,
-        tile_max,
-        tile_sum,
-        target_arg,
-        target_logit,
-        m,
-        n,
-        k,
-        x_c.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        tile_row_stride,
-        softcap,
-        EVEN_K=k % config.block_k == 0,
-        **constants,
-    )
+    else:
+        _compensated_mm_kernel[grid](
+            x_c,
+            weight,
+            bias_arg,
+            out,
+            tile_max,
+            tile_sum,
+            m,
+            n,
+            k,
+            x_c.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            tile_row_stride,
+            softcap,
+            EVEN_K=k % config.block_k == 0,
+            **constants,
+        )
+    if target is not None:  # its own small kernel: in the epilogue it cost the GEMM 4x more (run90)
+        target_logits(x_c, weight, target.contiguous(), bias, softcap, out=tile_lse.target_logit[:m])
     return out
 
 
