@@ -104,6 +104,7 @@ def _cross_entropy_chunk_kernel(
     TARGET_LOGIT: tl.constexpr,  # with TILE_LSE: z_target from target_logit_ptr, not from the row
     RELATIVE: tl.constexpr,  # with TARGET_LOGIT: the row holds z - its tile's max (tile_max_ptr) in 16 bits
     TILES: tl.constexpr,
+    TILES_BLOCK: tl.constexpr,  # partials per iteration: TILES rounded up to a power of two, at most BLOCK_V
     TILE_N: tl.constexpr,  # the tiles' width (columns per partial; with RELATIVE, BLOCK_V is a multiple of it)
     BLOCK_V: tl.constexpr,
     LAST_BLOCK_START: tl.constexpr,  # (V - 1) // BLOCK_V * BLOCK_V
@@ -136,8 +137,8 @@ def _cross_entropy_chunk_kernel(
         best_idx = 0
         tile_row = row * tile_row_stride
         if TILE_LSE:
-            for start in range(0, TILES, BLOCK_V):
-                cols = start + offsets
+            for start in range(0, TILES, TILES_BLOCK):
+                cols = start + tl.arange(0, TILES_BLOCK)
                 mask = cols < TILES
                 part_max = tl.load(tile_max_ptr + tile_row + cols, mask=mask, other=float("-inf"))
                 part_sum = tl.load(tile_sum_ptr + tile_row + cols, mask=mask, other=0.0)
@@ -332,6 +333,9 @@ def cross_entropy_chunk_triton(
         TARGET_LOGIT=target_logit is not None,
         RELATIVE=relative,
         TILES=tile_max.shape[1] if tile_lse is not None else 1,
+        # not BLOCK_V wide: 250 partials a row at V = 32000 in a 16384-wide block of libdevice exps cost the
+        # kernel ~15% there (run90)
+        TILES_BLOCK=min(block_v, triton.next_power_of_2(tile_max.shape[1])) if tile_lse is not None else 1,
         TILE_N=tile_lse.block_n if tile_lse is not None else 1,
         BLOCK_V=block_v,
         LAST_BLOCK_START=(vocab - 1) // block_v * block_v,
