@@ -78,6 +78,11 @@ LSE_FROM_LOGITS_GEMM = False
 #: default's (no fp32 [C, V] buffer), the chunk kernel reads it once, and the loss and LSE are those of the fp32
 #: logits. Off (or with smoothing / statistics): the fp32 buffer of ``"fp32"``.
 RELATIVE_16BIT_LOGITS = True
+#: ... for vocabularies of at least this many columns. Below, the fp32 buffer is faster: a row of fp32 logits is
+#: then short enough (128 KiB at V = 32000) for the chunk kernel's second read to come from L2, so the 16-bit
+#: buffer saves little while the GEMM's LSE epilogue still costs (H200, run90: the op 2.5% slower at
+#: 16384x4096x32000 on the 16-bit buffer, 0.6-1.5% faster at V = 128256 / 151936 / 256000).
+RELATIVE_MIN_VOCAB = 65536
 
 
 def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, large_chunks: bool) -> int:
@@ -324,7 +329,7 @@ def run_chunks(
         and options.label_smoothing == 0.0
         and not compute_stats
     )
-    relative_logits = tiles_suffice and RELATIVE_16BIT_LOGITS
+    relative_logits = tiles_suffice and RELATIVE_16BIT_LOGITS and vocab >= RELATIVE_MIN_VOCAB
     logits_dtype = torch.float32 if wide_logits and not relative_logits else compute_dtype
     per_row_scale = ce_scale.numel() > 1
     # One buffer for the largest chunk (rows x V / 128 x 8 bytes: 1/64 of the fp32 logits at 128-wide tiles, plus

@@ -535,10 +535,12 @@ def test_op_runs_on_relative_16bit_logits(monkeypatch, reduction):
     target logits (softcap, z-loss, bias, ignored rows, three chunks; "none" recomputes in its backward). The
     per-token loss is within 1e-5 of float64 and within 2e-6 of the fp32 buffer's (``RELATIVE_16BIT_LOGITS``
     off), dX / dW / d bias within 1.05x its error and no worse than the default's (all rounded to bf16 at the
-    end). Label smoothing and statistics take the fp32 buffer (their sums need every logit)."""
+    end). Label smoothing and statistics take the fp32 buffer (their sums need every logit), as vocabularies under
+    ``engine.RELATIVE_MIN_VOCAB`` do."""
     import lightning_flce.engine as engine
     import lightning_flce.kernels.cross_entropy as ce
 
+    monkeypatch.setattr(engine, "RELATIVE_MIN_VOCAB", 0)  # the problem's V = 203
     seen = []
     launch = ce.cross_entropy_chunk_triton
 
@@ -572,18 +574,23 @@ def test_op_runs_on_relative_16bit_logits(monkeypatch, reduction):
         assert relative_error(g, ref) <= 1.05 * relative_error(d, ref) + 1e-3
     _, chunks = fused(label_smoothing=0.05)
     assert chunks and all(dtype == torch.float32 and not target for dtype, target in chunks)
+    monkeypatch.setattr(
+        engine, "RELATIVE_MIN_VOCAB", 204
+    )  # a vocabulary under the threshold: the fp32 buffer
+    _, chunks = fused()
+    assert chunks and all(dtype == torch.float32 for dtype, _ in chunks)
 
 
 @pytest.mark.interpret
 def test_memory_model_counts_the_relative_buffer():
     """The memory callback's model of the fused head follows the op: ``"fp32_compensated"`` on the Triton path
     holds the 16-bit chunk buffer plus the LSE partials (8 bytes a row and column tile) and target logits (4 a
-    row); with label smoothing the fp32 buffer (twice the 16-bit one)."""
+    row); with label smoothing, or under ``engine.RELATIVE_MIN_VOCAB``, the fp32 buffer (twice the 16-bit one)."""
     from lightning_flce import engine
     from lightning_flce.callbacks.memory_model import HeadMemoryModel
     from lightning_flce.kernels.compensated_gemm import launch_config
 
-    n, h, v = 4096, 256, 50000
+    n, h, v = 4096, 256, engine.RELATIVE_MIN_VOCAB + 3000
     rows = engine.chunk_rows(None, n, n, v, h, torch.bfloat16, True)
     tiles = -(-v // launch_config(torch.device("cpu")).block_n)
 
@@ -595,6 +602,12 @@ def test_memory_model_counts_the_relative_buffer():
     assert chunk_bytes(logits_precision="fp32_compensated", label_smoothing=0.1) == rows * v * 4
     assert chunk_bytes(logits_precision="fp32") == rows * v * 4
     assert chunk_bytes() == rows * v * 2
+    small = engine.RELATIVE_MIN_VOCAB - 1000  # a vocabulary under the 16-bit buffer's threshold: the fp32 one
+    small_rows = engine.chunk_rows(None, n, n, small, h, torch.bfloat16, True)
+    model = HeadMemoryModel(
+        "bf16-true", torch.bfloat16, h, impl="triton", logits_precision="fp32_compensated"
+    )
+    assert model.estimate(n, small).chunk_bytes == small_rows * small * 4
 
 
 def test_plain_sum_needs_chains_of_two_blocks():

@@ -208,7 +208,12 @@ class HeadMemoryModel:
         )
         # "fp32_compensated"'s Triton GEMM hands the chunk kernel 16-bit relative logits (the op's rule for a loss
         # without label smoothing or statistics, as the mixin's training loss)
-        relative = mode == "triton" and engine.RELATIVE_16BIT_LOGITS and not self.label_smoothing
+        relative = (
+            mode == "triton"
+            and engine.RELATIVE_16BIT_LOGITS
+            and vocab_size >= engine.RELATIVE_MIN_VOCAB
+            and not self.label_smoothing
+        )
         # the chunk's logits buffer (fp32 logits: their 16-bit gradient goes into its rows' second halves)
         logits_itemsize = 4 if wide and not relative else itemsize
         softmax_itemsize = softmax_dtype(compute_dtype).itemsize
