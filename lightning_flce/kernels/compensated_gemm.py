@@ -43,7 +43,7 @@ What the op hands the chunk kernel (``engine.RELATIVE_16BIT_LOGITS``): where the
 and target logit, the epilogue writes the LSE partials in fp32 (:class:`TileLse`) and stores each logit minus its
 row's tile maximum in the operands' 16-bit dtype, for the gradient only, and :func:`target_logits` computes the
 target logits in fp32 apart (in the epilogue, the target's column search cost the GEMM 0.4 ms a chunk at
-8192x2304x256000, the separate kernel 0.1 ms; run90). The chunk's buffer is the default's (no fp32 [C, V] one) and
+8192x2304x256000, the separate kernel 0.01 ms; run90). The chunk's buffer is the default's (no fp32 [C, V] one) and
 is read once, and the rounding of a stored value, 2^-8 |z - max| in bf16, is small where the gradient is large
 (the logits near the maximum).
 
@@ -717,7 +717,9 @@ def compensated_logits_mm(
             EVEN_K=k % config.block_k == 0,
             **constants,
         )
-    if target is not None:  # its own small kernel: in the epilogue it cost the GEMM 4x more (run90)
+    if (
+        target is not None
+    ):  # its own small kernel: in the epilogue the column search cost the GEMM more (run90)
         target_logits(x_c, weight, target.contiguous(), bias, softcap, out=tile_lse.target_logit[:m])
     return out
 
