@@ -227,6 +227,32 @@ class Timer:
         return (self._end - self._start) * 1e3
 
 
+def interleaved_medians(
+    setups: Dict[Any, Callable[[], Callable[[], Any]]],
+    device: torch.device,
+    rounds: int,
+    reps: int,
+    warmup: int = 2,
+) -> Dict[Any, float]:
+    """Median ms of each entry: ``setup()`` prepares its inputs outside the timed region (a restore, say) and
+    returns the call to time. ``warmup`` untimed calls each (compiling every specialization), then ``rounds``
+    rounds over all entries in turn, ``reps`` timed calls each per round."""
+    timer = Timer(device)
+    for setup in setups.values():
+        for _ in range(warmup):
+            setup()()
+    times: Dict[Any, List[float]] = {key: [] for key in setups}
+    for _ in range(rounds):
+        for key, setup in setups.items():
+            for _ in range(reps):
+                fn = setup()
+                timer.start()
+                fn()
+                timer.stop()
+                times[key].append(timer.ms())
+    return {key: percentile(values, 50) for key, values in times.items()}
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile, q in [0, 100]."""
     xs = sorted(values)

@@ -85,6 +85,26 @@ RELATIVE_16BIT_LOGITS = True
 RELATIVE_MIN_VOCAB = 65536
 
 
+def tile_stats_suffice(gemm_mode: Optional[str], label_smoothing: float, compute_stats: bool) -> bool:
+    """Whether the chunk kernel can take what it needs from the logits GEMM's tile statistics (the LSE partials
+    and target logits of :class:`~lightning_flce.kernels.compensated_gemm.TileLse`): the compensated Triton GEMM
+    (``gemm_mode`` of :class:`WideLogitsGemm`), no label smoothing and no statistics (their sums need every
+    logit)."""
+    return gemm_mode == "triton" and label_smoothing == 0.0 and not compute_stats
+
+
+def relative_16bit_logits(
+    gemm_mode: Optional[str], vocab: int, label_smoothing: float, compute_stats: bool
+) -> bool:
+    """Whether the chunk's buffer holds :data:`RELATIVE_16BIT_LOGITS`' 16-bit relative logits (the op's rule; the
+    memory callback's model asks it too)."""
+    return (
+        RELATIVE_16BIT_LOGITS
+        and vocab >= RELATIVE_MIN_VOCAB
+        and tile_stats_suffice(gemm_mode, label_smoothing, compute_stats)
+    )
+
+
 def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, large_chunks: bool) -> int:
     """Tokens per chunk.
 
@@ -322,14 +342,9 @@ def run_chunks(
         else None
     )
     # The GEMM's LSE partials (and target logits) for the chunk kernel, where it needs nothing else of the logits.
-    tiles_suffice = (
-        chunk_lse_from_tiles
-        and logits_gemm is not None
-        and logits_gemm.mode == "triton"
-        and options.label_smoothing == 0.0
-        and not compute_stats
-    )
-    relative_logits = tiles_suffice and RELATIVE_16BIT_LOGITS and vocab >= RELATIVE_MIN_VOCAB
+    gemm_mode = logits_gemm.mode if logits_gemm is not None and chunk_lse_from_tiles else None
+    tiles_suffice = tile_stats_suffice(gemm_mode, options.label_smoothing, compute_stats)
+    relative_logits = relative_16bit_logits(gemm_mode, vocab, options.label_smoothing, compute_stats)
     logits_dtype = torch.float32 if wide_logits and not relative_logits else compute_dtype
     per_row_scale = ce_scale.numel() > 1
     # One buffer for the largest chunk (rows x V / 128 x 8 bytes: 1/64 of the fp32 logits at 128-wide tiles, plus

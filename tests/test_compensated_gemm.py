@@ -264,23 +264,19 @@ def test_epilogue_writes_each_tiles_lse_partials(loop, softcap):
     assert buffers.max[m:].isnan().all() and buffers.sum_exp[m:].isnan().all()
 
 
-@pytest.mark.interpret
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"softcap": 15.0, "lse_square_scale": 1e-3}, {"class_weight": True}],
-    ids=["plain", "softcap-zloss", "class-weight"],
-)
-def test_chunk_kernel_takes_the_lse_from_the_tiles(options):
-    """The chunk kernel with the GEMM's partials (no first pass over the logits) gives the loss, LSE and
-    gradient it gives from the logits (fp32 sums in another order: within 2e-6), ignored rows included; and
-    refuses partials of another softcap or with label smoothing or statistics (they need the first pass)."""
+# The chunk kernel's options of the tests below (the "options" parameter) and their problem.
+CHUNK_OPTIONS = [{}, {"softcap": 15.0, "lse_square_scale": 1e-3}, {"class_weight": True}]
+
+
+def chunk_problem(options, seed):
+    """37 x 203 (M and N tails), K = 72, bf16, every 7th target ignored, the options as the chunk kernel takes
+    them, and the TMA kernel's persistent configuration with the copy engine's stores."""
     import lightning_flce.kernels.compensated_gemm as gemm
     from lightning_flce.engine import kernel_options
-    from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton
 
     m, n, k = 37, 203, 72
-    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=8)
-    gen = torch.Generator().manual_seed(9)
+    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     target = torch.randint(0, n, (m,), generator=gen)
     target[::7] = -100
     class_weight = torch.rand(n, generator=gen) + 0.5 if options.get("class_weight") else None
@@ -295,6 +291,20 @@ def test_chunk_kernel_takes_the_lse_from_the_tiles(options):
     config = gemm.INTERPRET_CONFIG._replace(
         chain_blocks=2, kahan=False, tma=True, persistent=True, tma_store=True
     )
+    return x, w, b, target, opts, config
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("options", CHUNK_OPTIONS, ids=["plain", "softcap-zloss", "class-weight"])
+def test_chunk_kernel_takes_the_lse_from_the_tiles(options):
+    """The chunk kernel with the GEMM's partials (no first pass over the logits) gives the loss, LSE and
+    gradient it gives from the logits (fp32 sums in another order: within 2e-6), ignored rows included; and
+    refuses partials of another softcap or with label smoothing or statistics (they need the first pass)."""
+    import lightning_flce.kernels.compensated_gemm as gemm
+    from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton
+
+    m, n = 37, 203
+    x, w, b, target, opts, config = chunk_problem(options, seed=8)
     partials = gemm.empty_tile_lse(m, n, x.device, opts.softcap, config=config)
     logits = torch.empty(m, n)
     gemm.compensated_logits_mm(x, w, logits, b, config=config, tile_lse=partials)
@@ -382,38 +392,18 @@ def test_epilogue_stores_relative_16bit_logits_and_target_logits(loop, softcap, 
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"softcap": 15.0, "lse_square_scale": 1e-3}, {"class_weight": True}],
-    ids=["plain", "softcap-zloss", "class-weight"],
-)
+@pytest.mark.parametrize("options", CHUNK_OPTIONS, ids=["plain", "softcap-zloss", "class-weight"])
 def test_chunk_kernel_on_relative_logits(options):
-    """The chunk kernel on the GEMM's 16-bit relative logits (the partials and target logits from its epilogue):
+    """The chunk kernel on the GEMM's 16-bit relative logits (its epilogue's partials, target_logits' logits):
     loss and LSE within 2e-6 of the kernel on the same GEMM's fp32 logits (fp32 values throughout), ignored rows
     included; the gradient within bf16's rounding of the relative values (an ulp of |z - tile max| times each
     element's probability term, plus the bf16 output's own ulp) of the fp32 logits' gradient; and refused without the
     target logits (the row holds no exact one)."""
     import lightning_flce.kernels.compensated_gemm as gemm
-    from lightning_flce.engine import kernel_options
     from lightning_flce.kernels.cross_entropy import cross_entropy_chunk_triton
 
-    m, n, k = 37, 203, 72
-    x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=13)
-    gen = torch.Generator().manual_seed(14)
-    target = torch.randint(0, n, (m,), generator=gen)
-    target[::7] = -100
-    class_weight = torch.rand(n, generator=gen) + 0.5 if options.get("class_weight") else None
-    opts = kernel_options(
-        -100,
-        0.0,
-        options.get("lse_square_scale", 0.0),
-        options.get("softcap", 0.0),
-        class_weight,
-        torch.bfloat16,
-    )
-    config = gemm.INTERPRET_CONFIG._replace(
-        chain_blocks=2, kahan=False, tma=True, persistent=True, tma_store=True
-    )
+    m, n = 37, 203
+    x, w, b, target, opts, config = chunk_problem(options, seed=13)
     fp32_partials = gemm.empty_tile_lse(m, n, x.device, opts.softcap, config=config)
     logits = gemm.compensated_logits_mm(x, w, torch.empty(m, n), b, config=config, tile_lse=fp32_partials)
     partials = gemm.empty_tile_lse(m, n, x.device, opts.softcap, config=config, with_target_logit=True)
@@ -432,7 +422,7 @@ def test_chunk_kernel_on_relative_logits(options):
     tile_max = partials.max.double().repeat_interleave(config.block_n, dim=1)[:, :n]
     # bf16 rounding of the relative value (carried into exp) and of the gradient itself, a whole ulp each (2^-7
     # relative: the interpreter truncates fp32 -> bf16, the GPU rounds to nearest), plus the fp32 path's own ulps.
-    prob_term = (z - want.lse.double()[:, None]).exp() / m * (2 if class_weight is not None else 1)
+    prob_term = (z - want.lse.double()[:, None]).exp() / m * (2 if opts.class_weight is not None else 1)
     # The softcap's factor 1 - (z / c)^2 moves by 2 |z| / c^2 per unit of z as well.
     ulp = torch.finfo(torch.bfloat16).eps
     slope = 1.0 + (2.0 * z.abs() / opts.softcap**2 if opts.softcap > 0.0 else 0.0)

@@ -142,24 +142,14 @@ def run_shape(shape, device, rounds, reps, small):
         return fn
 
     variants = {"bf16": None, **FP32_VARIANTS}
-    timer = _common.Timer(device)
-    times = {name: [] for name in variants}
-    for precision in variants.values():  # warm-up: compiles every specialization
-        call(precision)()
-        call(precision)()
-    for _ in range(rounds):
-        for name, precision in variants.items():
-            for _ in range(reps):
-                fn = call(precision)  # restores the logits (outside the timed region)
-                timer.start()
-                fn()
-                timer.stop()
-                times[name].append(timer.ms())
+    # call(precision) restores the logits (outside the timed region) and returns the kernel's call
+    medians = _common.interleaved_medians(
+        {name: (lambda p=precision: call(p)) for name, precision in variants.items()}, device, rounds, reps
+    )
     bytes_per = {"bf16": 2 * 2 + 2}  # two 16-bit reads, one 16-bit write
     for name in FP32_VARIANTS:
         bytes_per[name] = 2 * 4 + 2  # two fp32 reads, one 16-bit write
-    for name, values in times.items():
-        ms = _common.percentile(values, 50)
+    for name, ms in medians.items():
         result["ms"][name] = {"ms": ms, "gbps": rows * v * bytes_per[name] / ms / 1e6}
     return result
 

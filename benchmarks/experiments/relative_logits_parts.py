@@ -102,23 +102,19 @@ def run_shape(shape, device, rounds, reps):
     }
     if device.type == "cuda":  # torch.mm's out_dtype: CUDA only
         calls["fp32", "gemm"] = (None, lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=out32))
-    timer = _common.Timer(device)
-    times = {key: [] for key in calls}
-    for prepare, fn in calls.values():  # warm-up: compiles every specialization
-        for _ in range(2):
+
+    def setup(prepare, fn):
+        def ready():
             if prepare:
                 prepare()
-            fn()
-    for _ in range(rounds):
-        for key, (prepare, fn) in calls.items():
-            for _ in range(reps):
-                if prepare:
-                    prepare()
-                timer.start()
-                fn()
-                timer.stop()
-                times[key].append(timer.ms())
-    ms = {f"{path}/{part}": _common.percentile(values, 50) for (path, part), values in times.items()}
+            return fn
+
+        return ready
+
+    medians = _common.interleaved_medians(
+        {key: setup(prepare, fn) for key, (prepare, fn) in calls.items()}, device, rounds, reps
+    )
+    ms = {f"{path}/{part}": value for (path, part), value in medians.items()}
     totals = {
         "default": ms["default/gemm"] + ms["default/chunk"],
         "rows": ms["rows/gemm"] + ms["rows/chunk"],

@@ -206,14 +206,9 @@ class HeadMemoryModel:
             if wide
             else None
         )
-        # "fp32_compensated"'s Triton GEMM hands the chunk kernel 16-bit relative logits (the op's rule for a loss
-        # without label smoothing or statistics, as the mixin's training loss)
-        relative = (
-            mode == "triton"
-            and engine.RELATIVE_16BIT_LOGITS
-            and vocab_size >= engine.RELATIVE_MIN_VOCAB
-            and not self.label_smoothing
-        )
+        # "fp32_compensated"'s Triton GEMM may hand the chunk kernel 16-bit relative logits (the op's rule, for a
+        # loss without statistics: the mixin's training loss)
+        relative = engine.relative_16bit_logits(mode, vocab_size, self.label_smoothing, compute_stats=False)
         # the chunk's logits buffer (fp32 logits: their 16-bit gradient goes into its rows' second halves)
         logits_itemsize = 4 if wide and not relative else itemsize
         softmax_itemsize = softmax_dtype(compute_dtype).itemsize
@@ -224,9 +219,9 @@ class HeadMemoryModel:
         copies = 0  # made once per call
         partials = 0  # the relative path's LSE partials (max, sum per row and column tile) and target logits
         if relative:
-            from lightning_flce.kernels.compensated_gemm import launch_config
+            from lightning_flce.kernels.compensated_gemm import tile_lse_bytes
 
-            partials = rows * (-(-vocab_size // launch_config(self.device).block_n) * 8 + 4)
+            partials = tile_lse_bytes(rows, vocab_size, self.device, with_target_logit=True)
         if wide:
             copy_dtype = WideLogitsGemm.WEIGHT_COPY_DTYPES.get(mode)
             if copy_dtype is not None:  # the fallbacks' widened weight

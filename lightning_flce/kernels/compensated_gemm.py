@@ -591,6 +591,12 @@ def empty_tile_lse(
     )
 
 
+def tile_lse_bytes(rows: int, n: int, device: torch.device, with_target_logit: bool = False) -> int:
+    """The bytes of :func:`empty_tile_lse`'s buffers at :func:`launch_config`'s tiles (the memory model's)."""
+    tiles = triton.cdiv(n, launch_config(device).block_n)
+    return rows * (tiles * 2 * 4 + (4 if with_target_logit else 0))
+
+
 def kernel_constants(
     config: GemmConfig,
     has_bias: bool,
@@ -669,9 +675,6 @@ def compensated_logits_mm(
     tile_max, tile_sum = (tile_lse.max, tile_lse.sum_exp) if tile_lse is not None else (out, out)
     tile_row_stride = tile_max.stride(0)
     softcap = tile_lse.softcap if tile_lse is not None else 0.0
-    target_arg, target_logit = (
-        (target.contiguous(), tile_lse.target_logit) if target is not None else (out, out)
-    )
     if config.tma and tma_usable(x_c, weight):
         TensorDescriptor = _tensor_descriptor()  # noqa: N806  (the class)
         x_desc = TensorDescriptor.from_tensor(x_c, [config.block_m, config.block_k])
@@ -717,9 +720,8 @@ def compensated_logits_mm(
             EVEN_K=k % config.block_k == 0,
             **constants,
         )
-    if (
-        target is not None
-    ):  # its own small kernel: in the epilogue the column search cost the GEMM more (run90)
+    # The target logits in their own small kernel: in the epilogue the column search cost the GEMM more (run90).
+    if target is not None:
         target_logits(x_c, weight, target.contiguous(), bias, softcap, out=tile_lse.target_logit[:m])
     return out
 

@@ -280,13 +280,13 @@ def cross_entropy_chunk_triton(
     scale_stride = 1 if ce_scale.numel() > 1 else 0
     config = config or default_launch_config(vocab)
     block_v = config.block_v
-    if tile_lse is not None and logits.dtype != torch.float32:  # relative logits: whole tiles per block
+    relative = tile_lse is not None and logits.dtype != torch.float32
+    if relative:  # whole tiles per block
         block_v = max(block_v, tile_lse.block_n)
     extra = {} if config.num_stages is None else {"num_stages": config.num_stages}
     grad_out = logits if grad_out is None else grad_out
     assert grad_out.shape == logits.shape and grad_out.stride(1) == 1
     grad_in_row = is_gradient_in_logits_rows(logits, grad_out)  # raises for any other overlap
-    relative = tile_lse is not None and logits.dtype != torch.float32
     if tile_lse is not None:
         _check_tile_lse(tile_lse, n_rows, options, compute_stats, relative)
         tile_max, tile_sum = tile_lse.max, tile_lse.sum_exp
