@@ -10,36 +10,53 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 - the dW accumulation: ``accumulate.py``;
 - the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);
   FSDP2 helpers: ``fsdp.py``; PEFT LoRA heads: ``adapters.py``;
+- the loss inside the head module's own forward call (plain PyTorch, Fabric): :class:`FLCEHeadLoss` (``head.py``);
 - Lightning: :class:`FLCEMixin` (``mixin.py``, with ``normalization.py``, ``head_discovery.py``,
-  ``eval_metrics.py``; the loss inside the head's own forward: ``head.py``), :class:`FLCEMemoryCallback`
+  ``eval_metrics.py``), :class:`FLCEMemoryCallback`
   (``callbacks/``), models in ``models/``, data in ``data/``, the CLI in ``cli.py`` and its configs in ``configs/``.
 """
 
+from __future__ import annotations
+
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from lightning_flce.functional import (
     FLCEOutput,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
 )
+from lightning_flce.options import FLCEOptions
 
-# The Lightning pieces load on first use, so the op alone does not import lightning.
-_LAZY = {"FLCEMixin": "lightning_flce.mixin", "FLCEMemoryCallback": "lightning_flce.callbacks"}
+# The Lightning pieces (and the head loss, with its distributed imports) load on first use, so the op alone
+# does not import lightning. Static checkers read the imports below instead of ``__getattr__``.
+_LAZY = {
+    "FLCEHeadLoss": "lightning_flce.head",
+    "FLCEMemoryCallback": "lightning_flce.callbacks",
+    "FLCEMixin": "lightning_flce.mixin",
+}
+
+if TYPE_CHECKING:
+    from lightning_flce.callbacks import FLCEMemoryCallback
+    from lightning_flce.head import FLCEHeadLoss
+    from lightning_flce.mixin import FLCEMixin
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lightning_flce' has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
 __all__ = [
+    "FLCEHeadLoss",
     "FLCEMemoryCallback",
     "FLCEMixin",
+    "FLCEOptions",
     "FLCEOutput",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_with_stats",

@@ -14,6 +14,15 @@ def test_the_op_alone_does_not_import_lightning():
     assert out.strip() == "False"
 
 
+def test_head_loss_and_options_are_top_level_exports():
+    from lightning_flce.head import FLCEHeadLoss
+    from lightning_flce.options import FLCEOptions
+
+    assert lightning_flce.FLCEHeadLoss is FLCEHeadLoss
+    assert lightning_flce.FLCEOptions is FLCEOptions
+    assert {"FLCEHeadLoss", "FLCEOptions"} <= set(lightning_flce.__all__)
+
+
 def test_lightning_exports_resolve_lazily_and_by_class_path():
     from lightning_flce.callbacks.memory import FLCEMemoryCallback
     from lightning_flce.mixin import FLCEMixin
