@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from lightning_flce.kernels import backend_for, resolve_backend
 from lightning_flce.op import flce_forward, forward_args
-from lightning_flce.options import FLCEOptions, resolve_logits_precision, takes_options_of
+from lightning_flce.options import AccumDtype, FLCEOptions, resolve_logits_precision, takes_options_of
 from lightning_flce.outputs import FLCEOutput, shaped_like_target
 from lightning_flce.validation import check_inputs, class_indices
 
@@ -35,7 +34,7 @@ def fused_linear_cross_entropy(
     softcap: Optional[float] = None,
     token_weight: Optional[Tensor] = None,
     logits_precision: str = "input",
-    accum_dtype: Optional[torch.dtype] = None,
+    accum_dtype: AccumDtype = None,
     chunk_size: Optional[int] = None,
     impl: str = "auto",
 ) -> Tensor:
@@ -76,7 +75,8 @@ def fused_linear_cross_entropy(
             ulp of exact and the per-token loss within ~3e-6 of float64 (RL log-probabilities, KL terms
             where 1e-5 matters); its logits GEMM costs about 1.8x the fp32-output one.
             See ``docs/op.md``.
-        accum_dtype: dtype of the dW accumulator across chunks; the gradient is returned in the
+        accum_dtype: dtype of the dW accumulator across chunks, a ``torch.dtype`` or its name
+            (``"float32"``, ``"float64"``, ``"bfloat16"``, ``"float16"``); the gradient is returned in the
             weight's dtype either way. ``torch.float32``: always fp32. The weight's own dtype:
             accumulate in place in it (least memory; an fp16/bf16 dW then rounds once per chunk).
             None (default): one step wider than the GEMM operands where there is more than one chunk,

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_flce.adapters import is_peft_lora_head, lora_head_loss
+from lightning_flce.deprecation import accepts_renamed, renamed_property
 from lightning_flce.functional import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import softmax_dtype
 from lightning_flce.module_calls import forward_bound_to, has_call_hooks
-from lightning_flce.options import FLCEOptions
+from lightning_flce.options import AccumDtype, FLCEOptions
 from lightning_flce.outputs import FLCEOutput
 from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_cross_entropy_with_stats
 
@@ -45,16 +46,18 @@ class FLCEHeadLoss(nn.Module):
     embeddings without a separate head module). A :class:`~lightning_flce.parallel.VocabParallelHead`
     (the head sharded over V across a process group) is accepted too: the loss is then its vocab-parallel
     op (:meth:`~lightning_flce.parallel.VocabParallelHead.loss` / ``loss_with_stats``), still inside the
-    head's own call, on hidden states and labels that must be the same on every rank of the head's group;
+    head's own call, on hidden states and targets that must be the same on every rank of the head's group;
     ``last_logits_shape`` reports the full vocabulary. That op has no class weights and no naive path:
     ``naive=True`` raises ``NotImplementedError`` for such a head; ``impl`` picks its per-chunk softmax.
 
     Args:
         ignore_index: target value that does not contribute to the loss.
         label_smoothing: label smoothing of the cross-entropy, in ``[0, 1]``.
-        z_loss: coefficient of the z-loss ``z_loss * logsumexp(logits) ** 2`` added per token.
-        accum_fp32: accumulate the head weight gradient in at least float32 (``accum_dtype=torch.float32``;
-            an fp64 weight keeps its fp64 default); ``False`` keeps the op's default ``accum_dtype=None``.
+        lse_square_scale: coefficient of the z-loss ``lse_square_scale * logsumexp(logits) ** 2`` added per
+            token (PaLM uses 1e-4).
+        accum_dtype: dtype of the head weight gradient's accumulator over chunks: a ``torch.dtype`` or its
+            name (``"float32"``, ...), as the op's ``accum_dtype``, except that ``float32`` never narrows an fp64
+            weight's fp64 default; None (default) lets the op choose.
         chunk_size: tokens per chunk; ``None`` lets the op choose from its memory budget.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
         naive: compute the plain logits and ``F.cross_entropy`` instead (same result, [N, V] memory),
@@ -64,22 +67,25 @@ class FLCEHeadLoss(nn.Module):
             :func:`~lightning_flce.fused_linear_cross_entropy`).
 
     The options are kept as one :class:`~lightning_flce.options.FLCEOptions` record, ``self.options``
-    (:meth:`from_options` takes a record); the attributes of the same names read it.
+    (:meth:`from_options` takes a record); the attributes of the same names read it. The names are the op's
+    (``docs/options.md``); the old ``z_loss`` and ``accum_fp32`` (and ``labels=`` of :meth:`forward`) are
+    deprecated aliases that warn.
 
     Example::
 
         head_loss = FLCEHeadLoss(ignore_index=-100)
-        loss_sum = head_loss(model.lm_head, hidden, labels, reduction="sum")
+        loss_sum = head_loss(model.lm_head, hidden, target, reduction="sum")
 
     """
 
+    @accepts_renamed("z_loss", "accum_fp32")
     def __init__(
         self,
         *,
         ignore_index: int = -100,
         label_smoothing: float = 0.0,
-        z_loss: float = 0.0,
-        accum_fp32: bool = False,
+        lse_square_scale: float = 0.0,
+        accum_dtype: AccumDtype = None,
         chunk_size: Optional[int] = None,
         impl: str = "auto",
         naive: bool = False,
@@ -88,14 +94,13 @@ class FLCEHeadLoss(nn.Module):
     ) -> None:
         super().__init__()
         # validated once, by the options record (its errors name this module's arguments)
-        self.options = FLCEOptions.named(
-            {"lse_square_scale": "z_loss", "accum_dtype": "accum_fp32"},
+        self.options = FLCEOptions.of(
             ignore_index=ignore_index,
             label_smoothing=label_smoothing,
-            lse_square_scale=z_loss,
+            lse_square_scale=lse_square_scale,
             softcap=softcap,
             logits_precision=logits_precision,
-            accum_dtype=torch.float32 if accum_fp32 else None,
+            accum_dtype=accum_dtype,
             chunk_size=chunk_size,
             impl=impl,
         )
@@ -116,18 +121,22 @@ class FLCEHeadLoss(nn.Module):
     # read-only views of the record, under the names of the constructor's arguments
     ignore_index = property(lambda self: self.options.ignore_index)
     label_smoothing = property(lambda self: self.options.label_smoothing)
-    z_loss = property(lambda self: self.options.lse_square_scale)
-    accum_fp32 = property(lambda self: self.options.accum_dtype == torch.float32)
+    lse_square_scale = property(lambda self: self.options.lse_square_scale)
+    accum_dtype = property(lambda self: self.options.accum_dtype)
     chunk_size = property(lambda self: self.options.chunk_size)
     impl = property(lambda self: self.options.impl)
     softcap = property(lambda self: self.options.softcap)
     logits_precision = property(lambda self: self.options.logits_precision)
+    # deprecated names (one release)
+    z_loss = renamed_property("z_loss")
+    accum_fp32 = renamed_property("accum_fp32")
 
+    @accepts_renamed("labels")
     def forward(
         self,
         head: nn.Module,
         hidden: Tensor,
-        labels: Tensor,
+        target: Tensor,
         *,
         reduction: str = "mean",
         with_stats: bool = False,
@@ -136,13 +145,13 @@ class FLCEHeadLoss(nn.Module):
         softcap: Optional[float] = None,
         token_weight: Optional[Tensor] = None,
     ) -> Union[Tensor, FLCEOutput]:
-        """Loss of ``head`` on ``hidden`` [..., H] against ``labels`` [...].
+        """Loss of ``head`` on ``hidden`` [..., H] against ``target`` [...].
 
         Args:
             head: the LM head module (possibly wrapped by FSDP1 or PEFT's ``ModulesToSaveWrapper``; not by
                 activation checkpointing, which would recompute the plain forward in backward).
             hidden: final hidden states.
-            labels: integer targets with the leading shape of ``hidden``.
+            target: integer class indices with the leading shape of ``hidden`` (``labels=``: deprecated).
             reduction: ``"mean"``, ``"sum"`` or ``"none"``, as in ``F.cross_entropy``.
             with_stats: return ``FLCEOutput(loss, lse, correct, entropy)`` instead of the loss alone.
             regularized: apply label smoothing and z-loss; ``False`` gives the plain cross-entropy
@@ -151,19 +160,19 @@ class FLCEHeadLoss(nn.Module):
                 the hidden states and bias, so no scaled copy of the [V, H] weight is made.
             softcap: logits -> ``softcap * tanh(logits / softcap)``, after ``logit_scale``; None: the
                 ``softcap`` option.
-            token_weight: optional float weights of the labels' shape (no gradient): each token's loss (its
+            token_weight: optional float weights of the target's shape (no gradient): each token's loss (its
                 cross-entropy and z-loss term) is multiplied by its weight; ``"mean"`` still divides by the
                 number of non-ignored tokens.
 
         """
         if hidden.dim() < 2:
             raise ValueError(f"hidden must have shape [..., H], got {tuple(hidden.shape)}")
-        if labels.shape != hidden.shape[:-1]:
+        if target.shape != hidden.shape[:-1]:
             raise ValueError(
-                f"labels must have the leading shape of hidden {tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}"
+                f"target must have the leading shape of hidden {tuple(hidden.shape[:-1])}, got {tuple(target.shape)}"
             )
-        if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-            raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+        if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+            raise TypeError(f"target must be an integer tensor, got {target.dtype}")
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
         options = self.options.replace(reduction=reduction)
@@ -175,7 +184,7 @@ class FLCEHeadLoss(nn.Module):
             options = options.replace(token_weight=token_weight)
             # here, before any head call: the naive path has no op to check it (class weights: the op's or
             # F.cross_entropy's own check, against the vocabulary this call cannot see outside the head)
-            options.replace(class_weight=None).check_tensors(0, labels, hidden.device)
+            options.replace(class_weight=None).check_tensors(0, target, hidden.device)
 
         module = unwrap_head(head)
         _check_linear_head(module)
@@ -188,7 +197,7 @@ class FLCEHeadLoss(nn.Module):
             output = self._loss_of(
                 module,
                 head_input,
-                labels.long(),
+                target.long(),
                 options=options,
                 with_stats=with_stats,
                 logit_scale=logit_scale,
@@ -232,7 +241,7 @@ class FLCEHeadLoss(nn.Module):
         self,
         module: nn.Module,
         hidden: Tensor,
-        labels: Tensor,
+        target: Tensor,
         *,
         options: FLCEOptions,
         with_stats: bool,
@@ -240,7 +249,7 @@ class FLCEHeadLoss(nn.Module):
     ) -> Union[Tensor, FLCEOutput]:
         if isinstance(module, VocabParallelHead):
             return self._vocab_parallel_loss_of(
-                module, hidden, labels, options=options, with_stats=with_stats, logit_scale=logit_scale
+                module, hidden, target, options=options, with_stats=with_stats, logit_scale=logit_scale
             )
         if is_peft_lora_head(module):
             # a PEFT LoRA head: the loss of one linear map with the same logits (lightning_flce/adapters.py)
@@ -248,7 +257,7 @@ class FLCEHeadLoss(nn.Module):
                 module,
                 hidden,
                 lambda operands, h: self._loss_of(
-                    operands, h, labels, options=options, with_stats=with_stats, logit_scale=logit_scale
+                    operands, h, target, options=options, with_stats=with_stats, logit_scale=logit_scale
                 ),
             )
         weight = module.weight
@@ -262,15 +271,15 @@ class FLCEHeadLoss(nn.Module):
             bias = None if bias is None else bias * logit_scale
         self.last_logits_shape = (hidden.numel() // hidden.shape[-1], weight.shape[0])
         if self.naive:
-            return _plain_loss(hidden, weight, labels, bias, options=options, with_stats=with_stats)
+            return _plain_loss(hidden, weight, target, bias, options=options, with_stats=with_stats)
         op = fused_linear_cross_entropy_with_stats if with_stats else fused_linear_cross_entropy
-        return op(hidden, weight, labels, bias, **_for_weight(options, weight).as_kwargs())
+        return op(hidden, weight, target, bias, **_for_weight(options, weight).as_kwargs())
 
     def _vocab_parallel_loss_of(
         self,
         module: VocabParallelHead,
         hidden: Tensor,
-        labels: Tensor,
+        target: Tensor,
         *,
         options: FLCEOptions,
         with_stats: bool,
@@ -291,7 +300,7 @@ class FLCEHeadLoss(nn.Module):
                 output = vocab_parallel_fused_linear_cross_entropy_with_stats(
                     hidden,
                     module.weight,
-                    labels,
+                    target,
                     module.bias * logit_scale,
                     group=module.group,
                     vocab_start=module.vocab_start,
@@ -299,12 +308,12 @@ class FLCEHeadLoss(nn.Module):
                 )
                 return output if with_stats else output.loss
         if with_stats:
-            return module.loss_with_stats(hidden, labels, **options)
-        return module.loss(hidden, labels, **options)
+            return module.loss_with_stats(hidden, target, **options)
+        return module.loss(hidden, target, **options)
 
 
 def _for_weight(options: FLCEOptions, weight: Tensor) -> FLCEOptions:
-    # accum_fp32 widens, never narrows: an fp64 weight keeps the op's fp64 accumulator
+    # a float32 accumulator widens, never narrows: an fp64 weight keeps the op's fp64 accumulator
     if options.accum_dtype == torch.float32 and weight.dtype == torch.float64:
         return options.replace(accum_dtype=None)
     return options
@@ -391,7 +400,7 @@ def _unwrap_partial(function: Callable) -> Callable:
 def _plain_loss(
     hidden: Tensor,
     weight: Tensor,
-    labels: Tensor,
+    target: Tensor,
     bias: Optional[Tensor],
     *,
     options: FLCEOptions,
@@ -409,13 +418,13 @@ def _plain_loss(
     softcap = options.softcap
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    token_shape = labels.shape
-    labels = labels.flatten()
+    token_shape = target.shape
+    target = target.flatten()
     ignore_index = options.ignore_index
-    valid = labels != ignore_index
+    valid = target != ignore_index
     per_token = F.cross_entropy(
         logits,
-        labels,
+        target,
         weight=options.class_weight,
         ignore_index=ignore_index,
         reduction="none",
@@ -437,7 +446,7 @@ def _plain_loss(
         if options.class_weight is None:
             denominator = valid.sum().clamp(min=1)
         else:
-            denominator = (options.class_weight[torch.where(valid, labels, 0)] * valid).sum()
+            denominator = (options.class_weight[torch.where(valid, target, 0)] * valid).sum()
             denominator = torch.where(valid.any(), denominator, torch.ones_like(denominator))
         loss = per_token.sum() / denominator
     if not with_stats:
@@ -445,7 +454,7 @@ def _plain_loss(
     with torch.no_grad():
         probs = torch.softmax(logits, dim=-1)
         entropy = lse - (probs * logits).sum(-1)
-        correct = (logits.argmax(-1) == labels) & valid
+        correct = (logits.argmax(-1) == target) & valid
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         stats = (torch.where(valid, lse, zero), correct, torch.where(valid, entropy, zero))
         return FLCEOutput(loss, *(stat.view(token_shape) for stat in stats))

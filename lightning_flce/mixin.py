@@ -13,25 +13,19 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 
+from lightning_flce.deprecation import RENAMED, accepts_renamed
 from lightning_flce.eval_metrics import TokenMetrics
 from lightning_flce.fsdp import register_fsdp_step_methods
 from lightning_flce.head import FLCEHeadLoss, unwrap_head
 from lightning_flce.head_discovery import head_logits, resolve_head
 from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch, scale_gradients
-from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision
+from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.parallel import VocabParallelHead
 
 # the record's fields under the mixin's option names (its errors name what the user wrote)
-_OPTION_NAMES = {
-    "ignore_index": "flce_ignore_index",
-    "label_smoothing": "flce_label_smoothing",
-    "lse_square_scale": "flce_z_loss",
-    "softcap": "flce_softcap",
-    "logits_precision": "flce_logits_precision",
-    "accum_dtype": "flce_accum_fp32",
-    "chunk_size": "flce_chunk_size",
-    "impl": "flce_impl",
-}
+_OPTION_NAMES = {field: f"flce_{field}" for field in FLCEOptions.field_names()}
+# the deprecated flce_* names the mixin still takes (deprecation.RENAMED), renamed before __init__ runs
+_RENAMED_OPTIONS = ("z_loss", "accum_fp32")
 NARROW_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
@@ -40,6 +34,8 @@ def _check_no_unknown_flce_options(kwargs: dict, later_classes: tuple) -> None:
     keyword argument of an unrelated class: name it and the option it was likely meant to be. Names that a
     class after the mixin in the MRO takes (its own ``flce_`` argument) pass on to it."""
     known = [name for name in inspect.signature(FLCEMixin.__init__).parameters if name.startswith("flce_")]
+    # a misspelled deprecated name is suggested as the new one
+    aliases = {f"flce_{old}": f"flce_{RENAMED[old].new}" for old in _RENAMED_OPTIONS}
     taken_later = {
         name
         for cls in later_classes
@@ -48,8 +44,12 @@ def _check_no_unknown_flce_options(kwargs: dict, later_classes: tuple) -> None:
     }
     for name in kwargs:
         if name.startswith("flce_") and name not in taken_later:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; the options are {', '.join(known)}"
+            close = difflib.get_close_matches(name, [*known, *aliases], n=1, cutoff=0.75)
+            hint = (
+                f"; did you mean {aliases.get(close[0], close[0])!r}?"
+                if close
+                else f"; the options are {', '.join(known)}"
+            )
             raise TypeError(f"FLCEMixin got an unknown option {name!r}{hint}")
 
 
@@ -92,7 +92,7 @@ class FLCEMixin:
           init_args:
             d_model: 512
             flce_chunk_size: 4096
-            flce_z_loss: 1.0e-4
+            flce_lse_square_scale: 1.0e-4
             flce_normalize: step
 
     Args:
@@ -103,12 +103,14 @@ class FLCEMixin:
         flce_chunk_size: tokens per chunk; ``None`` lets the op choose from its memory budget.
         flce_ignore_index: label value that does not count.
         flce_label_smoothing: label smoothing of the training loss.
-        flce_z_loss: z-loss coefficient (``lse_square_scale``) of the training loss.
+        flce_lse_square_scale: z-loss coefficient (``lse_square_scale * logsumexp(logits) ** 2`` per token)
+            of the training loss.
         flce_softcap: logit soft-capping ``c * tanh(logits / c)``. For a Hugging Face head,
             ``config.final_logit_softcapping`` is used; setting a different value here is an error.
-        flce_accum_fp32: always accumulate the head weight gradient over chunks in float32
-            (``accum_dtype=torch.float32``); ``False`` keeps the op's default (one step wider than the
-            GEMM operands when there are several chunks, see :func:`~lightning_flce.fused_linear_cross_entropy`).
+        flce_accum_dtype: dtype of the head weight gradient's accumulator over chunks, a ``torch.dtype`` or
+            its name (``"float32"``, ``"float64"``, ...; ``accum_dtype`` of
+            :func:`~lightning_flce.fused_linear_cross_entropy`; ``"float32"`` never narrows an fp64 head);
+            None keeps the op's default (one step wider than the GEMM operands when there are several chunks).
         flce_logits_precision: ``"input"``, ``"fp32"``, ``"fp32_compensated"`` or ``"fp32_head"``: the
             precision of each chunk's logits (``logits_precision`` of
             :func:`~lightning_flce.fused_linear_cross_entropy`).
@@ -119,6 +121,9 @@ class FLCEMixin:
             optimizer step, across micro-batches (gradient accumulation) and data-parallel ranks.
             ``"micro_batch"``: the plain mean of each micro-batch (Lightning then averages micro-batches and
             ranks, so micro-batches with few tokens weigh as much as full ones).
+
+    The option names are the op's with the ``flce_`` prefix (``docs/options.md``); ``flce_z_loss`` and
+    ``flce_accum_fp32`` (``True``: ``flce_accum_dtype="float32"``) are deprecated aliases that warn.
 
     How ``"step"`` works: each micro-batch back-propagates the *sum* of its token losses over a divisor ``D``
     (1 unless the gradients are fp16, below), and the mixin counts its non-ignored tokens at the call and adds
@@ -215,6 +220,7 @@ class FLCEMixin:
 
     """
 
+    @accepts_renamed(*_RENAMED_OPTIONS, prefix="flce_")
     def __init__(
         self,
         *args: Any,
@@ -222,9 +228,9 @@ class FLCEMixin:
         flce_chunk_size: Optional[int] = None,
         flce_ignore_index: int = -100,
         flce_label_smoothing: float = 0.0,
-        flce_z_loss: float = 0.0,
+        flce_lse_square_scale: float = 0.0,
         flce_softcap: Optional[float] = None,
-        flce_accum_fp32: bool = False,
+        flce_accum_dtype: AccumDtype = None,
         flce_logits_precision: LogitsPrecision = "input",
         flce_impl: ImplName = "auto",
         flce_naive: bool = False,
@@ -241,10 +247,10 @@ class FLCEMixin:
             _OPTION_NAMES,
             ignore_index=flce_ignore_index,
             label_smoothing=flce_label_smoothing,
-            lse_square_scale=flce_z_loss,
+            lse_square_scale=flce_lse_square_scale,
             softcap=flce_softcap,
             logits_precision=flce_logits_precision,
-            accum_dtype=torch.float32 if flce_accum_fp32 else None,
+            accum_dtype=flce_accum_dtype,
             chunk_size=flce_chunk_size,
             impl=flce_impl,
         )
@@ -296,17 +302,19 @@ class FLCEMixin:
 
     # ------------------------------------------------------------------ loss
 
+    @accepts_renamed("labels")
     def flce_loss(
-        self, hidden: Tensor, labels: Tensor, *, shift: bool = False, token_weight: Optional[Tensor] = None
+        self, hidden: Tensor, target: Tensor, *, shift: bool = False, token_weight: Optional[Tensor] = None
     ) -> Tensor:
-        """LM loss of ``hidden`` [..., H] against ``labels`` [...], without the logits.
+        """LM loss of ``hidden`` [..., H] against ``target`` [...], without the logits.
 
         Args:
             hidden: final hidden states (after the last norm).
-            labels: target token ids, same leading shape as ``hidden``; ``flce_ignore_index`` is ignored.
-            shift: ``labels`` are the input ids (Hugging Face convention): position t is scored against
+            target: target token ids (the labels), same leading shape as ``hidden``; ``flce_ignore_index`` is
+                ignored. (``labels=``: deprecated.)
+            shift: ``target`` holds the input ids (Hugging Face convention): position t is scored against
                 label t + 1, the last position of each sequence is ignored.
-            token_weight: optional float weights of the labels' shape (no gradient; shifted with them when
+            token_weight: optional float weights of the target's shape (no gradient; shifted with it when
                 ``shift``): each token's loss (its cross-entropy with label smoothing, and its z-loss term) is
                 multiplied by its weight. The means stay over the non-ignored tokens, unweighted (so under
                 ``"step"`` the weighted token sum is divided by the step's token count).
@@ -317,24 +325,24 @@ class FLCEMixin:
             the gradients at the optimizer step (see the class docstring).
 
         """
-        if not isinstance(hidden, Tensor) or not isinstance(labels, Tensor):
+        if not isinstance(hidden, Tensor) or not isinstance(target, Tensor):
             raise TypeError(
-                f"flce_loss takes the final hidden states and the labels as tensors, got {type(hidden).__name__}"
-                f" and {type(labels).__name__} (a model output tuple? pass its hidden-state tensor)"
+                f"flce_loss takes the final hidden states and the target as tensors, got {type(hidden).__name__}"
+                f" and {type(target).__name__} (a model output tuple? pass its hidden-state tensor)"
             )
         if token_weight is not None:
             # checked before the shift, which would keep a wrong shape but hide whose shape it was
             if not isinstance(token_weight, Tensor):
                 raise TypeError(f"token_weight must be a tensor or None, got {type(token_weight).__name__}")
-            if token_weight.shape != labels.shape:
+            if token_weight.shape != target.shape:
                 raise ValueError(
-                    f"token_weight must have the labels' shape {tuple(labels.shape)}, got {tuple(token_weight.shape)}"
+                    f"token_weight must have the target's shape {tuple(target.shape)}, got {tuple(token_weight.shape)}"
                 )
-        if labels.dtype in NARROW_INT_DTYPES:  # ignore_index (-100) does not fit uint8, say
-            labels = labels.long()
+        if target.dtype in NARROW_INT_DTYPES:  # ignore_index (-100) does not fit uint8, say
+            target = target.long()
         if shift:
             # shift the labels rather than the hidden states: no copy of the [B, T, H] activations
-            labels = F.pad(labels[..., 1:], (0, 1), value=self.flce_ignore_index)
+            target = F.pad(target[..., 1:], (0, 1), value=self.flce_ignore_index)
             if token_weight is not None:
                 token_weight = F.pad(token_weight[..., 1:], (0, 1), value=0)
         stage = self._flce_stage()
@@ -343,7 +351,7 @@ class FLCEMixin:
         output = self.flce_head_loss(
             head.module,
             hidden,
-            labels,
+            target,
             reduction="sum",
             with_stats=evaluating,
             regularized=not evaluating,
@@ -352,7 +360,7 @@ class FLCEMixin:
             token_weight=token_weight,
         )
         loss_sum = output.loss if evaluating else output
-        num_tokens = (labels != self.flce_ignore_index).sum()
+        num_tokens = (target != self.flce_ignore_index).sum()
         num_logits = self.flce_head_loss.last_logits_shape
         self.flce_last_logits_shape = num_logits
         # the naive path builds the logits it reports: nothing avoided
@@ -369,7 +377,7 @@ class FLCEMixin:
                 self._flce_eval_stage = stage
             return loss_sum / num_tokens.clamp(min=1)
         if normalizer.needs_divisor:
-            normalizer.agree_first_divisor(labels.numel(), self._flce_mean_over_ranks(num_tokens.device))
+            normalizer.agree_first_divisor(target.numel(), self._flce_mean_over_ranks(num_tokens.device))
         normalizer.count(loss_sum, num_tokens)
         if not loss_sum.requires_grad:  # nothing to back-propagate: counted now
             normalizer.commit(self.trainer.global_step)

@@ -16,7 +16,7 @@ import functools
 import inspect
 import math
 import operator
-from typing import Callable, Literal, Mapping, NamedTuple, Optional
+from typing import Callable, Literal, Mapping, NamedTuple, Optional, Union, get_args
 
 import torch
 from torch import Tensor
@@ -37,6 +37,11 @@ WIDE_LOGITS_PRECISIONS = frozenset({"fp32", "fp32_compensated"})
 #: The types of the two for signatures that LightningCLI lists choices of (built from the tuples above).
 ImplName = Literal[IMPLS]
 LogitsPrecision = Literal[LOGITS_PRECISIONS]
+#: The dtype names ``accum_dtype`` takes besides a ``torch.dtype`` (so YAML and the CLI can set it).
+AccumDtypeName = Literal["float32", "float64", "bfloat16", "float16"]
+ACCUM_DTYPE_NAMES = get_args(AccumDtypeName)
+#: What ``accum_dtype`` takes: a dtype, its name, or None (the op chooses).
+AccumDtype = Union[torch.dtype, AccumDtypeName, None]
 
 
 class FLCEOptions(NamedTuple):
@@ -45,8 +50,9 @@ class FLCEOptions(NamedTuple):
     included). Build it with :meth:`of` (or :meth:`named`), which validate and normalize the values; the
     front ends do, and everything below reads the fields by name.
 
-    ``softcap=None`` is off; ``accum_dtype=None`` and ``chunk_size=None`` let the op choose. ``class_weight`` is
-    ``[V]``, ``token_weight`` the target's shape; both are float tensors that receive no gradient.
+    ``softcap=None`` is off; ``accum_dtype=None`` and ``chunk_size=None`` let the op choose; ``accum_dtype``
+    may be given by name (``"float32"``), the record holds the ``torch.dtype``. ``class_weight`` is ``[V]``,
+    ``token_weight`` the target's shape; both are float tensors that receive no gradient.
     """
 
     ignore_index: int = -100
@@ -69,8 +75,8 @@ class FLCEOptions(NamedTuple):
     @classmethod
     def named(cls, names: Mapping[str, str], **values) -> FLCEOptions:
         """The record from a front end whose arguments have other names (``names``: field -> the front end's
-        name, e.g. ``{"lse_square_scale": "z_loss"}``): an invalid value's error names the argument the user
-        passed."""
+        name, e.g. ``{"lse_square_scale": "flce_lse_square_scale"}``): an invalid value's error names the
+        argument the user passed."""
         return _validated(cls(**values), names)
 
     @classmethod
@@ -154,8 +160,7 @@ def _validated(options: FLCEOptions, names: Mapping[str, str]) -> FLCEOptions:
         raise ValueError(
             f"{name('logits_precision')} must be one of {LOGITS_PRECISIONS}, got {options.logits_precision!r}"
         )
-    if options.accum_dtype is not None and not isinstance(options.accum_dtype, torch.dtype):
-        raise TypeError(f"{name('accum_dtype')} must be a torch.dtype or None, got {options.accum_dtype!r}")
+    accum_dtype = _as_dtype(options.accum_dtype, name("accum_dtype"))
     chunk_size = options.chunk_size
     if chunk_size is not None:
         check_chunk_size(chunk_size, name("chunk_size"))
@@ -171,9 +176,25 @@ def _validated(options: FLCEOptions, names: Mapping[str, str]) -> FLCEOptions:
         "label_smoothing": float(options.label_smoothing),
         "lse_square_scale": float(options.lse_square_scale),
         "softcap": softcap,
+        "accum_dtype": accum_dtype,
         "chunk_size": chunk_size,
     }
     return type(options)(**{**_fields_of(options), **normalized})
+
+
+def _as_dtype(accum_dtype, name: str) -> Optional[torch.dtype]:
+    """``accum_dtype`` as a ``torch.dtype`` (or None): a name such as ``"float32"`` (or ``"torch.float32"``)
+    is looked up among :data:`ACCUM_DTYPE_NAMES`."""
+    if accum_dtype is None or isinstance(accum_dtype, torch.dtype):
+        return accum_dtype
+    if isinstance(accum_dtype, str):
+        short = accum_dtype[len("torch.") :] if accum_dtype.startswith("torch.") else accum_dtype
+        if short in ACCUM_DTYPE_NAMES:
+            return getattr(torch, short)
+        raise ValueError(
+            f"{name} must be a torch.dtype, one of {ACCUM_DTYPE_NAMES} or None, got {accum_dtype!r}"
+        )
+    raise TypeError(f"{name} must be a torch.dtype, one of {ACCUM_DTYPE_NAMES} or None, got {accum_dtype!r}")
 
 
 def _fields_of(options: FLCEOptions) -> dict:

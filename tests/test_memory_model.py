@@ -59,12 +59,18 @@ def _measured_peak_bytes(precision, naive, **loss_options):
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize(
-    "options", [{}, {"softcap": 30.0}, {"z_loss": 1e-4}, {"label_smoothing": 0.1}], ids=lambda o: str(o)
+    "options",
+    [{}, {"softcap": 30.0}, {"lse_square_scale": 1e-4}, {"label_smoothing": 0.1}],
+    ids=lambda o: str(o),
 )
 def test_unfused_head_peak_matches_allocations(precision, options):
     weight_dtype = PRECISIONS[precision][0]
     model = HeadMemoryModel(
-        precision, weight_dtype, H, softcap=options.get("softcap"), z_loss=options.get("z_loss", 0.0)
+        precision,
+        weight_dtype,
+        H,
+        softcap=options.get("softcap"),
+        lse_square_scale=options.get("lse_square_scale", 0.0),
     )
     expected = model.estimate(N, V).unfused_bytes
     measured = _measured_peak_bytes(precision, naive=True, **options)
@@ -128,8 +134,11 @@ def test_bytes_per_logit(precision, per_logit):
     copy = per_logit // 3  # one [N, V] tensor in the softmax dtype, per logit
     assert HeadMemoryModel(precision, weight_dtype).bytes_per_logit() == 3 * copy
     assert HeadMemoryModel(precision, weight_dtype, softcap=30.0).bytes_per_logit() == 4 * copy
-    assert HeadMemoryModel(precision, weight_dtype, z_loss=1e-4).bytes_per_logit() == 5 * copy
-    assert HeadMemoryModel(precision, weight_dtype, softcap=30.0, z_loss=1e-4).bytes_per_logit() == 6 * copy
+    assert HeadMemoryModel(precision, weight_dtype, lse_square_scale=1e-4).bytes_per_logit() == 5 * copy
+    assert (
+        HeadMemoryModel(precision, weight_dtype, softcap=30.0, lse_square_scale=1e-4).bytes_per_logit()
+        == 6 * copy
+    )
 
 
 def test_compute_dtype_follows_precision():

@@ -507,16 +507,18 @@ class FLCEMemoryCallback(Callback):
             impl = "triton" if weight_device.type == "cuda" and _TRITON_AVAILABLE else "torch"
         precision = getattr(trainer, "precision", "32-true")
         weight_dtype = weight.dtype if weight is not None else precision_weight_dtype(precision)
-        accum_fp32 = getattr(head_loss, "accum_fp32", False) and weight_dtype != torch.float64
+        accum_dtype = getattr(head_loss, "accum_dtype", None)
+        if accum_dtype == torch.float32 and weight_dtype == torch.float64:
+            accum_dtype = None  # the head loss's float32 never narrows an fp64 weight's accumulator
         return HeadMemoryModel(
             precision,
             weight_dtype,
             hidden_size=None if weight is None else weight.shape[1],
             softcap=getattr(pl_module, "flce_softcap", None),
-            z_loss=getattr(head_loss, "z_loss", 0.0),
+            lse_square_scale=getattr(head_loss, "lse_square_scale", 0.0),
             chunk_size=getattr(head_loss, "chunk_size", None),
             impl=impl,
-            accum="fp32" if accum_fp32 else "auto",
+            accum_dtype=accum_dtype,
             device=weight_device,
             logits_precision=getattr(head_loss, "logits_precision", "input"),
             label_smoothing=getattr(head_loss, "label_smoothing", 0.0),

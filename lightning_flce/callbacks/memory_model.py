@@ -40,7 +40,7 @@ import torch
 from lightning_flce import engine
 from lightning_flce.engine import WideLogitsGemm, chunk_rows, saved_grad_weight_dtype
 from lightning_flce.kernels import BACKENDS, LOW_PRECISION, backend_for, softmax_dtype
-from lightning_flce.options import WIDE_LOGITS_PRECISIONS, FLCEOptions, resolve_logits_precision
+from lightning_flce.options import WIDE_LOGITS_PRECISIONS, AccumDtype, FLCEOptions, resolve_logits_precision
 
 _MIB = 2**20
 # autocast's dtype for each mixed precision; the other precisions run the head in the weight's dtype
@@ -109,10 +109,11 @@ class HeadMemoryModel:
         hidden_size: the head's input size ``H``; ``None`` leaves the fused head's buffers out (the saving is
             then the unfused head's whole addition, an upper bound).
         softcap: the loss's logit softcap, if any.
-        z_loss: the loss's z-loss coefficient.
+        lse_square_scale: the loss's z-loss coefficient.
         chunk_size: the fused head's tokens per chunk; ``None`` for the op's default.
         impl: the op's ``impl`` resolved (``"triton"`` or ``"torch"``).
-        accum: the op's dW accumulation (``"auto"``, ``"fp32"``).
+        accum_dtype: the op's ``accum_dtype`` (a dtype or its name; None: the op's rule), as the loss's
+            :class:`~lightning_flce.head.FLCEHeadLoss` passes it for this weight.
         device: the head weight's device (the dW accumulator's dtype depends on the GPU).
         logits_precision: the op's ``logits_precision`` (fp32 chunk logits, twice the 16-bit ones, for
             ``"fp32"`` / ``"fp32_compensated"``, fp32 GEMMs for ``"fp32_head"``, and the weight copies their
@@ -128,10 +129,10 @@ class HeadMemoryModel:
         hidden_size: Optional[int] = None,
         *,
         softcap: Optional[float] = None,
-        z_loss: float = 0.0,
+        lse_square_scale: float = 0.0,
         chunk_size: Optional[int] = None,
         impl: str = "torch",
-        accum: str = "auto",
+        accum_dtype: AccumDtype = None,
         device: Optional[torch.device] = None,
         logits_precision: str = "input",
         label_smoothing: float = 0.0,
@@ -142,10 +143,10 @@ class HeadMemoryModel:
         self.weight_dtype = weight_dtype
         self.hidden_size = hidden_size
         self.softcap = softcap
-        self.z_loss = z_loss
+        self.lse_square_scale = lse_square_scale
         self.chunk_size = chunk_size
         self.impl = impl
-        self.accum = accum
+        self.accum_dtype = accum_dtype
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.compute_dtype = head_compute_dtype(precision, weight_dtype)
 
@@ -153,7 +154,7 @@ class HeadMemoryModel:
         copies = _UNFUSED_COPIES
         if self.softcap:
             copies += _UNFUSED_COPIES_SOFTCAP
-        if self.z_loss:
+        if self.lse_square_scale:
             copies += _UNFUSED_COPIES_Z_LOSS
         return copies * softmax_dtype(self.compute_dtype).itemsize
 
@@ -178,10 +179,10 @@ class HeadMemoryModel:
         )
 
     def _fused_bytes(self, num_tokens: int, vocab_size: int, hidden_size: int) -> tuple[int, int, int]:
-        accum_dtype = torch.float32 if self.accum == "fp32" else None
         # What runs, by the op's own rules: "fp32_head" is fp32 GEMMs with an fp32 accumulator
         options, compute_dtype = resolve_logits_precision(
-            FLCEOptions(logits_precision=self.logits_precision, accum_dtype=accum_dtype), self.compute_dtype
+            FLCEOptions.of(logits_precision=self.logits_precision, accum_dtype=self.accum_dtype),
+            self.compute_dtype,
         )
         itemsize = compute_dtype.itemsize
         backend = backend_for(BACKENDS[self.impl], compute_dtype)

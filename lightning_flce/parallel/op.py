@@ -61,7 +61,7 @@ from lightning_flce.kernels import (
     resolve_backend,
     softmax_dtype,
 )
-from lightning_flce.options import FLCEOptions, resolve_logits_precision, takes_options_of
+from lightning_flce.options import AccumDtype, FLCEOptions, resolve_logits_precision, takes_options_of
 from lightning_flce.outputs import FLCEOutput, shaped_like_target
 from lightning_flce.parallel.agreement import (
     agree,
@@ -95,7 +95,7 @@ def vocab_parallel_fused_linear_cross_entropy(
     token_weight: Optional[Tensor] = None,
     logits_precision: str = "input",
     chunk_size: Optional[int] = None,
-    accum_dtype: Optional[torch.dtype] = None,
+    accum_dtype: AccumDtype = None,
     class_weight: Optional[Tensor] = None,
     impl: str = "auto",
     sequence_parallel: bool = False,
