@@ -95,6 +95,8 @@ def accepts_renamed(*old_names: str, prefix: str = "") -> Callable[[F], F]:
                     kwargs[new] = renamed.to_new(kwargs.pop(old))
             return function(*args, **kwargs)
 
+        # the aliases it takes, old -> new (tests and docs/options.md are checked against it)
+        with_old_names.__renamed__ = {old: new for old, new, _ in renames}  # type: ignore[attr-defined]
         return with_old_names  # type: ignore[return-value]
 
     return decorate

@@ -4,6 +4,8 @@ ops' schemas are its declaration, and every option reaches the op by name."""
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +148,126 @@ def test_every_logits_precision_reaches_the_engine_from_every_front_end(precisio
     assert seen == [want] * len(losses)
     for name, loss in losses.items():
         assert torch.allclose(loss.double(), losses["op"].double(), rtol=1e-5, atol=0), name
+
+
+# ------------------------------------------------------------ one vocabulary across the front ends and the docs
+
+OPTIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "options.md"
+# the loss options a front end does not take, and why (a new option must be taken or added here on purpose)
+NOT_TAKEN = {
+    "`FLCEHeadLoss`": {"class_weight": "a tensor: FLCEHeadLoss.from_options takes a record with it"},
+    "`FLCEMixin`": {
+        "class_weight": "a tensor, not an __init__ option",
+        "reduction": "flce_normalize decides how the token losses are summed",
+    },
+}
+
+
+def _keyword_defaults(function) -> dict:
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+
+def _front_ends() -> dict:
+    """Each front end's column in docs/options.md -> {its option name: default}, from the signatures; and the
+    names each takes per call."""
+    from lightning_flce.head import FLCEHeadLoss
+    from lightning_flce.mixin import FLCEMixin
+
+    mixin_init = _keyword_defaults(FLCEMixin.__init__)
+    return {
+        "op": _keyword_defaults(fused_linear_cross_entropy),
+        "vocab-parallel op": _keyword_defaults(vocab_parallel_fused_linear_cross_entropy),
+        "`FLCEHeadLoss`": {
+            **_keyword_defaults(FLCEHeadLoss.__init__),
+            **_keyword_defaults(FLCEHeadLoss.forward),
+        },
+        "`FLCEMixin`": {
+            **{name: default for name, default in mixin_init.items() if name.startswith("flce_")},
+            **_keyword_defaults(FLCEMixin.flce_loss),
+        },
+    }
+
+
+def _names(cell: str) -> list:
+    """The option names of a front end's cell: its backticked words outside parentheses."""
+    return re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", cell))
+
+
+def _table(text: str) -> tuple:
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in text.splitlines()]
+    rows = [row for row in rows if len(row) > 1 and not set(row[0]) <= set("-")]
+    return rows[0], rows[1:]
+
+
+def _options_table() -> tuple:
+    text = OPTIONS_DOC.read_text()
+    options, deprecated = text.split("## Deprecated names")
+    header, rows = _table(options[options.index("| option") :])
+    return header, {_names(row[0])[0]: dict(zip(header, row)) for row in rows}, _table(deprecated)[1]
+
+
+def _as_documented(default) -> str:
+    return f'"{default}"' if isinstance(default, str) else repr(default)
+
+
+def test_options_doc_lists_every_option_of_every_front_end_with_its_default():
+    """docs/options.md's columns list exactly the keyword options the signatures take, each option under its
+    own row's name (``flce_``-prefixed in the mixin's constructor), with the signatures' default."""
+    header, rows, _ = _options_table()
+    front_ends = _front_ends()
+    assert list(front_ends) == header[3:]
+    from lightning_flce.mixin import FLCEMixin
+
+    mixin_calls = _keyword_defaults(FLCEMixin.flce_loss)
+    for column, taken in front_ends.items():
+        documented = [name for row in rows.values() for name in _names(row[column])]
+        assert set(documented) == set(taken), column
+        for option, row in rows.items():
+            for name in _names(row[column]):
+                canonical = option if column != "`FLCEMixin`" or name in mixin_calls else f"flce_{option}"
+                assert name == canonical, (column, option)
+                assert _names(row["default"]) == [_as_documented(taken[name])], (column, name)
+
+
+def test_every_front_end_takes_the_loss_options_under_their_names():
+    """Each FLCEOptions field is an option of the op, the vocab-parallel op, FLCEHeadLoss and (with its
+    ``flce_`` prefix, or per call) the mixin, under the field's name, unless NOT_TAKEN says why not; and the
+    docs' row of the field says so."""
+    _, rows, _ = _options_table()
+    from lightning_flce.mixin import FLCEMixin
+
+    mixin_calls = _keyword_defaults(FLCEMixin.flce_loss)
+    for column, taken in _front_ends().items():
+        excused = NOT_TAKEN.get(column, {})
+        assert set(excused) <= set(OPTION_NAMES), column
+        for field in OPTION_NAMES:
+            name = f"flce_{field}" if column == "`FLCEMixin`" and field not in mixin_calls else field
+            assert (name in taken) != (field in excused), (column, field)
+            documented = _names(rows[field][column])
+            expected = set() if field in excused else {name}
+            assert set(documented) == expected and (documented or field in excused), (column, field)
+
+
+def _aliases() -> dict:
+    """(front end, old name) -> new name, from the decorators of the functions that take old names."""
+    from lightning_flce.head import FLCEHeadLoss
+    from lightning_flce.mixin import FLCEMixin
+
+    functions = (FLCEHeadLoss.__init__, FLCEHeadLoss.forward, FLCEMixin.__init__, FLCEMixin.flce_loss)
+    return {
+        (function.__qualname__, old): new
+        for function in functions
+        for old, new in getattr(function, "__renamed__", {}).items()
+    }
+
+
+def test_options_doc_lists_every_deprecated_name():
+    from lightning_flce.deprecation import RENAMED
+
+    _, _, deprecated = _options_table()
+    documented = sorted((_names(row[0])[0], _names(row[1])[0]) for row in deprecated)
+    aliases = _aliases()
+    assert documented == sorted((old, new) for (_, old), new in aliases.items())
+    # every row of the table of old names is taken by some front end, under its own or the mixin's prefix
+    assert {old.removeprefix("flce_") for _, old in aliases} == set(RENAMED)

@@ -57,7 +57,7 @@ class TinyGPT(FLCEMixin, ThroughputFlops, pl.LightningModule):
           init_args:
             d_model: 128
             n_layers: 2
-            flce_z_loss: 1.0e-4
+            flce_lse_square_scale: 1.0e-4
 
     """
 
