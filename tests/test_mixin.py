@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_flce.head import FLCEHeadLoss
 from lightning_flce.mixin import FLCEMixin
 from lightning_flce.models.gpt import TinyGPT
+from lightning_flce.options import FLCEOptions
 
 VOCAB = 97
 SEQ = 12
@@ -78,7 +79,7 @@ class GradCapture(Callback):
         )
 
 
-def plain_loss(logits, labels, *, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean"):
+def plain_loss(logits, labels, *, label_smoothing=0.0, lse_square_scale=0.0, softcap=None, reduction="mean"):
     """The definition: cross-entropy of the (softcapped) logits plus z-loss, mean over non-ignored tokens."""
     logits = logits.reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1)
@@ -86,7 +87,7 @@ def plain_loss(logits, labels, *, label_smoothing=0.0, z_loss=0.0, softcap=None,
         logits = softcap * torch.tanh(logits / softcap)
     valid = labels != -100
     loss = F.cross_entropy(logits, labels, reduction="sum", label_smoothing=label_smoothing)
-    loss = loss + z_loss * (torch.logsumexp(logits, -1).square() * valid).sum()
+    loss = loss + lse_square_scale * (torch.logsumexp(logits, -1).square() * valid).sum()
     return loss / valid.sum() if reduction == "mean" else loss
 
 
@@ -128,11 +129,11 @@ def test_trainer_step_matches_plain_path(naive, tie_embeddings):
     "options",
     [
         {"flce_label_smoothing": 0.1},
-        {"flce_z_loss": 1e-3},
+        {"flce_lse_square_scale": 1e-3},
         {"flce_softcap": 2.0},
-        {"flce_label_smoothing": 0.05, "flce_z_loss": 1e-2, "flce_softcap": 3.0},
+        {"flce_label_smoothing": 0.05, "flce_lse_square_scale": 1e-2, "flce_softcap": 3.0},
     ],
-    ids=["smoothing", "z_loss", "softcap", "all"],
+    ids=["smoothing", "lse_square_scale", "softcap", "all"],
 )
 def test_loss_options_match_reference(options):
     # an untied head with unit-variance weights gives logits of a few units, where the softcap matters
@@ -141,7 +142,7 @@ def test_loss_options_match_reference(options):
     batch = make_batches(1, batch_size=3)[0]
     reference_options = {
         "label_smoothing": options.get("flce_label_smoothing", 0.0),
-        "z_loss": options.get("flce_z_loss", 0.0),
+        "lse_square_scale": options.get("flce_lse_square_scale", 0.0),
         "softcap": options.get("flce_softcap"),
     }
     expected_loss, expected_grads = reference_step(model, [batch], **reference_options)
@@ -544,19 +545,14 @@ def test_cli_lists_the_options_under_model_init_args():
         save_config_callback=None,
         args=["--model.width=4", "--model.flce_chunk_size=64", "--model.flce_normalize=micro_batch"],
     )
+    # the mixin's options: every FLCEOptions field that is an __init__ option (the others are given per call or
+    # decided by flce_normalize), prefixed, and the mixin's own; no deprecated name
+    per_call_or_normalized = {"reduction", "token_weight", "class_weight"}
     flce_options = {
-        "flce_head",
-        "flce_chunk_size",
-        "flce_ignore_index",
-        "flce_label_smoothing",
-        "flce_z_loss",
-        "flce_softcap",
-        "flce_accum_fp32",
-        "flce_impl",
-        "flce_naive",
-        "flce_normalize",
+        f"flce_{field}" for field in FLCEOptions.field_names() if field not in per_call_or_normalized
     }
-    assert flce_options <= set(cli.config["model"].keys())
+    flce_options |= {"flce_head", "flce_naive", "flce_normalize"}
+    assert flce_options == {name for name in list(cli.config["model"].keys()) if name.startswith("flce_")}
     assert cli.model.flce_head_loss.chunk_size == 64
     assert cli.model.flce_normalize == "micro_batch"
     assert cli.model.hparams["flce_chunk_size"] == 64
@@ -568,10 +564,17 @@ def test_cli_lists_the_options_under_model_init_args():
         subclass_mode_model=True,
         run=False,
         save_config_callback=None,
-        args=["--model=lightning_flce.models.TinyGPT", "--model.vocab_size=64", "--model.flce_z_loss=0.001"],
+        args=[
+            "--model=lightning_flce.models.TinyGPT",
+            "--model.vocab_size=64",
+            "--model.flce_lse_square_scale=0.001",
+            "--model.flce_accum_dtype=float32",
+        ],
     )
-    assert flce_options <= set(cli.config["model"]["init_args"].keys())
-    assert isinstance(cli.model, TinyGPT) and cli.model.flce_head_loss.z_loss == 0.001
+    init_args = cli.config["model"]["init_args"]
+    assert flce_options == {name for name in list(init_args.keys()) if name.startswith("flce_")}
+    assert isinstance(cli.model, TinyGPT) and cli.model.flce_head_loss.lse_square_scale == 0.001
+    assert cli.model.flce_options.accum_dtype is torch.float32
 
 
 @pytest.mark.parametrize(
@@ -580,9 +583,10 @@ def test_cli_lists_the_options_under_model_init_args():
         ({"flce_normalize": "batch"}, "flce_normalize"),
         ({"flce_softcap": 0.0}, "flce_softcap"),
         ({"flce_softcap": float("nan")}, "flce_softcap"),
-        ({"flce_z_loss": float("nan")}, "z_loss"),
+        ({"flce_lse_square_scale": float("nan")}, "flce_lse_square_scale"),
         ({"flce_label_smoothing": 1.5}, "label_smoothing"),
-        ({"flce_z_loss": -1.0}, "z_loss"),
+        ({"flce_lse_square_scale": -1.0}, "flce_lse_square_scale"),
+        ({"flce_accum_dtype": "fp32"}, "flce_accum_dtype"),
         ({"flce_chunk_size": 0}, "chunk_size"),
         ({"flce_chunk_size": 2.5}, "chunk_size"),
         ({"flce_impl": "cuda"}, "impl"),
@@ -607,8 +611,10 @@ def test_naive_and_fused_head_loss_agree_in_float64():
     labels[0, 0] = -100
     for reduction in ("mean", "none"):
         options = {"reduction": reduction, "softcap": 3.0}
-        naive = FLCEHeadLoss(naive=True, label_smoothing=0.1, z_loss=1e-3)(head, hidden, labels, **options)
-        fused = FLCEHeadLoss(label_smoothing=0.1, z_loss=1e-3)(head, hidden, labels, **options)
+        naive = FLCEHeadLoss(naive=True, label_smoothing=0.1, lse_square_scale=1e-3)(
+            head, hidden, labels, **options
+        )
+        fused = FLCEHeadLoss(label_smoothing=0.1, lse_square_scale=1e-3)(head, hidden, labels, **options)
         assert naive.dtype == fused.dtype == torch.float64 and naive.shape == fused.shape
         torch.testing.assert_close(naive, fused, rtol=1e-12, atol=1e-12)
 
@@ -630,11 +636,12 @@ def test_an_flce_option_of_a_later_base_class_passes_through():
         _MixinBeforeABaseWithAnFlceOption(flce_chunksize=3)
 
 
-def test_accum_fp32_never_narrows_an_fp64_head():
-    """accum_fp32 means "at least fp32": an fp64 head keeps its fp64 dW accumulation (1e-12 vs float64)."""
+def test_accum_dtype_float32_never_narrows_an_fp64_head():
+    """The head loss's accum_dtype=float32 means "at least fp32": an fp64 head keeps its fp64 dW accumulation
+    (1e-12 vs float64)."""
     head = nn.Linear(8, VOCAB, bias=False, dtype=torch.float64)
     hidden, labels = torch.randn(40, 8, dtype=torch.float64), torch.randint(0, VOCAB, (40,))
-    FLCEHeadLoss(accum_fp32=True, chunk_size=8)(head, hidden, labels).backward()
+    FLCEHeadLoss(accum_dtype=torch.float32, chunk_size=8)(head, hidden, labels).backward()
     got, head.weight.grad = head.weight.grad, None
     F.cross_entropy(head(hidden), labels).backward()
     torch.testing.assert_close(got, head.weight.grad, rtol=1e-12, atol=1e-14)
@@ -768,7 +775,13 @@ def test_overrides_that_skip_the_normalization_raise():
 
 @pytest.mark.parametrize(
     "option, value",
-    [("flce_z_loss", -1.0), ("flce_label_smoothing", 2.0), ("flce_chunk_size", 0), ("flce_impl", "cuda")],
+    [
+        ("flce_lse_square_scale", -1.0),
+        ("flce_label_smoothing", 2.0),
+        ("flce_chunk_size", 0),
+        ("flce_impl", "cuda"),
+        ("flce_accum_dtype", "int8"),
+    ],
 )
 def test_bad_options_are_named_as_the_user_wrote_them(option, value):
     with pytest.raises(ValueError, match=f"^{option} must"):

@@ -72,8 +72,31 @@ def test_impl_names_come_from_the_backend_registry():
 
 
 def test_named_errors_use_the_front_ends_names():
-    with pytest.raises(ValueError, match="z_loss must be finite"):
-        FLCEOptions.named({"lse_square_scale": "z_loss"}, lse_square_scale=-1.0)
+    with pytest.raises(ValueError, match="flce_lse_square_scale must be finite"):
+        FLCEOptions.named({"lse_square_scale": "flce_lse_square_scale"}, lse_square_scale=-1.0)
+    with pytest.raises(ValueError, match="flce_accum_dtype must be a torch.dtype, one of"):
+        FLCEOptions.named({"accum_dtype": "flce_accum_dtype"}, accum_dtype="fp32")
+
+
+@pytest.mark.parametrize("name", ["float32", "float64", "bfloat16", "float16", "torch.float32"])
+def test_accum_dtype_takes_a_dtype_name(name):
+    """YAML and the CLI set ``accum_dtype`` by name: the record holds the dtype, and the op computes what it
+    computes with the dtype itself."""
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert FLCEOptions.of(accum_dtype=name).accum_dtype is dtype
+    with pytest.raises(TypeError, match="accum_dtype must be a torch.dtype"):
+        FLCEOptions.of(accum_dtype=32)
+    if dtype in (torch.bfloat16, torch.float16):
+        return
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(20, 8, generator=gen, requires_grad=True)
+    target = torch.randint(0, 20, (12,), generator=gen)
+    grads = []
+    for accum_dtype in (name, dtype):
+        loss = fused_linear_cross_entropy(x, weight, target, accum_dtype=accum_dtype, chunk_size=4)
+        grads.append((loss, *torch.autograd.grad(loss, (x, weight))))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_record_normalizes_and_replace_revalidates():
