@@ -369,7 +369,7 @@ def test_a_token_weight_batch_key_is_shifted_with_the_labels(variant):
     assert loss.item() == pytest.approx(expected.item(), rel=FP32_TOL)
     expected_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     assert_grads_close({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, expected_grads)
-    with pytest.raises(ValueError, match="token_weight must have the labels' shape"):
+    with pytest.raises(ValueError, match="token_weight must have the target's shape"):
         model._loss({**batch, "token_weight": token_weight[:, 1:]})
 
 

@@ -31,7 +31,7 @@ def _quiet_lightning():
 
 
 def weighted_reference(
-    logits, labels, token_weight, *, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None
+    logits, labels, token_weight, *, reduction="mean", label_smoothing=0.0, lse_square_scale=0.0, softcap=None
 ):
     logits = logits.reshape(-1, logits.shape[-1]).double()
     labels, token_weight = labels.reshape(-1), token_weight.reshape(-1).double()
@@ -39,7 +39,7 @@ def weighted_reference(
         logits = softcap * torch.tanh(logits / softcap)
     valid = labels != -100
     per_token = F.cross_entropy(logits, labels, reduction="none", label_smoothing=label_smoothing)
-    per_token = (per_token + z_loss * torch.logsumexp(logits, -1).square() * valid) * token_weight
+    per_token = (per_token + lse_square_scale * torch.logsumexp(logits, -1).square() * valid) * token_weight
     if reduction == "none":
         return per_token
     return per_token.sum() / valid.sum() if reduction == "mean" else per_token.sum()
@@ -63,7 +63,7 @@ def test_head_loss_weights_every_summand(reduction, naive, logit_scale):
     head = nn.Linear(HIDDEN, VOCAB)
     hidden = torch.randn(3, SEQ, HIDDEN, requires_grad=True)
     labels, token_weight = weights_and_labels((3, SEQ))
-    options = {"label_smoothing": 0.1, "z_loss": 1e-2}
+    options = {"label_smoothing": 0.1, "lse_square_scale": 1e-2}
     head_loss = FLCEHeadLoss(**options, chunk_size=5, naive=naive, softcap=4.0)
     loss = head_loss(
         head, hidden, labels, reduction=reduction, logit_scale=logit_scale, token_weight=token_weight
@@ -78,7 +78,7 @@ def test_head_loss_weights_every_summand(reduction, naive, logit_scale):
         token_weight,
         reduction=reduction,
         label_smoothing=0.1,
-        z_loss=1e-2,
+        lse_square_scale=1e-2,
         softcap=4.0,
     )
     torch.testing.assert_close(loss.double().reshape(expected.shape), expected, **FP32)
@@ -104,7 +104,9 @@ def test_head_loss_weights_every_summand_on_cuda(reduction, dtype):
     labels, token_weight = weights_and_labels((4, 256))
     labels, token_weight = (labels % 1000).cuda(), token_weight.abs().cuda()
     labels[0, :5] = -100
-    head_loss = FLCEHeadLoss(label_smoothing=0.1, z_loss=1e-2, chunk_size=300, impl="triton", softcap=30.0)
+    head_loss = FLCEHeadLoss(
+        label_smoothing=0.1, lse_square_scale=1e-2, chunk_size=300, impl="triton", softcap=30.0
+    )
     loss = head_loss(head, hidden, labels, reduction=reduction, token_weight=token_weight)
     loss.backward()
     reference_head = copy.deepcopy(head).double()
@@ -115,7 +117,7 @@ def test_head_loss_weights_every_summand_on_cuda(reduction, dtype):
         token_weight,
         reduction=reduction,
         label_smoothing=0.1,
-        z_loss=1e-2,
+        lse_square_scale=1e-2,
         softcap=30.0,
     )
     expected.backward()
@@ -175,7 +177,7 @@ def test_mixin_step_mean_with_token_weights_over_accumulated_micro_batches(naive
     """One optimizer step over three micro-batches of different sizes (TinyGPT reads the batch key
     ``token_weight``): the gradient is that of the weighted token sum over the step's unweighted token count,
     and the logged train/loss its value."""
-    options = {"flce_label_smoothing": 0.1, "flce_z_loss": 1e-2, "flce_chunk_size": 7}
+    options = {"flce_label_smoothing": 0.1, "flce_lse_square_scale": 1e-2, "flce_chunk_size": 7}
     model = tiny_gpt(tie_embeddings=False, flce_naive=naive, **options)
     batches = weighted_batches()
     reference = copy.deepcopy(model).double()
@@ -197,7 +199,7 @@ def test_mixin_step_mean_with_token_weights_over_accumulated_micro_batches(naive
     logits = torch.cat([reference.lm_head(reference.hidden_states(b["input_ids"])) for b in batches], 0)
     labels = torch.cat([b["labels"] for b in batches])
     token_weight = torch.cat([b["token_weight"] for b in batches])
-    expected = weighted_reference(logits, labels, token_weight, label_smoothing=0.1, z_loss=1e-2)
+    expected = weighted_reference(logits, labels, token_weight, label_smoothing=0.1, lse_square_scale=1e-2)
     expected.backward()
     assert trainer.callback_metrics["train/loss_step"].item() == pytest.approx(expected.item(), rel=1e-5)
     (grads,) = capture.grads
@@ -220,12 +222,12 @@ def test_flce_loss_shifts_the_weights_with_the_labels():
 
 
 @pytest.mark.parametrize("shift", [False, True])
-def test_flce_loss_names_a_wrong_token_weight_against_the_labels(shift):
+def test_flce_loss_names_a_wrong_token_weight_against_the_target(shift):
     model = tiny_gpt()
     hidden = torch.randn(2, SEQ, HIDDEN)
     labels, token_weight = weights_and_labels((2, SEQ))
     labels = labels.clamp(min=0)
-    with pytest.raises(ValueError, match=r"token_weight must have the labels' shape \(2, 8\), got \(16,\)"):
+    with pytest.raises(ValueError, match=r"token_weight must have the target's shape \(2, 8\), got \(16,\)"):
         model.flce_loss(hidden, labels, shift=shift, token_weight=token_weight.flatten())
     with pytest.raises(TypeError, match="token_weight must be a tensor"):
         model.flce_loss(hidden, labels, shift=shift, token_weight=token_weight.tolist())
@@ -254,23 +256,25 @@ def test_logits_precision_option_reaches_the_op():
 
 
 def test_the_loss_options_are_one_record():
-    """FLCEHeadLoss and FLCEMixin carry one FLCEOptions record (copied and pickled with the module); the old
-    attribute names read it, and the mixin's options fill its fields."""
+    """FLCEHeadLoss and FLCEMixin carry one FLCEOptions record (copied and pickled with the module); the
+    attributes of the option names read it, and the mixin's options fill its fields."""
     head_loss = FLCEHeadLoss(
-        ignore_index=-1, label_smoothing=0.1, z_loss=1e-3, accum_fp32=True, chunk_size=64
+        ignore_index=-1, label_smoothing=0.1, lse_square_scale=1e-3, accum_dtype="float32", chunk_size=64
     )
     assert head_loss.options == FLCEOptions(
         ignore_index=-1, label_smoothing=0.1, lse_square_scale=1e-3, accum_dtype=torch.float32, chunk_size=64
     )
-    assert (head_loss.ignore_index, head_loss.label_smoothing, head_loss.z_loss) == (-1, 0.1, 1e-3)
-    assert head_loss.accum_fp32 and head_loss.chunk_size == 64 and head_loss.impl == "auto"
+    assert (head_loss.ignore_index, head_loss.label_smoothing, head_loss.lse_square_scale) == (-1, 0.1, 1e-3)
+    assert head_loss.accum_dtype is torch.float32 and head_loss.chunk_size == 64 and head_loss.impl == "auto"
     with pytest.raises(AttributeError):
-        head_loss.z_loss = 0.5  # read-only: the record is the one copy
+        head_loss.lse_square_scale = 0.5  # read-only: the record is the one copy
     assert FLCEHeadLoss.from_options(head_loss.options).options is head_loss.options
     with pytest.raises(TypeError, match="FLCEOptions record"):
         FLCEHeadLoss.from_options({"ignore_index": -1})
 
-    model = tiny_gpt(flce_z_loss=1e-3, flce_softcap=30.0, flce_logits_precision="fp32", flce_ignore_index=-1)
+    model = tiny_gpt(
+        flce_lse_square_scale=1e-3, flce_softcap=30.0, flce_logits_precision="fp32", flce_ignore_index=-1
+    )
     assert model.flce_options is model.flce_head_loss.options
     assert model.flce_options._replace(lse_square_scale=0.0, softcap=None, logits_precision="input") == (
         FLCEOptions(ignore_index=-1)

@@ -44,7 +44,12 @@ HIDDEN = 16
 SEQ = 6
 BATCH = 2
 FP32 = {"rtol": 1e-4, "atol": 1e-6}
-OPTIONS = {"flce_label_smoothing": 0.1, "flce_z_loss": 1e-3, "flce_softcap": 5.0, "flce_chunk_size": 5}
+OPTIONS = {
+    "flce_label_smoothing": 0.1,
+    "flce_lse_square_scale": 1e-3,
+    "flce_softcap": 5.0,
+    "flce_chunk_size": 5,
+}
 TIMEOUT_S = 90
 
 
