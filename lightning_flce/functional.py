@@ -7,13 +7,21 @@ resolved, and the custom op of :mod:`lightning_flce.op` runs.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from torch import Tensor
 
 from lightning_flce.kernels import backend_for, resolve_backend
 from lightning_flce.op import flce_forward, forward_args
-from lightning_flce.options import AccumDtype, FLCEOptions, resolve_logits_precision, takes_options_of
+from lightning_flce.options import (
+    AccumDtype,
+    FLCEOptions,
+    ImplName,
+    LogitsPrecision,
+    Reduction,
+    resolve_logits_precision,
+    takes_options_of,
+)
 from lightning_flce.outputs import FLCEOutput, shaped_like_target
 from lightning_flce.validation import check_inputs, class_indices
 
@@ -27,16 +35,16 @@ def fused_linear_cross_entropy(
     bias: Optional[Tensor] = None,
     *,
     ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     class_weight: Optional[Tensor] = None,
     lse_square_scale: float = 0.0,
     softcap: Optional[float] = None,
     token_weight: Optional[Tensor] = None,
-    logits_precision: str = "input",
+    logits_precision: LogitsPrecision = "input",
     accum_dtype: AccumDtype = None,
     chunk_size: Optional[int] = None,
-    impl: str = "auto",
+    impl: ImplName = "auto",
 ) -> Tensor:
     """Cross-entropy of ``input @ weight.T + bias`` against ``target``, without materializing the logits.
 
@@ -125,7 +133,7 @@ def fused_linear_cross_entropy(
 
 @takes_options_of(fused_linear_cross_entropy)
 def fused_linear_cross_entropy_with_stats(
-    input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, **kwargs
+    input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, **kwargs: Any
 ) -> FLCEOutput:
     """:func:`fused_linear_cross_entropy` plus per-token LSE, correctness and entropy (:class:`FLCEOutput`).
 

@@ -16,27 +16,41 @@ import functools
 import inspect
 import math
 import operator
-from typing import Callable, Literal, Mapping, NamedTuple, Optional, Union, get_args
+import sys
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, TypeVar, Union, get_args
 
 import torch
 from torch import Tensor
 
 from lightning_flce.kernels import BACKENDS, LOW_PRECISION
 
-REDUCTIONS = ("mean", "sum", "none")
+if sys.version_info >= (3, 10):
+    from typing import ParamSpec
+else:
+    from typing_extensions import ParamSpec
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# The string options' values, declared once as the ``Literal`` types of the public signatures (a type checker
+# then catches ``reduction="avg"``); the tuples the checks use are read from them.
+#: ``reduction``: a mean over the non-ignored tokens, their sum, or one loss per token.
+Reduction = Literal["mean", "sum", "none"]
+REDUCTIONS: tuple[str, ...] = get_args(Reduction)
+#: ``impl``: "auto" and the registered backends (``tests/test_options.py`` checks it lists exactly those).
+ImplName = Literal["auto", "triton", "torch"]
 #: Valid ``impl`` values: "auto" and the registered backends.
-IMPLS = ("auto", *BACKENDS)
+IMPLS: tuple[str, ...] = ("auto", *BACKENDS)
+#: ``logits_precision`` (see :func:`~lightning_flce.fused_linear_cross_entropy`).
+LogitsPrecision = Literal["input", "fp32", "fp32_head", "fp32_compensated"]
 #: Valid ``logits_precision`` values (see :class:`FLCEOptions`).
-LOGITS_PRECISIONS = ("input", "fp32", "fp32_head", "fp32_compensated")
+LOGITS_PRECISIONS: tuple[str, ...] = get_args(LogitsPrecision)
 #: The ``logits_precision`` values whose 16-bit GEMMs write each chunk's logits into an fp32 buffer (the chunk
 #: engine's wide-logits path: the default's rows, the logit gradient in the GEMMs' dtype in each fp32 row's
 #: second half, ``lightning_flce.kernels.gradient_in_logits_rows``).
 #: They differ only in the logits GEMM (``lightning_flce.engine.WideLogitsGemm``): "fp32" accumulates in the
 #: tensor cores' fp32, "fp32_compensated" compensates the sum over H.
 WIDE_LOGITS_PRECISIONS = frozenset({"fp32", "fp32_compensated"})
-#: The types of the two for signatures that LightningCLI lists choices of (built from the tuples above).
-ImplName = Literal[IMPLS]
-LogitsPrecision = Literal[LOGITS_PRECISIONS]
 #: The dtype names ``accum_dtype`` takes besides a ``torch.dtype`` (so YAML and the CLI can set it).
 AccumDtypeName = Literal["float32", "float64", "bfloat16", "float16"]
 ACCUM_DTYPE_NAMES = get_args(AccumDtypeName)
@@ -56,39 +70,39 @@ class FLCEOptions(NamedTuple):
     """
 
     ignore_index: int = -100
-    reduction: str = "mean"
+    reduction: Reduction = "mean"
     label_smoothing: float = 0.0
     class_weight: Optional[Tensor] = None
     lse_square_scale: float = 0.0
     softcap: Optional[float] = None
     token_weight: Optional[Tensor] = None
-    logits_precision: str = "input"
+    logits_precision: LogitsPrecision = "input"
     accum_dtype: Optional[torch.dtype] = None
     chunk_size: Optional[int] = None
-    impl: str = "auto"
+    impl: ImplName = "auto"
 
     @classmethod
-    def of(cls, **values) -> FLCEOptions:
+    def of(cls, **values: Any) -> FLCEOptions:
         """The validated record of ``values`` (the fields by name; the others keep their defaults)."""
         return _validated(cls(**values), {})
 
     @classmethod
-    def named(cls, names: Mapping[str, str], **values) -> FLCEOptions:
+    def named(cls, names: Mapping[str, str], **values: Any) -> FLCEOptions:
         """The record from a front end whose arguments have other names (``names``: field -> the front end's
         name, e.g. ``{"lse_square_scale": "flce_lse_square_scale"}``): an invalid value's error names the
         argument the user passed."""
         return _validated(cls(**values), names)
 
     @classmethod
-    def field_names(cls) -> tuple:
+    def field_names(cls) -> tuple[str, ...]:
         """The option names, in declaration order."""
         return cls._fields
 
-    def as_kwargs(self) -> dict:
+    def as_kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments of the public functions."""
         return _fields_of(self)
 
-    def replace(self, **changes) -> FLCEOptions:
+    def replace(self, **changes: Any) -> FLCEOptions:
         """A copy with ``changes`` (validated)."""
         return type(self).of(**{**_fields_of(self), **changes})
 
@@ -197,12 +211,12 @@ def _as_dtype(accum_dtype, name: str) -> Optional[torch.dtype]:
     raise TypeError(f"{name} must be a torch.dtype, one of {ACCUM_DTYPE_NAMES} or None, got {accum_dtype!r}")
 
 
-def _fields_of(options: FLCEOptions) -> dict:
+def _fields_of(options: FLCEOptions) -> dict[str, Any]:
     # not NamedTuple's _asdict/_replace: torch 2.4's dynamo does not trace into collections' helpers
     return {name: getattr(options, name) for name in FLCEOptions._fields}
 
 
-def check_chunk_size(chunk_size, name: str = "chunk_size") -> None:
+def check_chunk_size(chunk_size: Any, name: str = "chunk_size") -> None:
     """``chunk_size`` is None or a positive integer (of any integer type, as ``operator.index`` takes it)."""
     if chunk_size is None:
         return
@@ -214,16 +228,18 @@ def check_chunk_size(chunk_size, name: str = "chunk_size") -> None:
         raise ValueError(f"{name} must be a positive int (or None), got {chunk_size!r}")
 
 
-def takes_options_of(loss_function: Callable) -> Callable[[Callable], Callable]:
+def takes_options_of(loss_function: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[P, R]]:
     """Decorator of a ``*_with_stats`` function that forwards ``**kwargs`` to the op: it takes the keyword
-    options of ``loss_function``, which ``help()`` and ``inspect.signature`` then show, and a misspelled one
-    raises a ``TypeError`` that names the public function (not the internal one it forwards to)."""
+    options of ``loss_function``, which ``help()``, ``inspect.signature`` and type checkers (through the
+    ``ParamSpec``) then show with the decorated function's return type, and a misspelled one raises a
+    ``TypeError`` that names the public function (not the internal one it forwards to). The options stay
+    declared once, in ``loss_function``'s signature."""
     signature = inspect.signature(loss_function)
     options = {name for name, param in signature.parameters.items() if param.kind is param.KEYWORD_ONLY}
 
-    def decorate(function: Callable) -> Callable:
+    def decorate(function: Callable[..., R]) -> Callable[P, R]:
         @functools.wraps(function)
-        def checked(*args, **kwargs):
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
             unknown = [name for name in kwargs if name not in options]  # (torch 2.4's dynamo: no set ops)
             if unknown:
                 raise TypeError(
@@ -232,7 +248,9 @@ def takes_options_of(loss_function: Callable) -> Callable[[Callable], Callable]:
                 )
             return function(*args, **kwargs)
 
-        checked.__signature__ = signature.replace(return_annotation="FLCEOutput")
+        checked.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            return_annotation=inspect.signature(function).return_annotation
+        )
         return checked
 
     return decorate

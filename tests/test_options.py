@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from lightning_flce import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import BACKENDS
 from lightning_flce.op import BACKWARD_ARGS, FORWARD_ARGS, OPTION_ARG_NAMES, ForwardArgs
-from lightning_flce.options import IMPLS, LOGITS_PRECISIONS, OPTION_NAMES, FLCEOptions
+from lightning_flce.options import IMPLS, LOGITS_PRECISIONS, OPTION_NAMES, FLCEOptions, ImplName
 from lightning_flce.parallel import (
     vocab_parallel_fused_linear_cross_entropy,
     vocab_parallel_fused_linear_cross_entropy_with_stats,
@@ -42,6 +43,23 @@ def test_public_signatures_list_exactly_the_record_fields(function):
     assert options == set(OPTION_NAMES)
 
 
+@pytest.mark.parametrize(
+    ("op", "with_stats"),
+    [
+        (fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats),
+        (vocab_parallel_fused_linear_cross_entropy, vocab_parallel_fused_linear_cross_entropy_with_stats),
+    ],
+    ids=lambda f: f.__name__,
+)
+def test_with_stats_has_the_ops_parameters_and_returns_flce_output(op, with_stats):
+    # what help() shows; type checkers read the same through takes_options_of's ParamSpec
+    # (tests/typing/user_project.py checks what mypy infers)
+    op_signature, stats_signature = inspect.signature(op), inspect.signature(with_stats)
+    assert stats_signature.parameters == op_signature.parameters
+    assert op_signature.return_annotation == "Tensor"
+    assert stats_signature.return_annotation == "FLCEOutput"
+
+
 def test_public_defaults_are_the_record_defaults():
     defaults = FLCEOptions()
     for name, parameter in inspect.signature(fused_linear_cross_entropy).parameters.items():
@@ -67,6 +85,8 @@ def test_every_option_is_an_op_argument():
 
 def test_impl_names_come_from_the_backend_registry():
     assert ("auto", *BACKENDS) == IMPLS
+    # the static type of impl (a Literal, which cannot be built from the registry) lists the same names
+    assert get_args(ImplName) == IMPLS
     with pytest.raises(ValueError, match="impl must be one of"):
         FLCEOptions.of(impl="cuda")
 

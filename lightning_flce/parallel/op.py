@@ -35,7 +35,7 @@ graph-breaks around it).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,15 @@ from lightning_flce.kernels import (
     resolve_backend,
     softmax_dtype,
 )
-from lightning_flce.options import AccumDtype, FLCEOptions, resolve_logits_precision, takes_options_of
+from lightning_flce.options import (
+    AccumDtype,
+    FLCEOptions,
+    ImplName,
+    LogitsPrecision,
+    Reduction,
+    resolve_logits_precision,
+    takes_options_of,
+)
 from lightning_flce.outputs import FLCEOutput, shaped_like_target
 from lightning_flce.parallel.agreement import (
     agree,
@@ -88,16 +96,16 @@ def vocab_parallel_fused_linear_cross_entropy(
     group: Optional[dist.ProcessGroup] = None,
     vocab_start: Optional[int] = None,
     ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     lse_square_scale: float = 0.0,
     softcap: Optional[float] = None,
     token_weight: Optional[Tensor] = None,
-    logits_precision: str = "input",
+    logits_precision: LogitsPrecision = "input",
     chunk_size: Optional[int] = None,
     accum_dtype: AccumDtype = None,
     class_weight: Optional[Tensor] = None,
-    impl: str = "auto",
+    impl: ImplName = "auto",
     sequence_parallel: bool = False,
 ) -> Tensor:
     """:func:`~lightning_flce.fused_linear_cross_entropy` with the head weight sharded over V across ``group``.
@@ -163,7 +171,7 @@ def vocab_parallel_fused_linear_cross_entropy(
 
 @takes_options_of(vocab_parallel_fused_linear_cross_entropy)
 def vocab_parallel_fused_linear_cross_entropy_with_stats(
-    input: Tensor, weight_shard: Tensor, target: Tensor, bias_shard: Optional[Tensor] = None, **kwargs
+    input: Tensor, weight_shard: Tensor, target: Tensor, bias_shard: Optional[Tensor] = None, **kwargs: Any
 ) -> FLCEOutput:
     """:func:`vocab_parallel_fused_linear_cross_entropy` plus the per-token global LSE, ``argmax == target``
     (first maximum over the whole vocabulary on ties) and entropy, as
