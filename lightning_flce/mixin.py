@@ -3,7 +3,7 @@
 import difflib
 import functools
 import inspect
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ from lightning_flce.deprecation import RENAMED, accepts_renamed
 from lightning_flce.eval_metrics import TokenMetrics
 from lightning_flce.fsdp import register_fsdp_step_methods
 from lightning_flce.head import FLCEHeadLoss, unwrap_head
-from lightning_flce.head_discovery import head_logits, resolve_head
+from lightning_flce.head_discovery import HeadNotFoundError, head_logits, resolve_head
 from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch, scale_gradients
 from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.parallel import VocabParallelHead
@@ -61,7 +61,23 @@ class _NormalizeBeforeCallbacks(Callback):
             pl_module.flce_normalize_gradients()
 
 
-class FLCEMixin:
+_Module = TypeVar("_Module")
+
+
+class _ChecksHeadWhenBuilt(type):
+    """Checks ``flce_head`` once the module is built: the mixin's ``__init__`` runs before the subclass's
+    ``__init__`` creates the head, so the check runs when the outermost ``__init__`` has returned. (A wrapper
+    of ``__init__`` would hide the subclasses' arguments from ``save_hyperparameters``, which reads the frames
+    of the ``__init__`` chain.)"""
+
+    def __call__(cls: type[_Module], *args: Any, **kwargs: Any) -> _Module:
+        module = cast(_Module, type.__call__(cls, *args, **kwargs))
+        if isinstance(module, FLCEMixin):
+            module._flce_check_head_when_built()
+        return module
+
+
+class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
     r"""Computes the LM loss of a ``LightningModule`` from its final hidden states and its LM head with
     fused linear cross-entropy, so the [N, V] logits never exist in the training or validation loss.
 
@@ -518,12 +534,28 @@ class FLCEMixin:
             return "test"
         return None
 
-    def _flce_check_vocab_parallel_layout(self) -> None:
-        """Raises for the strategies that cannot train a vocab-parallel head (see the class docstring)."""
+    def _flce_check_head_when_built(self) -> None:
+        """Resolves the head as soon as the module is built, so a mistyped ``flce_head`` (with a close match),
+        a head that is not a module or a logit transform that cannot be applied fails at construction, not at
+        fit. A head that does not exist yet is checked at fit start instead: no ``flce_head`` and no head found,
+        an owner on the path that is still None, or a first attribute missing from a module that builds its
+        layers in ``configure_model`` or ``setup`` (unless a submodule's name is close to the path)."""
         try:
-            module = unwrap_head(resolve_head(self, self.flce_head, self.flce_softcap).module)
-        except (AttributeError, TypeError, ValueError):
-            return  # no usable head yet: flce_loss raises its own error when it is called
+            resolve_head(self, self.flce_head, self.flce_softcap)
+        except HeadNotFoundError as err:
+            owner_built_later = err.parent_missing or (
+                err.parent_path == "" and err.suggestion is None and _builds_layers_lazily(type(self))
+            )
+            if not owner_built_later:
+                raise
+        except AttributeError:
+            if self.flce_head is not None:
+                raise
+
+    def _flce_check_vocab_parallel_layout(self) -> None:
+        """Checks the head (its errors raise at fit start, after ``configure_model``) and raises for the
+        strategies that cannot train a vocab-parallel head (see the class docstring)."""
+        module = unwrap_head(resolve_head(self, self.flce_head, self.flce_softcap).module)
         if not isinstance(module, VocabParallelHead):
             return
         import torch.distributed as dist
@@ -647,6 +679,16 @@ class FLCEMixin:
             self.flce_last_eval_metrics = values
         where = "" if trainer is None else f" (epoch {trainer.current_epoch}, step {trainer.global_step})"
         rank_zero_info(f"FLCEMixin {prefix}{where}: {_summary(values)}")
+
+
+def _builds_layers_lazily(cls: type) -> bool:
+    """Whether a class of the module overrides Lightning's ``configure_model`` or ``setup`` (where layers may be
+    built after ``__init__``)."""
+    for hook in ("configure_model", "setup"):
+        owner = next((klass for klass in cls.__mro__ if hook in vars(klass)), None)
+        if owner is not None and not owner.__module__.startswith(("lightning.", "pytorch_lightning.")):
+            return True
+    return False
 
 
 def _summary(metrics: dict[str, float]) -> str:

@@ -344,22 +344,35 @@ def test_fp64_under_autocast_stays_fp64(autocast_dtype):
 
 
 def test_fp16_zero_gradient_bounds():
-    """fp16 sizes its gradient scales from bounds on the gradients; a zero bound (all-zero hidden states, or
-    every valid target weighted 0 under "mean") means zero gradients, not a division by zero."""
+    """fp16 sizes its gradient scales from bounds on the gradients; a zero bound is no division by zero.
+    All-zero hidden states bound dW by 0: dW is exactly 0, the loss and dX (not 0: (p - onehot) W) are the
+    float64 reference's. Every valid target weighted 0 under "mean": the loss and every gradient are exactly
+    0, the op's documented value for a zero total weight (F.cross_entropy's 0 / 0 is NaN; its numerator, the
+    "sum" loss, and that loss's gradients are exactly 0)."""
     x, weight, target, _, class_weight = make_problem(12, 8, 50)
-    cases = [
-        ({"reduction": "sum"}, torch.zeros_like(x)),
-        ({"class_weight": torch.zeros_like(class_weight)}, x),
-    ]
-    for kwargs, hidden in cases:
-        xg, wg = hidden.half().requires_grad_(), weight.half().requires_grad_()
-        loss = fused_linear_cross_entropy(xg, wg, target, **kwargs)
-        want = reference_loss(hidden, weight, target, **kwargs)
-        assert torch.isfinite(loss)
-        if torch.isfinite(want):  # F.cross_entropy gives NaN for a zero total weight; the op gives 0
-            assert relative_error(loss, want) < 1e-3
-        loss.backward()
-        assert torch.isfinite(xg.grad).all() and torch.isfinite(wg.grad).all()
+    xg, wg = torch.zeros_like(x).half().requires_grad_(), weight.half().requires_grad_()
+    loss, (dx, dw) = grads_of(lambda a, b: fused_linear_cross_entropy(a, b, target, reduction="sum"), xg, wg)
+    ref_loss, (ref_dx, ref_dw) = grads_of(
+        lambda a, b: reference_loss(a, b, target, reduction="sum"), xg.double(), wg.double()
+    )
+    assert torch.equal(dw, torch.zeros_like(dw)) and torch.equal(ref_dw, torch.zeros_like(ref_dw))
+    # logits of exactly 0 (the fp16 inputs are the reference's): the fp32 softmax's rounding
+    assert relative_error(loss, ref_loss) < FP32_TOL
+    # dX in fp16: the logit gradient and dX rounded to fp16 once each (half an fp16 epsilon each)
+    assert dx.dtype == torch.float16 and relative_error(dx, ref_dx) < torch.finfo(torch.float16).eps
+
+    zero = torch.zeros_like(class_weight)
+    xg = x.half().requires_grad_()
+    loss, grads = grads_of(lambda a, b: fused_linear_cross_entropy(a, b, target, class_weight=zero), xg, wg)
+    ref_sum, ref_grads = grads_of(
+        lambda a, b: reference_loss(a, b, target, class_weight=zero, reduction="sum"),
+        xg.double(),
+        wg.double(),
+    )
+    assert torch.isnan(reference_loss(x, weight, target, class_weight=zero))
+    assert loss.item() == 0.0 and ref_sum.item() == 0.0
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert torch.equal(grad, torch.zeros_like(grad)) and torch.equal(ref_grad, torch.zeros_like(ref_grad))
 
 
 def test_negative_class_weights_mean_matches_reference():
