@@ -100,7 +100,9 @@ def test_bad_tensors(overrides, error, match):
         ({"lse_square_scale": -1.0}, ValueError, "lse_square_scale"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
         ({"impl": "cuda"}, ValueError, "impl"),
-        ({"accum_dtype": "float32"}, TypeError, "accum_dtype"),
+        ({"accum_dtype": 32}, TypeError, "accum_dtype must be a torch.dtype"),
+        # a dtype's name is accepted (YAML); an unknown one names the choices
+        ({"accum_dtype": "fp32"}, ValueError, "accum_dtype must be a torch.dtype, one of"),
         ({"lse_square_scale": float("nan")}, ValueError, "lse_square_scale"),
         ({"lse_square_scale": float("inf")}, ValueError, "lse_square_scale"),
         ({"softcap": float("inf")}, ValueError, "softcap"),
