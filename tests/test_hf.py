@@ -204,6 +204,35 @@ def test_bad_arguments_raise():
         HFCausalLM(config=TINY)
 
 
+def test_a_model_without_an_lm_head_and_a_missing_path_are_named_plainly(tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoModel
+
+    decoder = AutoModel.from_config(AutoConfig.for_model(**{**TINY, "model_type": "llama"}))  # LlamaModel
+    with pytest.raises(ValueError, match="LlamaModel has no output embeddings .*e.g. LlamaForCausalLM"):
+        HFCausalLM(model=decoder)
+    with pytest.raises(
+        TypeError, match=r"a Hugging Face causal LM \(an \*ForCausalLM instance\), got Linear"
+    ):
+        HFCausalLM(model=torch.nn.Linear(2, 2))
+    monkeypatch.chdir(tmp_path)
+    for path in ("/nonexistent", str(tmp_path / "missing"), "./missing", "~/surely-missing-flce-model"):
+        with pytest.raises(FileNotFoundError, match=f"pretrained='{path}'.*no such file or directory"):
+            HFCausalLM(pretrained=path)
+
+
+def test_a_mistyped_flce_head_fails_when_built_with_a_suggestion():
+    config = {**TINY, "model_type": "llama"}
+    with pytest.raises(
+        AttributeError, match=r"flce_head='model.lm_haed'.*did you mean flce_head='model.lm_head'"
+    ):
+        HFCausalLM(config=config, flce_head="model.lm_haed")
+    with pytest.raises(
+        AttributeError, match=r"flce_head='modle.lm_head'.*did you mean flce_head='model.lm_head'"
+    ):
+        HFCausalLM(config=config, flce_head="modle.lm_head")
+    assert HFCausalLM(config=config, flce_head="model.lm_head").flce_head == "model.lm_head"
+
+
 def test_padded_vocabulary_matches_the_full_head():
     # resize_token_embeddings pads the head to 320 rows for a 300-token vocabulary: the extra rows take part
     # in the model's softmax, so they must take part in the fused loss too

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 litgpt = pytest.importorskip("litgpt")
 from litgpt.utils import chunked_cross_entropy  # noqa: E402
 
+from lightning_flce.mixin import FLCEMixin  # noqa: E402
 from lightning_flce.models import LitGPTCausalLM, litgpt_hidden_states  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "lightning_flce" / "configs"
@@ -134,6 +135,69 @@ def test_softcap_of_the_config_is_applied_and_a_different_one_refused():
         tiny_litgpt("softcap", flce_softcap=30.0)
     with pytest.raises(ValueError, match="final_logit_softcapping=None"):
         tiny_litgpt("untied", flce_softcap=30.0)
+
+
+class PlainMixinLM(FLCEMixin, L.LightningModule):
+    """A user's module around LitGPT's ``GPT``: the plain mixin, the hidden states computed by the user."""
+
+    def __init__(self, gpt, **kwargs):
+        super().__init__(flce_head="model.lm_head", **kwargs)
+        self.model = gpt
+
+    def training_step(self, batch, batch_idx):
+        return self.flce_loss(litgpt_hidden_states(self.model, batch["input_ids"]), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def float64_gpt(**config):
+    torch.manual_seed(0)
+    gpt = litgpt.GPT(litgpt.Config(**{**TINY, **config}))
+    gpt.apply(gpt._init_weights)
+    with torch.no_grad():
+        gpt.lm_head.weight.mul_(40.0)  # large logits: the softcap changes the loss a lot
+    return gpt.double()
+
+
+def test_the_plain_mixin_applies_a_litgpt_configs_softcap():
+    """The config's final_logit_softcapping is an owner's declaration like any other: applied through the plain
+    FLCEMixin as GPT.forward applies it (float64: LitGPT's own loss and gradients on its logits)."""
+    module = PlainMixinLM(float64_gpt(final_logit_softcapping=3.0))
+    batch = make_batch()
+    loss = module.training_step(batch, 0)
+    ref = copy.deepcopy(module.model)
+    ref_loss = litgpt_loss(ref, batch)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    with torch.no_grad():
+        hidden = litgpt_hidden_states(module.model, batch["input_ids"])
+        uncapped = torch.nn.functional.cross_entropy(
+            module.model.lm_head(hidden).flatten(0, 1), batch["labels"].flatten()
+        )
+        assert abs(loss.item() - uncapped.item()) > 1e-2  # what was silently lost before
+        torch.testing.assert_close(module.flce_logits(hidden), module.model(batch["input_ids"]))
+    loss.backward()
+    ref_loss.backward()
+    for (name, param), ref_param in zip(module.model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(param.grad, ref_param.grad, rtol=1e-10, atol=1e-13, msg=name)
+    # and through a Trainer in float64
+    module = PlainMixinLM(float64_gpt(final_logit_softcapping=3.0))
+    trainer = L.Trainer(
+        fast_dev_run=1, accelerator="cpu", precision="64-true", logger=False, enable_progress_bar=False
+    )
+    trainer.fit(module, DataLoader([batch], batch_size=None))
+    logged = trainer.callback_metrics["train/loss"]
+    assert logged.dtype == torch.float32  # Lightning keeps logged values in float32: its rounding only
+    assert logged.item() == pytest.approx(ref_loss.item(), rel=1e-7)
+
+
+def test_the_plain_mixin_refuses_a_softcap_option_the_litgpt_config_does_not_apply():
+    message = r"flce_softcap=5.0 differs from the model's config.final_logit_softcapping={} \(GPT.config"
+    with pytest.raises(ValueError, match=message.format("3.0")):
+        PlainMixinLM(float64_gpt(final_logit_softcapping=3.0), flce_softcap=5.0)
+    with pytest.raises(ValueError, match=message.format("None")):
+        PlainMixinLM(float64_gpt(), flce_softcap=5.0)
+    assert PlainMixinLM(float64_gpt(final_logit_softcapping=3.0), flce_softcap=3.0).flce_softcap == 3.0
 
 
 def test_hidden_states_are_the_head_input_and_the_head_is_restored():

@@ -658,12 +658,18 @@ def test_full_label_smoothing_is_accepted_like_the_op():
 
 def test_bad_head_and_labels_raise():
     batch = make_batches(1)[0]
-    model = HeadLM(flce_head="decoder.missing")
+    # flce_head is checked when the module is built (after the subclass's __init__ made the head)
+    with pytest.raises(AttributeError, match="'decoder.missing'.*did you mean flce_head='decoder.out'"):
+        HeadLM(flce_head="decoder.missing")
+    with pytest.raises(TypeError, match="nn.Module"):
+        HeadLM(flce_head="mix.weight")
+    # ... and at every call, for a head changed after the build
+    model = HeadLM(flce_head="decoder.out")
     hidden = model.hidden_states(batch["input_ids"])
+    model.flce_head = "decoder.missing"
     with pytest.raises(AttributeError, match="decoder.missing"):
         model.flce_loss(hidden, batch["labels"])
-
-    model = HeadLM(flce_head="mix.weight")
+    model.flce_head = "mix.weight"
     with pytest.raises(TypeError, match="nn.Module"):
         model.flce_loss(hidden, batch["labels"])
 

@@ -1,6 +1,7 @@
 """HFCausalLM: a Hugging Face causal LM trained with :class:`~lightning_flce.mixin.FLCEMixin`."""
 
 import inspect
+import os
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -127,11 +128,12 @@ class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
             )
         else:
             if model is None:
+                _check_pretrained_path(pretrained)
                 model = AutoModelForCausalLM.from_pretrained(
                     pretrained, **{"local_files_only": True, **(model_kwargs or {})}
                 )
             self.model = model
-            rows = self.model.get_output_embeddings().weight.shape[0]
+            rows = _lm_head(model).weight.shape[0]
             if vocab_size is not None and vocab_size > rows:
                 raise ValueError(f"vocab_size={vocab_size} exceeds the {rows} rows of the pretrained LM head")
         if compile_layers:
@@ -225,6 +227,39 @@ class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
             labels = labels.masked_fill(attention_mask == 0, self.flce_ignore_index)
         hidden = self.hidden_states(input_ids, attention_mask, **batch)  # position_ids, ...
         return self.flce_loss(hidden, labels, shift=True, token_weight=token_weight)
+
+
+def _check_pretrained_path(pretrained: Any) -> None:
+    """A ``pretrained`` that is written as a path (a separator, or a leading ``.`` or ``~``) must exist:
+    ``from_pretrained`` would otherwise take it for a Hub repo id and complain about its characters."""
+    path = os.fspath(pretrained) if isinstance(pretrained, (str, os.PathLike)) else None
+    if path is None:
+        return
+    looks_like_path = os.sep in path or "/" in path or path.startswith((".", "~"))
+    if looks_like_path and not os.path.exists(os.path.expanduser(path)):
+        raise FileNotFoundError(
+            f"HFCausalLM(pretrained={path!r}): no such file or directory; `pretrained` is a local directory"
+            " holding a model's config.json and weights (save_pretrained's output, or a downloaded snapshot)"
+        )
+
+
+def _lm_head(model: nn.Module) -> nn.Module:
+    """The output embeddings (LM head) of a Hugging Face causal LM, or a plain error for a model without one."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    if not callable(get_output_embeddings):
+        raise TypeError(
+            f"HFCausalLM(model=...) takes a Hugging Face causal LM (an *ForCausalLM instance), got"
+            f" {type(model).__name__}"
+        )
+    head = get_output_embeddings()
+    if head is None:
+        name = type(model).__name__
+        causal = f"{name[: -len('Model')]}ForCausalLM" if name.endswith("Model") else "the *ForCausalLM class"
+        raise ValueError(
+            f"{name} has no output embeddings (no LM head) for the loss: pass a causal LM with one, e.g."
+            f" {causal} (AutoModelForCausalLM.from_config / from_pretrained) instead of the bare decoder"
+        )
+    return head
 
 
 def compile_decoder_layers(model: nn.Module, **compile_kwargs: Any) -> int:
