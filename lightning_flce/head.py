@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Mapping
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Union, overload
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ from lightning_flce.deprecation import accepts_renamed, renamed_property
 from lightning_flce.functional import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import softmax_dtype
 from lightning_flce.module_calls import forward_bound_to, has_call_hooks
-from lightning_flce.options import AccumDtype, FLCEOptions
+from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision, Reduction
 from lightning_flce.outputs import FLCEOutput
 from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_cross_entropy_with_stats
 
@@ -87,10 +87,10 @@ class FLCEHeadLoss(nn.Module):
         lse_square_scale: float = 0.0,
         accum_dtype: AccumDtype = None,
         chunk_size: Optional[int] = None,
-        impl: str = "auto",
+        impl: ImplName = "auto",
         naive: bool = False,
         softcap: Optional[float] = None,
-        logits_precision: str = "input",
+        logits_precision: LogitsPrecision = "input",
     ) -> None:
         super().__init__()
         # validated once, by the options record (its errors name this module's arguments)
@@ -119,18 +119,85 @@ class FLCEHeadLoss(nn.Module):
         return head_loss
 
     # read-only views of the record, under the names of the constructor's arguments
-    ignore_index = property(lambda self: self.options.ignore_index)
-    label_smoothing = property(lambda self: self.options.label_smoothing)
-    lse_square_scale = property(lambda self: self.options.lse_square_scale)
-    accum_dtype = property(lambda self: self.options.accum_dtype)
-    chunk_size = property(lambda self: self.options.chunk_size)
-    impl = property(lambda self: self.options.impl)
-    softcap = property(lambda self: self.options.softcap)
-    logits_precision = property(lambda self: self.options.logits_precision)
+    @property
+    def ignore_index(self) -> int:
+        return self.options.ignore_index
+
+    @property
+    def label_smoothing(self) -> float:
+        return self.options.label_smoothing
+
+    @property
+    def lse_square_scale(self) -> float:
+        return self.options.lse_square_scale
+
+    @property
+    def accum_dtype(self) -> Optional[torch.dtype]:
+        return self.options.accum_dtype
+
+    @property
+    def chunk_size(self) -> Optional[int]:
+        return self.options.chunk_size
+
+    @property
+    def impl(self) -> ImplName:
+        return self.options.impl
+
+    @property
+    def softcap(self) -> Optional[float]:
+        return self.options.softcap
+
+    @property
+    def logits_precision(self) -> LogitsPrecision:
+        return self.options.logits_precision
+
     # deprecated names (one release)
     z_loss = renamed_property("z_loss")
     accum_fp32 = renamed_property("accum_fp32")
 
+    # The return type follows with_stats, for type checkers (one implementation below).
+    @overload
+    def forward(
+        self,
+        head: nn.Module,
+        hidden: Tensor,
+        target: Tensor,
+        *,
+        reduction: Reduction = ...,
+        with_stats: Literal[False] = ...,
+        regularized: bool = ...,
+        logit_scale: Optional[float] = ...,
+        softcap: Optional[float] = ...,
+        token_weight: Optional[Tensor] = ...,
+    ) -> Tensor: ...
+    @overload
+    def forward(
+        self,
+        head: nn.Module,
+        hidden: Tensor,
+        target: Tensor,
+        *,
+        reduction: Reduction = ...,
+        with_stats: Literal[True],
+        regularized: bool = ...,
+        logit_scale: Optional[float] = ...,
+        softcap: Optional[float] = ...,
+        token_weight: Optional[Tensor] = ...,
+    ) -> FLCEOutput: ...
+    @overload
+    def forward(
+        self,
+        head: nn.Module,
+        hidden: Tensor,
+        target: Tensor,
+        *,
+        reduction: Reduction = ...,
+        with_stats: bool,
+        regularized: bool = ...,
+        logit_scale: Optional[float] = ...,
+        softcap: Optional[float] = ...,
+        token_weight: Optional[Tensor] = ...,
+    ) -> Union[Tensor, FLCEOutput]: ...
     @accepts_renamed("labels")
     def forward(
         self,
@@ -138,7 +205,7 @@ class FLCEHeadLoss(nn.Module):
         hidden: Tensor,
         target: Tensor,
         *,
-        reduction: str = "mean",
+        reduction: Reduction = "mean",
         with_stats: bool = False,
         regularized: bool = True,
         logit_scale: Optional[float] = None,
@@ -218,6 +285,10 @@ class FLCEHeadLoss(nn.Module):
                 " was not computed; pass the module that holds the output weight as the head"
             )
         return FLCEOutput(*output) if with_stats else output
+
+    if TYPE_CHECKING:
+        # nn.Module's __call__ returns Any: type checkers read forward's overloads on head_loss(...) instead
+        __call__ = forward
 
     def _warn_about_output_hooks(self, *modules: nn.Module) -> None:
         # Forward hooks that are not torch's or DeepSpeed's own (sharding) ones may rewrite the head's output,
