@@ -127,8 +127,9 @@ def test_cpu_metrics_in_csv(tmp_path):
         assert float(row["memory/unfused_head_mib"]) == pytest.approx(UNFUSED_MIB, rel=1e-12)
         # so tiny a vocabulary saves nothing: the fused head's dW and chunk outweigh 12 bytes a logit
         assert float(row["memory/saved_by_fused_head_mib"]) == 0.0
-        assert float(row["memory/logits_avoided_mib"]) == 0.0
         assert not row.get("memory/peak_allocated_mib")
+    # the deprecated alias of saved_by_fused_head is gone from metrics.csv
+    assert "memory/logits_avoided_mib" not in rows[0]
     # the in-memory history holds what the logger got
     assert [row["step"] for row in callback.history] == [0, 1, 2, 3]
     for logged, kept in zip(rows, callback.history):
@@ -322,25 +323,25 @@ def test_plot_needs_matplotlib(monkeypatch):
 def test_summary_table(tmp_path):
     callback = FLCEMemoryCallback()
     callback.history = [
-        {"step": 0, "memory/peak_rss_mib": 10.0, "memory/logits_avoided_mib": 2.0},
-        {"step": 1, "memory/peak_rss_mib": 30.0, "memory/logits_avoided_mib": 2.0},
-        {"step": 2, "memory/peak_rss_mib": 14.0, "memory/logits_avoided_mib": 4.0},
+        {"step": 0, "memory/peak_rss_mib": 10.0, "memory/saved_by_fused_head_mib": 2.0},
+        {"step": 1, "memory/peak_rss_mib": 30.0, "memory/saved_by_fused_head_mib": 2.0},
+        {"step": 2, "memory/peak_rss_mib": 14.0, "memory/saved_by_fused_head_mib": 4.0},
     ]
     lines = callback.summary().splitlines()
     assert "3 logged steps" in lines[0]
     assert lines[2].split() == ["memory/peak_rss_mib", "30.0", "14.0"]
-    assert lines[3].split() == ["memory/logits_avoided_mib", "4.0", "2.0"]
+    assert lines[3].split() == ["memory/saved_by_fused_head_mib", "4.0", "2.0"]
 
 
 def test_summary_covers_metrics_that_appear_later():
     callback = FLCEMemoryCallback()
     callback.history = [
         {"step": 0, "memory/peak_rss_mib": 5.0},
-        {"step": 1, "memory/logits_avoided_mib": 3.0},
+        {"step": 1, "memory/saved_by_fused_head_mib": 3.0},
     ]
     assert [line.split()[0] for line in callback.summary().splitlines()[2:]] == [
         "memory/peak_rss_mib",
-        "memory/logits_avoided_mib",
+        "memory/saved_by_fused_head_mib",
     ]
 
 
@@ -414,6 +415,28 @@ def test_state_round_trip_and_old_checkpoints():
     old = FLCEMemoryCallback()
     old.load_state_dict({"history": callback.history})
     assert (old.history, old.validation_steps, old.peak_breakdown) == (callback.history, [], None)
+
+
+def test_old_checkpoints_with_the_deprecated_alias():
+    # earlier versions logged saved_by_fused_head twice, the second time as memory/logits_avoided_mib
+    rows = [
+        {"step": 0, "memory/peak_rss_mib": 10.0, "memory/saved_by_fused_head_mib": 2.0},
+        {"step": 1, "memory/peak_rss_mib": 12.0, "memory/saved_by_fused_head_mib": 3.0},
+    ]
+    old_rows = [{**row, "memory/logits_avoided_mib": row["memory/saved_by_fused_head_mib"]} for row in rows]
+    old_rows.append({"step": 2, "memory/peak_rss_mib": 11.0, "memory/logits_avoided_mib": 5.0})  # alias only
+    state = pickle.loads(pickle.dumps({"history": old_rows, "validation_steps": [1]}))
+    callback = FLCEMemoryCallback()
+    callback.load_state_dict(state)
+    assert callback.history == [
+        *rows,
+        {"step": 2, "memory/peak_rss_mib": 11.0, "memory/saved_by_fused_head_mib": 5.0},
+    ]
+    assert callback.validation_steps == [1]
+    names = [line.split()[0] for line in callback.summary().splitlines()[2:]]
+    assert names == ["memory/peak_rss_mib", "memory/saved_by_fused_head_mib"]
+    assert "logits_avoided" not in callback.summary()
+    assert state["history"] == old_rows  # the checkpoint's own data is left as it was
 
 
 def test_validation_steps_and_history_continue_after_resume(tmp_path):
@@ -514,7 +537,6 @@ def test_cuda_branch_mocked(tmp_path, cuda_mocks):
         mock.call.log_dict(
             {
                 "memory/allocated_mib": 100.0,
-                "memory/logits_avoided_mib": TOKENS * VOCAB * 12 / MIB,
                 "memory/peak_allocated_mib": 300.0,
                 "memory/peak_reserved_mib": 512.0,
                 "memory/saved_by_fused_head_mib": TOKENS * VOCAB * 12 / MIB,
@@ -635,8 +657,8 @@ def test_memory_breakdown_needs_cuda():
 
 def test_cuda_metrics_max_over_ranks(tmp_path, cuda_mocks):
     callback = FLCEMemoryCallback()
-    # sorted names: allocated, logits_avoided, peak_allocated, peak_reserved, saved_by_fused_head, unfused_head
-    other_rank = torch.tensor([0.0, 4.0, 999.0, 1.0, 4.0, 5.0], dtype=torch.float64)
+    # sorted names: allocated, peak_allocated, peak_reserved, saved_by_fused_head, unfused_head
+    other_rank = torch.tensor([0.0, 999.0, 1.0, 4.0, 5.0], dtype=torch.float64)
 
     def reduce(tensor, reduce_op):
         assert reduce_op == "max"
@@ -652,7 +674,6 @@ def test_cuda_metrics_max_over_ranks(tmp_path, cuda_mocks):
         {
             "step": 0,
             "memory/allocated_mib": 100.0,
-            "memory/logits_avoided_mib": 4.0,
             "memory/peak_allocated_mib": 999.0,
             "memory/peak_reserved_mib": 512.0,
             "memory/saved_by_fused_head_mib": 4.0,

@@ -54,8 +54,9 @@ PEAK_RSS = "memory/peak_rss_mib"
 RSS = "memory/rss_mib"
 UNFUSED_HEAD = "memory/unfused_head_mib"
 SAVED_BY_FUSED_HEAD = "memory/saved_by_fused_head_mib"
-#: Deprecated alias of :data:`SAVED_BY_FUSED_HEAD` (same value), logged for one more release.
-LOGITS_AVOIDED = "memory/logits_avoided_mib"
+# The deprecated alias of SAVED_BY_FUSED_HEAD (logged with the same value by earlier versions): no longer
+# logged, and dropped from the history of checkpoints that hold it
+_LEGACY_LOGITS_AVOIDED = "memory/logits_avoided_mib"
 # the progress bar's short figures, in GiB (the bar shows `peak_GiB=2.56`, not a truncated MiB key)
 PROG_BAR_PEAK = "peak_GiB"
 PROG_BAR_PEAK_RSS = "peak_rss_GiB"
@@ -100,9 +101,7 @@ class FLCEMemoryCallback(Callback):
           of logits, the hidden states' and the weight's gradients): the expected difference between the
           peaks of a naive and a fused run. 0 with ``flce_naive=True``. The buffers need the head's hidden
           size, read from the module's ``[V, H]`` parameter; without one the saving is the whole unfused
-          figure (an upper bound).
-        - ``memory/logits_avoided_mib`` — deprecated alias of ``memory/saved_by_fused_head_mib`` (the same
-          value), logged for one more release. It used to be ``N * V * 4``, a third of the real saving.
+          figure (an upper bound). Its deprecated alias ``memory/logits_avoided_mib`` is no longer logged.
 
       The precision is ``trainer.precision``; a module that reports only ``flce_last_logits_bytes`` gets
       that number for both. With gradient accumulation the figures are the last micro-batch's.
@@ -371,7 +370,7 @@ class FLCEMemoryCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # checkpoints written before 0.2 hold only the history
-        self.history = [dict(row) for row in state_dict.get("history", [])]
+        self.history = [_without_legacy_names(row) for row in state_dict.get("history", [])]
         self.validation_steps = list(state_dict.get("validation_steps", []))
         breakdown = state_dict.get("peak_breakdown")
         self.peak_breakdown = None if breakdown is None else MemoryBreakdown.from_dict(breakdown)
@@ -445,7 +444,6 @@ class FLCEMemoryCallback(Callback):
         estimate, unfused, saved = self._head_figures(trainer, pl_module)
         measured[UNFUSED_HEAD] = unfused
         measured[SAVED_BY_FUSED_HEAD] = saved
-        measured[LOGITS_AVOIDED] = saved
 
         metrics = self._max_across_ranks(trainer, pl_module, measured)
         if metrics:
@@ -561,6 +559,15 @@ class FLCEMemoryCallback(Callback):
         self._allocator_history.dump(path)
         self.snapshot_paths.append(path)
         return path
+
+
+def _without_legacy_names(row: dict[str, float]) -> dict[str, float]:
+    """A history row of an older checkpoint without the deprecated alias (its value under the current name)."""
+    row = dict(row)
+    legacy = row.pop(_LEGACY_LOGITS_AVOIDED, None)
+    if legacy is not None:
+        row.setdefault(SAVED_BY_FUSED_HEAD, legacy)
+    return row
 
 
 def _logits_shape(pl_module: pl.LightningModule) -> Optional[tuple[int, int]]:
