@@ -21,25 +21,31 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_flce.functional import (
-    FLCEOutput,
-    fused_linear_cross_entropy,
-    fused_linear_cross_entropy_with_stats,
-)
-from lightning_flce.options import FLCEOptions
+from lightning_flce._version import __version__ as __version__
 
-# The Lightning pieces (and the head loss, with its distributed imports) load on first use, so the op alone
-# does not import lightning. Static checkers read the imports below instead of ``__getattr__``.
+# Every export loads on first use: the op does not import lightning, and `import lightning_flce` (which
+# `lightning-flce --version` and `configs` run) does not import torch. Static checkers read the imports below
+# instead of ``__getattr__``.
 _LAZY = {
     "FLCEHeadLoss": "lightning_flce.head",
     "FLCEMemoryCallback": "lightning_flce.callbacks",
     "FLCEMixin": "lightning_flce.mixin",
+    "FLCEOptions": "lightning_flce.options",
+    "FLCEOutput": "lightning_flce.functional",
+    "fused_linear_cross_entropy": "lightning_flce.functional",
+    "fused_linear_cross_entropy_with_stats": "lightning_flce.functional",
 }
 
 if TYPE_CHECKING:
     from lightning_flce.callbacks import FLCEMemoryCallback
+    from lightning_flce.functional import (
+        FLCEOutput,
+        fused_linear_cross_entropy,
+        fused_linear_cross_entropy_with_stats,
+    )
     from lightning_flce.head import FLCEHeadLoss
     from lightning_flce.mixin import FLCEMixin
+    from lightning_flce.options import FLCEOptions
 
 
 def __getattr__(name: str) -> Any:
@@ -61,5 +67,3 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_with_stats",
 ]
-
-__version__ = "0.1.0"
