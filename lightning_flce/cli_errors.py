@@ -92,6 +92,17 @@ def _option_names(parser: Any, prefix: str = "") -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _parsers(parser: Any) -> list[Any]:
+    """``parser`` and its subcommands' parsers (a YAML key's error can be reported by the top-level parser)."""
+    if parser is None:
+        return []
+    found = [parser]
+    for action in getattr(parser, "_actions", []):
+        if isinstance(getattr(action, "choices", None), dict):
+            found += [p for p in action.choices.values() if hasattr(p, "_actions")]
+    return found
+
+
 def _describe_type(type_text: str) -> tuple[str, list[str]]:
     """``("one of 'a', 'b'", ["a", "b"])`` for a Literal, else a readable type name and no choices."""
     literal = _LITERAL.match(type_text.strip())
@@ -125,7 +136,9 @@ def describe_parse_error(message: str, subcommand_parser: Any = None, prog: str 
     group_not_accepted = _GROUP_NOT_ACCEPTED.search(message)
     if group_not_accepted:
         group, key = group_not_accepted.group("group"), group_not_accepted.group("key")
-        accepted = _option_names(subcommand_parser, group + ".") if subcommand_parser is not None else []
+        accepted = [
+            name for parser in _parsers(subcommand_parser) for name in _option_names(parser, group + ".")
+        ]
         return f"{group}.{key}: {group} has no option {key!r}" + did_you_mean(key, accepted)
     unrecognized = _UNRECOGNIZED.search(message)
     if unrecognized:

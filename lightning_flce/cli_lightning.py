@@ -180,7 +180,7 @@ def _user_vocab_size(config: Any) -> Optional[int]:
     module_name, _, class_name = str(class_path).rpartition(".")
     try:
         model_class = getattr(importlib.import_module(module_name), class_name)
-        default = inspect.signature(model_class).parameters["vocab_size"].default
+        default = inspect.signature(model_class.__init__).parameters["vocab_size"].default
     except (ImportError, AttributeError, KeyError, TypeError, ValueError):
         return None
     return None if value == default else int(value)

@@ -98,7 +98,10 @@ def resolve_head(root: nn.Module, head_path: Optional[str], softcap: Optional[fl
         hf_model = find_hf_model(root)
         owners = [("", root)]
         if hf_model is not None:
-            head = hf_model.get_output_embeddings()
+            get_output_embeddings: Any = (
+                hf_model.get_output_embeddings
+            )  # a method nn.Module's types do not know
+            head = get_output_embeddings()
             if head is None:
                 raise AttributeError(
                     f"{type(hf_model).__name__}.get_output_embeddings() returned None (a model without an LM head);"

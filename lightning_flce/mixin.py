@@ -115,14 +115,19 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
         flce_head: attribute path of the head module from the LightningModule, e.g. ``"lm_head"`` or
             ``"model.lm_head"``. ``None``: ``get_output_embeddings()`` of the Hugging Face model that is the
             module itself or its only direct child that is one, else ``"lm_head"``. The head is looked up at every
-            call (never by parameter name), so tied, resized or PEFT-wrapped heads are found as they are.
+            call (never by parameter name), so tied, resized or PEFT-wrapped heads are found as they are. It is
+            checked when the module is built (a typo raises with the closest submodule path), or at fit start
+            for a head built in ``configure_model``.
         flce_chunk_size: tokens per chunk; ``None`` lets the op choose from its memory budget.
         flce_ignore_index: label value that does not count.
         flce_label_smoothing: label smoothing of the training loss.
         flce_lse_square_scale: z-loss coefficient (``lse_square_scale * logsumexp(logits) ** 2`` per token)
             of the training loss.
-        flce_softcap: logit soft-capping ``c * tanh(logits / c)``. For a Hugging Face head,
-            ``config.final_logit_softcapping`` is used; setting a different value here is an error.
+        flce_softcap: logit soft-capping ``c * tanh(logits / c)``. The modules on the path to the head (a
+            Hugging Face or LitGPT model, or any module with a ``config``) decide their logit transforms
+            themselves: their ``final_logit_softcapping`` (and ``logit_scale``, ``logits_scaling``, ... of
+            :data:`~lightning_flce.head_discovery.LOGIT_TRANSFORMS`) is applied to the loss, a transform the
+            mixin cannot apply (a tensor scale) is refused, and a different value here is an error.
         flce_accum_dtype: dtype of the head weight gradient's accumulator over chunks, a ``torch.dtype`` or
             its name (``"float32"``, ``"float64"``, ...; ``accum_dtype`` of
             :func:`~lightning_flce.fused_linear_cross_entropy`; ``"float32"`` never narrows an fp64 head);

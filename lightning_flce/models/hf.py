@@ -2,7 +2,7 @@
 
 import inspect
 import os
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
 from torch import Tensor, nn
@@ -133,7 +133,7 @@ class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
                     pretrained, **{"local_files_only": True, **(model_kwargs or {})}
                 )
             self.model = model
-            rows = _lm_head(model).weight.shape[0]
+            rows = cast(Tensor, _lm_head(model).weight).shape[0]
             if vocab_size is not None and vocab_size > rows:
                 raise ValueError(f"vocab_size={vocab_size} exceeds the {rows} rows of the pretrained LM head")
         if compile_layers:
@@ -251,7 +251,7 @@ def _lm_head(model: nn.Module) -> nn.Module:
             f"HFCausalLM(model=...) takes a Hugging Face causal LM (an *ForCausalLM instance), got"
             f" {type(model).__name__}"
         )
-    head = get_output_embeddings()
+    head: Optional[nn.Module] = get_output_embeddings()
     if head is None:
         name = type(model).__name__
         causal = f"{name[: -len('Model')]}ForCausalLM" if name.endswith("Model") else "the *ForCausalLM class"
