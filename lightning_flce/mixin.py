@@ -3,11 +3,12 @@
 import difflib
 import functools
 import inspect
-from typing import Any, Callable, Literal, Optional, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, TypeVar, Union, cast
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -20,6 +21,7 @@ from lightning_flce.head import FLCEHeadLoss, unwrap_head
 from lightning_flce.head_discovery import HeadNotFoundError, head_logits, resolve_head
 from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch, scale_gradients
 from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision
+from lightning_flce.outputs import FLCEOutput
 from lightning_flce.parallel import VocabParallelHead
 
 # the record's fields under the mixin's option names (its errors name what the user wrote)
@@ -77,7 +79,16 @@ class _ChecksHeadWhenBuilt(type):
         return module
 
 
-class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
+if TYPE_CHECKING:
+    # for type checkers the mixin is a LightningModule: its hooks override LightningModule's (and are checked
+    # against them), and the Lightning API it calls on self is typed. At run time it is a plain mixin that
+    # goes before LightningModule in the bases.
+    from lightning.pytorch import LightningModule as _MixinBase
+else:
+    _MixinBase = object
+
+
+class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
     r"""Computes the LM loss of a ``LightningModule`` from its final hidden states and its LM head with
     fused linear cross-entropy, so the [N, V] logits never exist in the training or validation loss.
 
@@ -315,11 +326,11 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
     @property
     def flce_eval_loss(self) -> MeanMetric:
         """The token-weighted mean loss of the (first) evaluation dataloader."""
-        return self.flce_eval_metrics.loaders["0"].loss
+        return cast(MeanMetric, self.flce_eval_metrics.loaders["0"].loss)
 
     @property
     def flce_eval_accuracy(self) -> MeanMetric:
-        return self.flce_eval_metrics.loaders["0"].accuracy
+        return cast(MeanMetric, self.flce_eval_metrics.loaders["0"].accuracy)
 
     # ------------------------------------------------------------------ loss
 
@@ -380,9 +391,13 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
             softcap=head.softcap,
             token_weight=token_weight,
         )
-        loss_sum = output.loss if evaluating else output
+        if isinstance(output, FLCEOutput):  # evaluating: with the statistics
+            loss_sum, correct = output.loss, output.correct
+        else:
+            loss_sum, correct = output, None
         num_tokens = (target != self.flce_ignore_index).sum()
         num_logits = self.flce_head_loss.last_logits_shape
+        assert num_logits is not None  # every call of the head loss sets it
         self.flce_last_logits_shape = num_logits
         # the naive path builds the logits it reports: nothing avoided
         self.flce_last_logits_bytes = 0 if self.flce_naive else num_logits[0] * num_logits[1] * 4
@@ -391,10 +406,8 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
         normalizer = self.flce_step_normalizer
         if stage != "train":
             self._flce_last_loss_weight = torch.ones((), device=num_tokens.device)
-            if evaluating:
-                self.flce_eval_metrics.add(
-                    self._flce_dataloader_idx(), loss_sum, output.correct.sum(), num_tokens
-                )
+            if correct is not None:
+                self.flce_eval_metrics.add(self._flce_dataloader_idx(), loss_sum, correct.sum(), num_tokens)
                 self._flce_eval_stage = stage
             return loss_sum / num_tokens.clamp(min=1)
         if normalizer.needs_divisor:
@@ -425,7 +438,7 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
         self,
         epoch: int,
         batch_idx: int,
-        optimizer: Optimizer,
+        optimizer: Union[Optimizer, LightningOptimizer],
         optimizer_closure: Optional[Callable[[], Any]] = None,
     ) -> None:
         """Normalizes the gradients right after the closure (the last backward of the step), so callbacks,
@@ -444,7 +457,7 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
     def clip_gradients(
         self,
         optimizer: Optimizer,
-        gradient_clip_val: Optional[float] = None,
+        gradient_clip_val: Optional[Union[int, float]] = None,
         gradient_clip_algorithm: Optional[str] = None,
     ) -> None:
         """Clips the normalized gradients: in manual optimization it normalizes first (automatic optimization
@@ -466,7 +479,7 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
         self._flce_check_vocab_parallel_layout()
         if not self.automatic_optimization:
             # Lightning calls callbacks' on_before_optimizer_step before the module's: normalize ahead of them
-            callbacks = self.trainer.callbacks
+            callbacks = self.trainer.callbacks  # type: ignore[attr-defined]  # (set by Lightning's connector)
             if not any(isinstance(callback, _NormalizeBeforeCallbacks) for callback in callbacks):
                 callbacks.insert(0, _NormalizeBeforeCallbacks())
         super().on_fit_start()
@@ -599,7 +612,9 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
             return None
         return lambda size: trainer.strategy.reduce(size.to(device), reduce_op="mean")
 
-    def _flce_closure_then_normalize(self, closure: Callable[[], Any], optimizer: Optimizer) -> Any:
+    def _flce_closure_then_normalize(
+        self, closure: Callable[[], Any], optimizer: Union[Optimizer, LightningOptimizer]
+    ) -> Any:
         result = closure()
         self._flce_finish_step(optimizer)
         return result
@@ -609,7 +624,7 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
         Call it after the step's last ``manual_backward``, before reading gradients in ``training_step``."""
         self._flce_finish_step(None)
 
-    def _flce_finish_step(self, optimizer: Optional[Optimizer]) -> None:
+    def _flce_finish_step(self, optimizer: Union[Optimizer, LightningOptimizer, None]) -> None:
         """Sums the step's loss and tokens over ranks, logs ``train/loss`` and (``"step"``) rescales the grads:
         those of ``optimizer`` under automatic optimization (its only optimizer), else of every parameter
         (manual optimization may step several optimizers, and normalizes at the first)."""
@@ -631,6 +646,8 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
             return
         if finished.grad_scale is not None:
             if self.automatic_optimization and optimizer is not None:
+                if isinstance(optimizer, LightningOptimizer):
+                    optimizer = optimizer.optimizer
                 params = [p for group in optimizer.param_groups for p in group["params"]]
             else:
                 params = list(self.parameters())
@@ -662,10 +679,10 @@ class FLCEMixin(metaclass=_ChecksHeadWhenBuilt):
         """Logs ``{prefix}/loss``, ``/perplexity`` and ``/token_accuracy`` (``.../dataloader_idx_N`` for each of
         several dataloaders, as Lightning names metrics logged in their steps), and a one-line summary."""
         self._flce_eval_stage = None
-        metrics = {}
-        for dataloader_idx, values in self.flce_eval_metrics.compute().items():
+        metrics: dict[str, Tensor] = {}
+        for dataloader_idx, means in self.flce_eval_metrics.compute().items():
             suffix = "" if dataloader_idx is None else f"/dataloader_idx_{dataloader_idx}"
-            metrics.update({f"{prefix}/{name}{suffix}": value for name, value in values.items()})
+            metrics.update({f"{prefix}/{name}{suffix}": value for name, value in means.items()})
         if not metrics:
             return
         trainer = self._trainer
