@@ -23,16 +23,43 @@ pytestmark = pytest.mark.interpret
 FP32_TOL = 1e-5
 
 
+# test_op.FEATURES' names that are no option of the chunk kernel (it starts from the logits): the bias is
+# added by the logits' GEMM. Every other feature must name a LossOptions field (checked by _options).
+NOT_CHUNK_KERNEL_OPTIONS = {"bias"}
+# LossOptions fields that no feature needs to set: every problem here has ignored (-100) targets, and
+# class_weight_sum is derived from class_weight.
+ALWAYS_EXERCISED_OR_DERIVED = {"ignore_index", "class_weight_sum"}
+
+
 def _options(feature, vocab, gen):
-    class_weight = (torch.rand(vocab, generator=gen) + 0.5) if feature.get("class_weight") else None
-    return LossOptions(
-        ignore_index=-100,
-        label_smoothing=feature.get("label_smoothing", 0.0),
-        lse_square_scale=feature.get("lse_square_scale", 0.0),
-        softcap=feature.get("softcap", 0.0) or 0.0,
-        class_weight=class_weight,
-        class_weight_sum=class_weight.sum().reshape(1) if class_weight is not None else None,
-    )
+    """The chunk kernel's LossOptions of a test_op feature, field by field (a feature that is no field fails:
+    a new option must reach the interpreter's tests, or be listed in NOT_CHUNK_KERNEL_OPTIONS)."""
+    unmapped = set(feature) - set(LossOptions._fields) - NOT_CHUNK_KERNEL_OPTIONS
+    assert not unmapped, f"test_op.FEATURES option(s) {sorted(unmapped)} have no LossOptions field"
+    values = {name: value for name, value in feature.items() if name in LossOptions._fields}
+    if values.pop("class_weight", False):  # FEATURES flags it; the values are drawn here
+        class_weight = torch.rand(vocab, generator=gen) + 0.5
+        values.update(class_weight=class_weight, class_weight_sum=class_weight.sum().reshape(1))
+    if values.get("softcap", 0.0) is None:  # the op's "off"; the kernel's is 0.0
+        values["softcap"] = 0.0
+    return LossOptions(**values)
+
+
+def test_features_cover_the_chunk_kernel_options():
+    """Every LossOptions field is set (away from its default) by some test_op feature, or always exercised;
+    with _options' check that every feature maps to a field, an option added on either side cannot go
+    untested in the interpreter."""
+    gen = torch.Generator().manual_seed(0)
+    covered = set()
+    for feature in FEATURES.values():
+        options = _options(feature, 10, gen)
+        for name, default in LossOptions._field_defaults.items():
+            value = getattr(options, name)
+            is_default = value is default if isinstance(value, torch.Tensor) else value == default
+            if not is_default:
+                covered.add(name)
+    missing = set(LossOptions._fields) - covered - ALWAYS_EXERCISED_OR_DERIVED
+    assert not missing, f"LossOptions field(s) {sorted(missing)} set by no feature of test_op.FEATURES"
 
 
 @pytest.mark.parametrize("feature_name", list(FEATURES))
