@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 
+from lightning_flce.console import rank_zero_info_line
 from lightning_flce.deprecation import RENAMED, accepts_renamed
 from lightning_flce.eval_metrics import TokenMetrics
 from lightning_flce.fsdp import register_fsdp_step_methods
@@ -535,7 +536,9 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
 
     def on_fit_end(self) -> None:
         if self.flce_last_eval_metrics:
-            rank_zero_info(f"FLCEMixin: last validation: {_summary(self.flce_last_eval_metrics)}")
+            rank_zero_info_line(
+                f"FLCEMixin: last validation: {_summary(self.flce_last_eval_metrics)}", self._trainer
+            )
         super().on_fit_end()
 
     # --------------------------------------------------------------- helpers
@@ -700,7 +703,7 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         if prefix == "val":
             self.flce_last_eval_metrics = values
         where = "" if trainer is None else f" (epoch {trainer.current_epoch}, step {trainer.global_step})"
-        rank_zero_info(f"FLCEMixin {prefix}{where}: {_summary(values)}")
+        rank_zero_info_line(f"FLCEMixin {prefix}{where}: {_summary(values)}", trainer)
 
 
 def _builds_layers_lazily(cls: type) -> bool:
