@@ -292,6 +292,8 @@ def test_another_model_of_the_same_config_gets_its_own_folder(tmp_path):
     litgpt_last = tmp_path / "lightning_logs/default/litgptcausallm/checkpoints/last.ckpt"
     saved = torch.load(litgpt_last, map_location="cpu", weights_only=True)  # as LightningCLI reads it
     assert saved[IDENTITY_KEY]["class"] == "lightning_flce.models.litgpt.LitGPTCausalLM"
+    hparams = saved[IDENTITY_KEY]["hyper_parameters"]
+    assert hparams["config"]["n_embd"] == 32 and "_class_path" not in hparams  # LightningCLI's own entry
     assert saved["global_step"] == 1
     assert _saved_step(tmp_path / CHECKPOINTS / "last.ckpt") == 2
 
@@ -389,7 +391,10 @@ def test_a_checkpoint_without_the_identity_is_judged_by_its_parameters():
 
 
 def test_model_identity_is_plain_data():
-    identity = model_identity(_small_model(flce_accum_dtype=torch.float64))
+    model = _small_model(flce_accum_dtype=torch.float64)
+    model.hparams["_instantiator"] = "lightning.pytorch.cli.instantiate_module"  # as LightningCLI adds it
+    identity = model_identity(model)
+    assert "_instantiator" not in identity["hyper_parameters"]
     assert identity["class"] == "lightning_flce.models.gpt.TinyGPT"
     assert identity["hyper_parameters"]["d_model"] == 16
     assert identity["hyper_parameters"]["flce_accum_dtype"] == "torch.float64"

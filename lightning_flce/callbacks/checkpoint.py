@@ -52,10 +52,10 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import exceptions as _pl_exceptions
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 

@@ -31,10 +31,9 @@ class CheckpointModelMismatch(ValueError):
 def model_identity(pl_module: pl.LightningModule) -> dict[str, Any]:
     """The module's class (``module.QualName``) and hyper-parameters, as plain data."""
     cls = type(pl_module)
-    hparams = getattr(pl_module, "hparams", {}) or {}
     return {
         "class": f"{cls.__module__}.{cls.__qualname__}",
-        "hyper_parameters": {str(name): _plain(value) for name, value in dict(hparams).items()},
+        "hyper_parameters": _hyper_parameters(getattr(pl_module, "hparams", None) or {}),
     }
 
 
@@ -48,9 +47,7 @@ def check_resumed_model(
     stored = checkpoint.get(IDENTITY_KEY)
     there_class = stored["class"] if stored else None
     there_hparams = (
-        stored["hyper_parameters"]
-        if stored
-        else {str(k): _plain(v) for k, v in dict(checkpoint.get("hyper_parameters") or {}).items()}
+        stored["hyper_parameters"] if stored else _hyper_parameters(checkpoint.get("hyper_parameters") or {})
     )
     hparam_lines = _differences(there_hparams, here["hyper_parameters"])
     state = checkpoint.get("state_dict")
@@ -87,6 +84,11 @@ def check_resumed_model(
             UserWarning,
             stacklevel=2,
         )
+
+
+def _hyper_parameters(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    # without the entries LightningCLI adds (`_class_path`, `_instantiator`): a run from Python has none
+    return {str(name): _plain(value) for name, value in hparams.items() if not str(name).startswith("_")}
 
 
 def _plain(value: Any) -> Any:
