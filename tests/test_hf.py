@@ -324,8 +324,17 @@ def test_compiled_layers_stay_compiled_after_inference_and_copies():
     with torch.no_grad():
         model.eval()
         model(batch["input_ids"], batch["attention_mask"])
-    if getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False):  # torch >= 2.5: layers share graphs
+    from lightning_flce._compat import TORCH_VERSION
+
+    if TORCH_VERSION >= (2, 5):
+        # Dynamo inlines the layers' module calls (torch._dynamo.config.inline_inbuilt_nn_modules, on by
+        # default since 2.5, always on and deprecated since 2.13): layers of one class share their graph (a
+        # graph break may split it in two). Per-layer guards (a KV cache) would give one per layer.
         assert 1 <= len(graphs) <= 2, f"{len(graphs)} graphs for one inference call of 10 layers"
+    else:
+        # torch 2.4 guards on each layer instance: a graph per layer whatever the cache, up to Dynamo's
+        # recompile limit and with the graph breaks of that version; only that the layers ran compiled
+        assert graphs, "the compiled layers did not run"
     model.train()
     before = len(graphs)
     model._loss(batch).backward()
