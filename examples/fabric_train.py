@@ -4,7 +4,7 @@ The loss is computed inside the model's ``forward``: Fabric runs that call in it
 under ``bf16-mixed``), and under DDP/FSDP the head is called where the strategy expects it. Each optimizer step
 accumulates several micro-batches and normalizes per token: every micro-batch backpropagates its loss *sum*
 divided by the labelled tokens of the whole step (all ranks), so the step's gradient is that of the mean over
-the step's tokens, whatever the micro-batches' sizes. Runs on the CPU in a few seconds (``docs/fabric.md``)::
+the step's tokens, whatever the micro-batches' sizes. About 20 s of CPU time (``docs/fabric.md``)::
 
     python examples/fabric_train.py                         # 32-true
     python examples/fabric_train.py --precision bf16-mixed  # the loss in bf16 GEMMs, fp32 softmax
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional, cast
 
 import lightning as L
 import torch
@@ -70,13 +70,16 @@ def counting_batch(
 
 def train_step(
     fabric: L.Fabric,
-    model: nn.Module,
+    model: Any,
     optimizer: torch.optim.Optimizer,
     micro_batches: Sequence[dict[str, Tensor]],
 ) -> Tensor:
-    """One optimizer step over ``micro_batches``; returns the step's mean loss per labelled token (all ranks)."""
+    """One optimizer step of ``model`` and ``optimizer`` (as ``fabric.setup`` returned them) over
+    ``micro_batches``; returns the step's mean loss per labelled token (all ranks)."""
     local_tokens = sum((batch["labels"] != IGNORE_INDEX).sum() for batch in micro_batches)
-    tokens = fabric.all_reduce(torch.as_tensor(local_tokens, device=fabric.device), reduce_op="sum")
+    tokens = cast(
+        Tensor, fabric.all_reduce(torch.as_tensor(local_tokens, device=fabric.device), reduce_op="sum")
+    )
     # DDP and FSDP average the gradients over the ranks: world_size / tokens makes it the per-token mean
     scale = fabric.world_size / tokens.clamp(min=1)
     loss_sum = torch.zeros((), device=fabric.device)
@@ -87,11 +90,11 @@ def train_step(
         loss_sum += micro_loss_sum.detach()
     optimizer.step()
     optimizer.zero_grad()
-    return fabric.all_reduce(loss_sum, reduce_op="sum") / tokens.clamp(min=1)
+    return cast(Tensor, fabric.all_reduce(loss_sum, reduce_op="sum")) / tokens.clamp(min=1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Train a small LM with Lightning Fabric and FLCEHeadLoss.")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--steps", type=int, default=40)

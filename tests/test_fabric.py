@@ -40,7 +40,7 @@ FP32_EPS = torch.finfo(torch.float32).eps
 FACTOR = 2.0
 # plain fp32 (its error ~3e-7 relative) and bf16 (~4e-3 relative for the gradients: the bf16 operands'
 # rounding, 2^-9, grown over the H and V sums) against float64: a bound for each alone
-TO_FLOAT64 = {"32-true": 1e-5, "bf16-mixed": 2e-2}
+TO_FLOAT64 = {"32-true": 1e-5, "bf16-mixed": 2e-2, "bf16-true": 2e-2}
 
 
 class HeadModel(nn.Module):
@@ -96,13 +96,15 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["linear_head", "tied_embedding_head"])
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 def test_fused_loss_and_gradients_match_the_plain_loss_under_fabric(precision, tied):
     fused = _through_fabric(precision, naive=False, tied=tied)
     plain = _through_fabric(precision, naive=True, tied=tied)
     reference = _float64_reference()
     for name in ("loss", "dX", "dW"):
-        assert fused[name].dtype == plain[name].dtype == torch.float32, name  # fp32 parameters and outputs
+        # Fabric returns fp32 outputs; dX of the fp32 input; dW in the parameters' dtype (bf16 under bf16-true)
+        expected_dtype = torch.bfloat16 if name == "dW" and precision == "bf16-true" else torch.float32
+        assert fused[name].dtype == plain[name].dtype == expected_dtype, name
         fused_error = _relative_error(fused[name], reference[name])
         plain_error = _relative_error(plain[name], reference[name])
         assert plain_error < TO_FLOAT64[precision], (name, plain_error)
@@ -141,6 +143,20 @@ def test_the_loss_follows_fabric_precision_in_forward_and_autocast_only():
     # outside: fp32, within fp32 rounding of the plain fp32 loss and nowhere near the bf16 one
     assert abs(outside - plain_fp32) <= 8 * FP32_EPS * abs(reference)
     assert abs(plain_bf16 - plain_fp32) > 100 * abs(outside - plain_fp32)
+
+
+def test_bf16_true_outside_forward_is_refused_not_silent():
+    """Under ``bf16-true`` the parameters are bf16 and Fabric returns forward's outputs in fp32: a loss computed
+    on them outside forward mixes dtypes, which the op refuses (``fabric.autocast()`` sets the default dtype
+    there, no autocast, so it does not help); inside forward it runs in bf16 (the test above)."""
+    hidden, weight, labels = _problem()
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+    model = fabric.setup_module(HeadModel(weight, naive=False))
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="differs from input dtype torch.float32 outside autocast"):
+        model.head_loss(model.lm_head, hidden, labels)
+    with pytest.raises(TypeError, match="outside autocast"), fabric.autocast():
+        model.head_loss(model.lm_head, hidden, labels)
 
 
 def _load_example():
