@@ -1,0 +1,175 @@
+"""A user project written from the README's patterns, checked by ``mypy --strict`` against the installed
+package (``tests/typing/mypy.ini``; ``tests/test_typing.py`` and ``.ci/run`` run it). It is never executed: it
+is what a typed user writes, and ``assert_type`` pins what mypy must infer from the public API.
+
+The lines that end in a type-ignore comment must stay errors of the code it names (``reduction="avg"``, an
+unknown ``impl``, ...): with ``warn_unused_ignores`` mypy fails once one type-checks, and
+``tests/test_typing.py`` checks that each is reported with its code once the comment is gone.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import assert_type
+
+from lightning_flce import (
+    FLCEHeadLoss,
+    FLCEMemoryCallback,
+    FLCEMixin,
+    FLCEOptions,
+    FLCEOutput,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_with_stats,
+)
+from lightning_flce.flops import batch_size, batch_tokens
+from lightning_flce.models import HFCausalLM, LitGPTCausalLM, TinyGPT
+from lightning_flce.options import ImplName, LogitsPrecision, Reduction
+
+# --- the op (README "Quick start")
+B, T, H, V = 2, 16, 32, 64
+hidden = torch.randn(B, T, H, requires_grad=True)
+lm_head = torch.randn(V, H, requires_grad=True)
+labels = torch.randint(0, V, (B, T))
+
+loss = fused_linear_cross_entropy(
+    hidden, lm_head, labels, ignore_index=-100, label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0
+)
+assert_type(loss, Tensor)
+per_token = fused_linear_cross_entropy(
+    hidden,
+    lm_head,
+    labels,
+    reduction="none",
+    logits_precision="fp32",
+    accum_dtype=torch.float32,
+    chunk_size=1024,
+    impl="torch",
+)
+assert_type(per_token, Tensor)
+
+out = fused_linear_cross_entropy_with_stats(hidden, lm_head, labels, reduction="sum", impl="auto")
+assert_type(out, FLCEOutput)
+assert_type(out.loss, Tensor)
+assert_type(out.lse, Tensor)
+assert_type(out.correct, Tensor)
+assert_type(out.entropy, Tensor)
+
+# string options are Literals: a typo is a static error
+fused_linear_cross_entropy(hidden, lm_head, labels, reduction="avg")  # type: ignore[arg-type]
+fused_linear_cross_entropy_with_stats(hidden, lm_head, labels, impl="cuda")  # type: ignore[arg-type]
+fused_linear_cross_entropy(hidden, lm_head, labels, logits_precision="fp64")  # type: ignore[arg-type]
+
+reduction: Reduction = "mean"
+impl: ImplName = "torch"
+precision: LogitsPrecision = "fp32_compensated"
+fused_linear_cross_entropy(
+    hidden, lm_head, labels, reduction=reduction, impl=impl, logits_precision=precision
+)
+
+options = FLCEOptions.of(reduction="sum", chunk_size=512)
+assert_type(options, FLCEOptions)
+assert_type(options.chunk_size, Optional[int])
+assert_type(fused_linear_cross_entropy(hidden, lm_head, labels, **options.as_kwargs()), Tensor)
+
+
+# --- FLCEHeadLoss: the loss inside the head's own call (plain PyTorch, Fabric)
+class Backbone(nn.Module):
+    def __init__(self, vocab_size: int, d_model: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        hidden: Tensor = self.embed(input_ids)
+        return hidden
+
+
+backbone = Backbone(V, H)
+head_loss = FLCEHeadLoss(ignore_index=-100, lse_square_scale=1e-4, chunk_size=256, impl="torch")
+assert_type(head_loss, FLCEHeadLoss)
+assert_type(head_loss(backbone.lm_head, backbone(labels), labels), Tensor)
+assert_type(head_loss(backbone.lm_head, backbone(labels), labels, reduction="sum"), Tensor)
+stats = head_loss(backbone.lm_head, backbone(labels), labels, with_stats=True)
+assert_type(stats, FLCEOutput)
+head_loss(backbone.lm_head, backbone(labels), labels, reduction="avg")  # type: ignore[call-overload]
+FLCEHeadLoss(impl="cuda")  # type: ignore[arg-type]
+assert_type(FLCEHeadLoss.from_options(options), FLCEHeadLoss)
+
+
+# --- FLCEMixin in a LightningModule (README "FLCEMixin")
+class MyLM(FLCEMixin, L.LightningModule):
+    def __init__(self, vocab_size: int = 1024, d_model: int = 64, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # flce_* options go to the mixin
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.body = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=256, batch_first=True)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1], device=input_ids.device)
+        hidden: Tensor = self.body(self.embed(input_ids), src_mask=mask, is_causal=True)
+        return hidden
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.flce_loss(self.hidden_states(batch["input_ids"]), batch["labels"])
+        assert_type(loss, Tensor)
+        # another term weighted per token like the LM loss
+        weight = self.flce_last_loss_weight
+        assert_type(weight, Optional[Tensor])
+        return loss if weight is None else loss + 0.0 * weight
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.flce_loss(self.hidden_states(batch["input_ids"]), batch["labels"], shift=False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+model = MyLM(flce_label_smoothing=0.1, flce_lse_square_scale=1e-4, flce_chunk_size=4096)
+assert_type(model.flce_options, FLCEOptions)
+assert_type(model.flce_head_loss, FLCEHeadLoss)
+assert_type(model.flce_logits(torch.randn(2, 64)), Tensor)
+assert_type(model.flce_last_logits_shape, Optional[tuple[int, int]])
+
+
+class Blocks(Dataset[dict[str, Tensor]]):
+    """The README's random sequences, as a typed dataset."""
+
+    def __init__(self, tokens: Tensor) -> None:
+        self.tokens = tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        block = self.tokens[index]
+        return {"input_ids": block[:-1], "labels": block[1:]}
+
+
+data = DataLoader(Blocks(torch.randint(0, 1024, (32, 33))), batch_size=8)
+memory = FLCEMemoryCallback(plot=False, prog_bar=True, snapshot_steps=[10])
+assert_type(memory, FLCEMemoryCallback)
+trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, callbacks=[memory])
+trainer.fit(model, data, data)
+
+# --- the ready-made models (README "Models", docs/lightning.md, docs/adapters.md)
+tiny = TinyGPT(vocab_size=8192, d_model=128, n_layers=2, flce_chunk_size=1024)
+assert_type(tiny, TinyGPT)
+assert_type(tiny.estimate_flops(batch_size=16, seq_len=128), int)
+assert_type(tiny.flce_loss(torch.randn(2, 8, 128), torch.randint(0, 8192, (2, 8)), shift=True), Tensor)
+monitor = ThroughputMonitor(batch_size_fn=batch_size, length_fn=batch_tokens)
+L.Trainer(max_steps=500, callbacks=[monitor, FLCEMemoryCallback()])
+
+hf = HFCausalLM(config={"model_type": "llama", "vocab_size": 512}, flce_chunk_size=2048)
+assert_type(hf, HFCausalLM)
+assert_type(hf.estimate_flops(8, 128), int)
+litgpt = LitGPTCausalLM(name="pythia-14m", flce_impl="torch")
+assert_type(litgpt, LitGPTCausalLM)
+assert_type(head_loss.ignore_index, int)
+assert_type(head_loss.impl, ImplName)
