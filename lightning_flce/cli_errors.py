@@ -235,19 +235,20 @@ def install_command(error: BaseException) -> Optional[str]:
             return _INSTALL[module]
         if module in _EXTRAS:
             return f'pip install "lightning-flce[{_EXTRAS[module]}]"'
+    # a model's own message naming the extra; any other failed import is no optional dependency of ours
     extra = re.search(r"lightning-flce\[(\w+)\]", str(imports[0]))
     if extra:
         return _INSTALL.get(extra.group(1), f'pip install "lightning-flce[{extra.group(1)}]"')
-    module = next((getattr(e, "name", None) for e in imports if getattr(e, "name", None)), None)
-    return f"pip install {module.split('.')[0]}" if module else None
+    return None
 
 
 def missing_module(error: BaseException) -> Optional[str]:
     """The name of the module whose import failed somewhere in ``error``'s chain, else ``None``."""
-    while error is not None:
-        if isinstance(error, ImportError) and getattr(error, "name", None):
-            return error.name
-        error = error.__cause__
+    current: Optional[BaseException] = error
+    while current is not None:
+        if isinstance(current, ImportError) and current.name:
+            return current.name
+        current = current.__cause__
     return None
 
 

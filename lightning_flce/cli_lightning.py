@@ -15,7 +15,7 @@ from typing import Any, NoReturn, Optional
 import lightning.pytorch as pl
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only
 
 # imported so that their classes are listed in --help and found by short name (--model TinyGPT)
 import lightning_flce.data  # noqa: F401

@@ -192,6 +192,7 @@ def test_install_command_of_a_missing_extra():
     )
     assert "--no-deps litgpt" in install_command(ModuleNotFoundError("x", name="litgpt"))
     assert install_command(ValueError("not an import")) is None
+    assert install_command(ModuleNotFoundError("No module named 'mylab'", name="mylab")) is None
 
 
 # Hides transformers from a fresh interpreter: its import fails and its distribution is not found (torchmetrics
