@@ -1,26 +1,29 @@
-"""Rank-zero console lines that keep off a TQDM progress bar's line.
+"""Rank-zero console lines that keep off the progress bar (TQDM's or Rich's).
 
 A TQDM bar redraws its line with a carriage return and leaves it unterminated, so a logging handler that
 writes between two redraws lands on the bar's line: in a terminal the next redraw overwrites it, in a captured
-log (``lightning-flce fit ... > log 2>&1``) it is glued to the bar's last frame. :func:`rank_zero_info_line`
-logs like Lightning's ``rank_zero_info`` (the ``lightning.pytorch`` logger, level INFO, rank zero) and first
-gets the open bars out of the way, as ``tqdm.write`` does: in a terminal it clears them and redraws them below
-the line; elsewhere a carriage return cannot erase them, so it ends their line with a newline.
+log (``lightning-flce fit ... > log 2>&1``) it is glued to the bar's last frame. Rich's bar, in a terminal,
+sends ``print`` above its display through its proxies of ``sys.stdout``/``sys.stderr``; a logging handler made
+before it holds the real stream, so its line lands inside the display and the next frame erases it.
+:func:`rank_zero_info_line` logs like Lightning's ``rank_zero_info`` (the ``lightning.pytorch`` logger, level
+INFO, rank zero), with the bars out of the way: TQDM's cleared and redrawn below the line in a terminal, as
+``tqdm.write`` does, or their line ended with a newline elsewhere (a carriage return cannot erase in a file);
+the console handlers of the line pointed at Rich's proxies while its display runs.
 
     from lightning_flce.console import rank_zero_info_line
 
     rank_zero_info_line("FLCEMixin val (epoch 0, step 100): loss 6.3786", trainer)
-
-Rich's progress bar needs nothing of this: off a terminal it draws only when it stops.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from lightning.pytorch.callbacks import TQDMProgressBar
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_module
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -29,12 +32,8 @@ _BAR_NAMES = ("train_progress_bar", "val_progress_bar", "test_progress_bar", "pr
 
 
 def rank_zero_info_line(message: str, trainer: Optional[pl.Trainer] = None) -> None:
-    """``rank_zero_info(message)`` on a line of its own, beside the trainer's TQDM progress bar if one is open."""
-    bars = open_tqdm_bars(trainer)
-    if not bars:
-        rank_zero_info(message)
-        return
-    with _off_the_bars(bars):
+    """``rank_zero_info(message)`` on a line of its own, beside the trainer's TQDM bar or a Rich live display."""
+    with _off_the_bars(open_tqdm_bars(trainer)), _through_rich_proxies():
         rank_zero_info(message)
 
 
@@ -56,6 +55,9 @@ def open_tqdm_bars(trainer: Optional[pl.Trainer]) -> list[Any]:
 
 @contextmanager
 def _off_the_bars(bars: list[Any]) -> Iterator[None]:
+    if not bars:
+        yield
+        return
     files = {id(bar.fp): bar.fp for bar in bars}.values()
     if all(_is_terminal(file) for file in files):
         # clears every open bar on stdout/stderr, and redraws them after the line
@@ -66,6 +68,37 @@ def _off_the_bars(bars: list[Any]) -> Iterator[None]:
         file.write("\n")
         file.flush()
     yield
+
+
+@contextmanager
+def _through_rich_proxies() -> Iterator[None]:
+    # Rich's FileProxy (rich.file_proxy) names the stream it stands for: rich_proxied_file
+    proxies = {
+        id(real): stream for stream in (sys.stdout, sys.stderr) if (real := _proxied(stream)) is not None
+    }
+    swapped = []
+    if proxies:
+        for handler in _handlers_of(rank_zero_module.log):  # the logger rank_zero_info writes to
+            if isinstance(handler, logging.StreamHandler) and id(handler.stream) in proxies:
+                swapped.append((handler, handler.setStream(proxies[id(handler.stream)])))
+    try:
+        yield
+    finally:
+        for handler, stream in swapped:
+            handler.setStream(stream)
+
+
+def _proxied(stream: Any) -> Any:
+    return getattr(stream, "rich_proxied_file", None)
+
+
+def _handlers_of(logger: Optional[logging.Logger]) -> list[logging.Handler]:
+    """The handlers a record of ``logger`` reaches (the logger's and its ancestors' up to a non-propagating one)."""
+    handlers: list[logging.Handler] = []
+    while logger is not None:
+        handlers.extend(logger.handlers)
+        logger = logger.parent if logger.propagate else None
+    return handlers
 
 
 def _is_terminal(file: Any) -> bool:

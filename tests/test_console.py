@@ -9,8 +9,9 @@ import re
 import sys
 
 import lightning.pytorch as pl
+import pytest
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch.utils.data import DataLoader
 
 from lightning_flce.console import open_tqdm_bars, rank_zero_info_line
@@ -33,10 +34,11 @@ def batches(num_batches: int, seed: int) -> DataLoader:
     return DataLoader(out, batch_size=None)
 
 
-def fit_into(stream: io.StringIO, monkeypatch) -> str:
+def fit_into(stream: io.StringIO, monkeypatch, progress_bar=None) -> str:
     """Fits a tiny TinyGPT with a validation in the middle of the epoch (the training bar open), the bars and
     the ``lightning.pytorch`` logger both writing into ``stream``, as ``> log 2>&1`` puts them in one file."""
     monkeypatch.setattr(sys, "stdout", stream)  # Lightning's bars take sys.stdout when they are made
+    monkeypatch.setattr(sys, "stderr", stream)
     handler = logging.StreamHandler(stream)
     lightning_logger = logging.getLogger("lightning.pytorch")
     level = lightning_logger.level
@@ -54,7 +56,7 @@ def fit_into(stream: io.StringIO, monkeypatch) -> str:
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
-        callbacks=[TQDMProgressBar()],
+        callbacks=[progress_bar or TQDMProgressBar()],
     )
     try:
         trainer.fit(model, batches(4, seed=0), batches(2, seed=1))
@@ -87,19 +89,22 @@ def test_summary_line_on_its_own_line_in_a_captured_log(monkeypatch):
 
 def screen(text: str) -> list[str]:
     """The lines a terminal shows for ``text``: carriage returns, newlines (the tty's CR LF), cursor up
-    (``ESC [ A``, tqdm's move back from a lower bar's line) and characters overwriting in place."""
+    (``ESC [ n A``: tqdm's and Rich's moves back over their bars), erase line (``ESC [ 2 K``), characters
+    overwriting in place; colours and cursor visibility ignored."""
     rows: list[list[str]] = [[]]
     row = col = 0
-    for token in re.findall(r"\x1b\[A|\x1b\[[0-9;]*[A-Za-z]|.|\n", text, flags=re.DOTALL):
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|.|\n", text, flags=re.DOTALL):
         if token == "\n":
             row, col = row + 1, 0
             rows.extend([] for _ in range(row + 1 - len(rows)))
         elif token == "\r":
             col = 0
-        elif token == "\x1b[A":
-            row = max(row - 1, 0)
+        elif re.fullmatch(r"\x1b\[\d*A", token):
+            row = max(row - int(token[2:-1] or 1), 0)
+        elif token == "\x1b[2K":
+            rows[row] = []
         elif token.startswith("\x1b"):
-            raise AssertionError(f"unexpected escape sequence {token!r}")
+            assert token.endswith("m") or token.startswith("\x1b[?25"), f"escape sequence {token!r}"
         else:
             line = rows[row]
             line.extend(" " for _ in range(col + 1 - len(line)))
@@ -121,6 +126,25 @@ def test_summary_line_clears_and_redraws_the_bars_in_a_terminal(monkeypatch):
     assert summaries[1] == summaries[0] + 1 and shown[summaries[1] + 1].startswith("Epoch 0:"), shown
     # in a terminal the bars are cleared (as tqdm.write does), so no newline is added: no blank line shows
     assert "" not in shown[: summaries[-1]], shown
+
+
+def test_summary_line_above_richs_bar_in_a_terminal(monkeypatch):
+    pytest.importorskip("rich")
+    stream = Terminal()
+    # Rich's live display redirects sys.stdout/sys.stderr (in a terminal only) to print above itself
+    bar = RichProgressBar(console_kwargs={"file": stream, "force_terminal": True, "width": 160})
+    text = fit_into(stream, monkeypatch, progress_bar=bar)
+    shown = screen(text)
+    summaries = [line for line in shown if "FLCEMixin" in line]
+    assert [line.split(":")[0] for line in summaries] == [
+        "FLCEMixin val (epoch 0, step 2)",
+        "FLCEMixin val (epoch 0, step 4)",
+        "FLCEMixin",
+    ], shown
+    for line in summaries:
+        assert re.fullmatch(r"FLCEMixin.*: loss [0-9.]+, perplexity [0-9.]+, token accuracy [0-9.]+", line), (
+            shown
+        )
 
 
 def test_without_a_progress_bar_it_is_rank_zero_info(caplog):
