@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.types import OptimizerLRScheduler, OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 
 from lightning_flce.data.dataset import check_label_format
@@ -162,7 +163,7 @@ class TinyGPT(FLCEMixin, ThroughputFlops, pl.LightningModule):
         """Logits [B, T, vocab_size] of ``batch["input_ids"]`` (``trainer.predict``)."""
         return self(batch["input_ids"])
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRScheduler:
         return adamw_with_warmup_cosine(
             self,
             lr=self.hparams.lr,
@@ -204,7 +205,7 @@ def _init_weights(module: nn.Module) -> None:
 
 def adamw_with_warmup_cosine(
     module: pl.LightningModule, *, lr: float, weight_decay: float, warmup_steps: int
-) -> dict[str, Any]:
+) -> OptimizerLRSchedulerConfig:
     """AdamW (decay on matrices only) with linear warmup and cosine decay to 10% of ``lr``, stepped per
     optimizer step; without a known number of steps (``max_steps=-1`` on an endless loader) the rate stays
     at ``lr`` after warmup. AdamW is torch's fused implementation where Lightning supports it (below)."""

@@ -5,6 +5,7 @@ import os
 from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 
 from lightning_flce.data.dataset import check_label_format
@@ -207,7 +208,7 @@ class HFCausalLM(FLCEMixin, ThroughputFlops, pl.LightningModule):
         inputs = {key: value for key, value in batch.items() if key != "labels"}
         return self(**inputs)
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRScheduler:
         return adamw_with_warmup_cosine(
             self,
             lr=self.hparams.lr,

@@ -13,6 +13,7 @@ import inspect
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 
 from lightning_flce.data.dataset import check_label_format
@@ -204,7 +205,7 @@ class LitGPTCausalLM(FLCEMixin, pl.LightningModule):
         """Logits of ``batch["input_ids"]`` (``trainer.predict``)."""
         return self(batch["input_ids"])
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRScheduler:
         return adamw_with_warmup_cosine(
             self,
             lr=self.hparams.lr,

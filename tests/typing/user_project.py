@@ -173,3 +173,10 @@ litgpt = LitGPTCausalLM(name="pythia-14m", flce_impl="torch")
 assert_type(litgpt, LitGPTCausalLM)
 assert_type(head_loss.ignore_index, int)
 assert_type(head_loss.impl, ImplName)
+
+
+class MyTinyGPT(TinyGPT):
+    """A subclass may override the models' hooks with any type Lightning accepts."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
