@@ -92,15 +92,15 @@ def resolve_head(root: nn.Module, head_path: Optional[str], softcap: Optional[fl
             cannot be applied (a softcap <= 0, a zero divisor).
         NotImplementedError: a declared transform is a tensor (learned or per-vocab).
     """
+    owners: list[Any]
     if head_path is not None:
         head, owners = follow_head_path(root, head_path)
     else:
         hf_model = find_hf_model(root)
-        owners = [("", root)]
+        owners = [root]
         if hf_model is not None:
-            get_output_embeddings: Any = (
-                hf_model.get_output_embeddings
-            )  # a method nn.Module's types do not know
+            # a method that nn.Module's attribute types do not know
+            get_output_embeddings: Any = hf_model.get_output_embeddings
             head = get_output_embeddings()
             if head is None:
                 raise AttributeError(
@@ -108,7 +108,7 @@ def resolve_head(root: nn.Module, head_path: Optional[str], softcap: Optional[fl
                     " set flce_head to the attribute path of the LM head"
                 )
             if hf_model is not root:
-                owners.append((_child_name(root, hf_model), hf_model))
+                owners.append(hf_model)
         else:
             head = getattr(root, "lm_head", None)
             if head is None:
@@ -118,12 +118,12 @@ def resolve_head(root: nn.Module, head_path: Optional[str], softcap: Optional[fl
                 )
     if not isinstance(head, nn.Module):
         raise TypeError(f"The LM head must be an nn.Module, got {type(head).__name__}")
-    return ResolvedHead(head, *logit_transform([module for _, module in owners], softcap))
+    return ResolvedHead(head, *logit_transform(owners, softcap))
 
 
-def follow_head_path(root: nn.Module, head_path: str) -> tuple[Any, list[tuple[str, Any]]]:
-    """The object at ``head_path`` from ``root`` and its owners ``[(path, module), ...]`` from the root on."""
-    owners: list[tuple[str, Any]] = [("", root)]
+def follow_head_path(root: nn.Module, head_path: str) -> tuple[Any, list[Any]]:
+    """The object at ``head_path`` from ``root`` and its owners (the objects on the path), the root first."""
+    owners: list[Any] = [root]
     obj: Any = root
     names = head_path.split(".")
     for i, name in enumerate(names):
@@ -144,13 +144,12 @@ def follow_head_path(root: nn.Module, head_path: str) -> tuple[Any, list[tuple[s
             )
         obj = getattr(obj, name)
         if i < len(names) - 1:
-            owners.append((".".join(names[: i + 1]), obj))
+            owners.append(obj)
     return obj, owners
 
 
 def find_hf_model(root: nn.Module) -> Optional[nn.Module]:
     """The Hugging Face model that is ``root`` or its only direct child with an LM head."""
-
     if is_hf_model(root):
         return root
     found = [child for child in root.children() if is_hf_model(child)]
@@ -273,10 +272,6 @@ def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return a is b
     return bool(a == b)
-
-
-def _child_name(root: nn.Module, child: nn.Module) -> str:
-    return next((name for name, module in root.named_children() if module is child), "")
 
 
 def _head_paths(root: nn.Module) -> list[str]:
