@@ -34,6 +34,12 @@ _GROUP_NOT_ACCEPTED = re.compile(r"Group '(?P<group>[\w.]+)' does not accept opt
 _UNRECOGNIZED = re.compile(r"[Uu]nrecognized arguments: (?P<args>.*)")
 _PARSER_KEY = re.compile(r'Parser key "(?P<key>[\w.]+)"')
 _CLASS_PATH = re.compile(r"Problem with given class_path '(?P<cls>[\w.]+)'")
+_NO_CLASS = re.compile(
+    r"Expected a dot import path string: (?P<name>\S+)"
+    r"|module '(?P<module>[\w.]+)' has no attribute '(?P<attr>\w+)'"
+)
+# Where the classes of a group are found by short name (``--model TinyGPT``).
+_CLASS_MODULES = {"model": "lightning_flce.models", "data": "lightning_flce.data"}
 _GIVEN_VALUE = re.compile(r"^\s*Given value: (?P<value>.*)$", re.MULTILINE)
 _LITERAL = re.compile(r"^typing(?:_extensions)?\.Literal\[(?P<choices>.*)\]$")
 _TYPE_NAME = re.compile(r"<class '(?:builtins\.)?(?P<name>[\w.]+)'>")
@@ -155,9 +161,27 @@ def describe_parse_error(message: str, subcommand_parser: Any = None, prog: str 
         if flag and "." not in flag and not hint:
             hint += f"\n  (a model's or data module's option is --model.init_args.{flag[2:]} or --data.init_args.{flag[2:]})"
         return f"unrecognized arguments: {args}{hint}\n  (`{prog} --help` lists the options)"
+    no_class = _NO_CLASS.search(message)
+    if no_class:
+        return _describe_missing_class(message, no_class)
     if _PARSER_KEY.search(message) and "Expected a " in message:
         return _describe_bad_value(message)
     return _without_noise(message)
+
+
+def _describe_missing_class(message: str, match: re.Match[str]) -> str:
+    """``model: no class 'X'; did you mean Y?`` for a class path or short class name that imports nothing."""
+    group = _group_of(message)
+    name = match.group("name") or f"{match.group('module')}.{match.group('attr')}"
+    short = name.rpartition(".")[2]
+    module_name = _CLASS_MODULES.get(group)
+    candidates: list[str] = []
+    if module_name:
+        module = importlib.import_module(module_name)
+        candidates = [n for n in getattr(module, "__all__", dir(module)) if n[:1].isupper()]
+    where = f"{group}: " if group else ""
+    hint = f"\n  (a class of {module_name} by name, or any class by its import path)" if module_name else ""
+    return f"{where}no class {name!r}" + did_you_mean(short, candidates) + hint
 
 
 def _describe_bad_value(message: str) -> str:

@@ -140,6 +140,22 @@ def test_unrecognized_flag_gets_a_suggestion(capsys):
     assert "--max_step" in text and "did you mean --trainer.max_steps?" in text
 
 
+@pytest.mark.parametrize(
+    ("args", "group", "suggestion"),
+    [
+        (["--model", "TinyGTP"], "model", "TinyGPT"),
+        (
+            ["--data.class_path", "lightning_flce.data.PythonStdlibDataModul"],
+            "data",
+            "PythonStdlibDataModule",
+        ),
+    ],
+)
+def test_unknown_class_gets_a_suggestion(args, group, suggestion, capsys):
+    text = _fails_shortly(["fit", "--config", "default", *args, "--print_config"], capsys)
+    assert text.splitlines()[0].endswith(f"{group}: no class {args[1]!r}; did you mean {suggestion}?")
+
+
 def test_value_outside_a_literal_lists_the_choices(capsys):
     choices = _flce_option_choices("flce_logits_precision")
     assert "fp32" in choices
