@@ -47,10 +47,10 @@ def _fails_shortly(args, capsys) -> str:
     return text
 
 
-def _flce_option_choices(name: str) -> tuple[str, ...]:
-    from lightning_flce.mixin import FLCEMixin
+def _logits_precision_choices() -> tuple[str, ...]:
+    from lightning_flce.options import LogitsPrecision
 
-    return typing.get_args(typing.get_type_hints(FLCEMixin.__init__)[name])
+    return typing.get_args(LogitsPrecision)
 
 
 def _run_module(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -157,7 +157,7 @@ def test_unknown_class_gets_a_suggestion(args, group, suggestion, capsys):
 
 
 def test_value_outside_a_literal_lists_the_choices(capsys):
-    choices = _flce_option_choices("flce_logits_precision")
+    choices = _logits_precision_choices()
     assert "fp32" in choices
     text = _fails_shortly(
         ["fit", "--config", "default", "--model.init_args.flce_logits_precision", "fp33", "--print_config"],
