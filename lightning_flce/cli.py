@@ -96,9 +96,18 @@ def main(args: Optional[Union[list[str], dict[str, Any]]] = None) -> None:
     if isinstance(command, list) and command[:1] == ["configs"]:
         print(describe_bundled_configs())
         return
+    from lightning_flce.callbacks.checkpoint_identity import CheckpointModelMismatch
+    from lightning_flce.cli_errors import debug_requested
     from lightning_flce.cli_lightning import FLCELightningCLI
 
-    FLCELightningCLI(args=args)
+    try:
+        FLCELightningCLI(args=args)
+    except CheckpointModelMismatch as error:
+        # a resume into another model: the message names both models and the fix; the traceback adds nothing
+        if debug_requested():
+            raise
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 __all__ = [

@@ -66,6 +66,21 @@ def did_you_mean(name: str, candidates: Iterable[str], quote: bool = False) -> s
     return "; did you mean " + " or ".join(shown) + "?"
 
 
+def renamed_hint(key: str) -> str:
+    """``"; it was renamed to flce_lse_square_scale (...)"`` for an option name of
+    :data:`lightning_flce.deprecation.RENAMED` (with or without the mixin's ``flce_`` prefix), else ``""``. Python
+    callers still get the old names through a warning; a config must use the new one (the CLI checks the keys
+    against the signatures, which list only the new names)."""
+    from lightning_flce.deprecation import RENAMED
+
+    prefix = "flce_" if key.startswith("flce_") else ""
+    renamed = RENAMED.get(key[len(prefix) :])
+    if renamed is None:
+        return ""
+    hint = renamed.hint.format(old=key, new=prefix + renamed.new)
+    return f"; it was renamed to {prefix + renamed.new}{hint}"
+
+
 def class_options(class_path: str) -> list[str]:
     """The init arguments jsonargparse accepts for ``class_path`` under ``init_args`` (for a model with
     ``FLCEMixin`` that includes the mixin's ``flce_*`` options, which jsonargparse follows through ``**kwargs``);
@@ -136,7 +151,7 @@ def describe_parse_error(message: str, subcommand_parser: Any = None, prog: str 
         where = f"{group}.init_args.{key}" if group else key
         return (
             f"{where}: {cls.rpartition('.')[2]} has no option {key!r}"
-            + did_you_mean(key, class_options(cls))
+            + (renamed_hint(key) or did_you_mean(key, class_options(cls)))
             + f"\n  (`{prog} --{group or 'model'}.help {cls}` lists its options)"
         )
     group_not_accepted = _GROUP_NOT_ACCEPTED.search(message)

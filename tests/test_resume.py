@@ -357,6 +357,23 @@ def test_resuming_into_another_model_is_refused_before_the_weights_load(tmp_path
     assert "checkpoint: lightning_flce.models.gpt.TinyGPT" in str(other.value)
 
 
+def test_the_cli_reports_a_resume_into_another_model_in_a_few_lines(tmp_path, monkeypatch, capsys):
+    from lightning_flce.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIGHTNING_FLCE_DEBUG", raising=False)
+    _fit(tmp_path, "--trainer.max_steps=1")
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            ["fit", "--config", "default", *_small(tmp_path), "--model.init_args.d_model=32"]
+            + ["--trainer.max_steps=2", "--ckpt_path=last"]
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "lightning-flce: error:" in err and "d_model: 128 -> 32" in err
+    assert "Traceback" not in err
+
+
 def test_resuming_with_changed_hyper_parameters_warns_and_resumes(tmp_path):
     dirpath = tmp_path / "shared"
     _trainer_fit(_small_model(), dirpath, max_steps=2)
