@@ -1,5 +1,6 @@
 """LightningModule mixin that computes the LM-head loss with fused linear cross-entropy."""
 
+import abc
 import difflib
 import functools
 import inspect
@@ -67,11 +68,12 @@ class _NormalizeBeforeCallbacks(Callback):
 _Module = TypeVar("_Module")
 
 
-class _ChecksHeadWhenBuilt(type):
+class _ChecksHeadWhenBuilt(abc.ABCMeta):
     """Checks ``flce_head`` once the module is built: the mixin's ``__init__`` runs before the subclass's
     ``__init__`` creates the head, so the check runs when the outermost ``__init__`` has returned. (A wrapper
     of ``__init__`` would hide the subclasses' arguments from ``save_hyperparameters``, which reads the frames
-    of the ``__init__`` chain.)"""
+    of the ``__init__`` chain.) An ``ABCMeta``, so that a module may also derive from an ``abc.ABC`` base (a
+    class's metaclass must derive from each of its bases' metaclasses)."""
 
     def __call__(cls: type[_Module], *args: Any, **kwargs: Any) -> _Module:
         module = cast(_Module, type.__call__(cls, *args, **kwargs))

@@ -264,6 +264,32 @@ def test_a_mistyped_head_fails_when_built_with_a_suggestion():
     assert TypoLM().flce_head is None
 
 
+def test_a_module_may_also_derive_from_an_abc_base():
+    # the build-time check's metaclass derives from ABCMeta: an abstract LightningModule base still mixes in
+    import abc
+
+    class AbstractLM(pl.LightningModule, abc.ABC):
+        @abc.abstractmethod
+        def body(self): ...
+
+    class ConcreteLM(FLCEMixin, AbstractLM):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.lm_head = nn.Linear(4, 6)
+
+        def body(self):
+            return None
+
+    class StillAbstractLM(FLCEMixin, AbstractLM):
+        pass
+
+    assert ConcreteLM(flce_head="lm_head").flce_head == "lm_head"
+    with pytest.raises(AttributeError, match="did you mean flce_head='lm_head'"):
+        ConcreteLM(flce_head="lm_haed")
+    with pytest.raises(TypeError, match="abstract"):
+        StillAbstractLM()
+
+
 def test_a_head_built_in_configure_model_is_checked_at_fit_start():
     assert fit(LazyLM(flce_head="model.lm_head")).state.finished
     # the owner is None when built: not checked then; at fit start, after configure_model, it is
