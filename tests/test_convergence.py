@@ -36,8 +36,11 @@ def _one_thread():
     # two OpenMP threads on a loaded 2-core machine spin on each other and make tiny ops 100x slower
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    yield
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    level = lightning_logger.level
+    lightning_logger.setLevel(logging.ERROR)
+    yield  # both restored: a later test file may read the INFO lines
+    lightning_logger.setLevel(level)
     torch.set_num_threads(threads)
 
 

@@ -43,7 +43,11 @@ VARIANTS = {
 
 @pytest.fixture(autouse=True)
 def _quiet_lightning():
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    level = lightning_logger.level
+    lightning_logger.setLevel(logging.ERROR)
+    yield  # restored: a later test file may read the INFO lines
+    lightning_logger.setLevel(level)
 
 
 def tiny_hf(variant="llama", **kwargs):

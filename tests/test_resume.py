@@ -108,9 +108,12 @@ class Lines(logging.Handler):
 def lightning_lines():
     handler = Lines()
     logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # rank_zero_info's level, whatever an earlier test left
     logger.addHandler(handler)
     yield handler.messages
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def _small(tmp_path) -> list:
