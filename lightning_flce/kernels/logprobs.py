@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from lightning_flce.kernels import is_gradient_in_logits_rows
-from lightning_flce.kernels.cross_entropy import default_launch_config, exp_precision
+from lightning_flce.kernels.cross_entropy import LaunchConfig, default_launch_config, exp_precision
 from lightning_flce.kernels.triton_math import exp, load_transformed, log, online_lse_step, transform_backward
 
 
@@ -134,8 +134,10 @@ def logprob_row_stats_triton(
     inv_temperature: torch.Tensor,
     softcap: float,
     with_entropy: bool,
+    config: Optional[LaunchConfig] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """See :func:`lightning_flce.kernels.logprobs_torch.logprob_row_stats_torch` (fp32 outputs)."""
+    """See :func:`lightning_flce.kernels.logprobs_torch.logprob_row_stats_torch` (fp32 outputs); ``config``
+    overrides :func:`~lightning_flce.kernels.cross_entropy.default_launch_config`."""
     n_rows, vocab = logits.shape
     assert logits.stride(1) == 1, "the kernel needs unit stride along the vocabulary"
     device = logits.device
@@ -143,7 +145,7 @@ def logprob_row_stats_triton(
     lse = torch.empty(n_rows, dtype=torch.float32, device=device)
     entropy = torch.empty(n_rows if with_entropy else 0, dtype=torch.float32, device=device)
     if n_rows:
-        config = default_launch_config(vocab)
+        config = config or default_launch_config(vocab)
         inv_temperature = inv_temperature.float()
         _row_stats_kernel[(n_rows,)](
             logits,
@@ -176,8 +178,10 @@ def logprob_grad_triton(
     inv_temperature: torch.Tensor,
     softcap: float,
     grad_out: Optional[torch.Tensor] = None,
+    config: Optional[LaunchConfig] = None,
 ) -> None:
-    """See :func:`lightning_flce.kernels.logprobs_torch.logprob_grad_torch`."""
+    """See :func:`lightning_flce.kernels.logprobs_torch.logprob_grad_torch`; ``config`` as in
+    :func:`logprob_row_stats_triton`."""
     n_rows, vocab = logits.shape
     if n_rows == 0:
         return
@@ -192,7 +196,7 @@ def logprob_grad_triton(
         g, h = torch.broadcast_tensors(g, h)
         g, h = g.contiguous(), h.contiguous()
     inv_temperature = inv_temperature.float()
-    config = default_launch_config(vocab)
+    config = config or default_launch_config(vocab)
     _grad_kernel[(n_rows,)](
         logits,
         logits.stride(0),
