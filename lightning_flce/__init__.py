@@ -7,7 +7,8 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
   (``functional.py``: the API; ``options.py``: the options record; ``validation.py``: input checks;
   ``op.py``: the custom ops; ``engine.py``: the chunk engine);
 - the chunk losses (plug-ins of the engine; interface in ``chunk_loss.py``): ``losses/``;
-- reinforcement learning: :func:`fused_linear_logprobs` (``rl.py``; its custom ops in ``logprobs_op.py``);
+- reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` (``rl.py``; their custom
+  ops in ``logprobs_op.py`` and ``policy_op.py``);
 - the per-chunk kernels and their backends: ``kernels/`` (registry in ``kernels/__init__.py``);
 - the dW accumulation: ``accumulate.py``;
 - the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);
@@ -35,9 +36,11 @@ _LAZY = {
     "FLCEOptions": "lightning_flce.options",
     "FLCEOutput": "lightning_flce.functional",
     "LogProbsOutput": "lightning_flce.rl",
+    "PolicyLossOutput": "lightning_flce.rl",
     "fused_linear_cross_entropy": "lightning_flce.functional",
     "fused_linear_cross_entropy_with_stats": "lightning_flce.functional",
     "fused_linear_logprobs": "lightning_flce.rl",
+    "fused_linear_policy_loss": "lightning_flce.rl",
 }
 
 if TYPE_CHECKING:
@@ -50,7 +53,12 @@ if TYPE_CHECKING:
     from lightning_flce.head import FLCEHeadLoss
     from lightning_flce.mixin import FLCEMixin
     from lightning_flce.options import FLCEOptions
-    from lightning_flce.rl import LogProbsOutput, fused_linear_logprobs
+    from lightning_flce.rl import (
+        LogProbsOutput,
+        PolicyLossOutput,
+        fused_linear_logprobs,
+        fused_linear_policy_loss,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -70,7 +78,9 @@ __all__ = [
     "FLCEOptions",
     "FLCEOutput",
     "LogProbsOutput",
+    "PolicyLossOutput",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_with_stats",
     "fused_linear_logprobs",
+    "fused_linear_policy_loss",
 ]

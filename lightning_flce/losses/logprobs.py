@@ -3,7 +3,7 @@
 ``h = dL/dH``, the logit gradient of ``L``.
 
 Per chunk: the backend's row-statistics kernel (one read of the logits: LSE, log p, H), then
-:meth:`LogProbsChunkLoss.coefficients` (g and h per row, from the side inputs; a subclass may compute them from
+:meth:`LogProbsChunkLoss.row_terms` (g and h per row, from the side inputs; a subclass may compute them from
 log p and H: a per-token loss whose gradient is then known in the same pass), then the backend's gradient kernel
 (a second read, the gradient written in place). The backward of :func:`~lightning_flce.rl.fused_linear_logprobs`
 runs it with the upstream gradients as side inputs (the chunks recomputed, as for ``reduction="none"``).
@@ -72,11 +72,15 @@ class LogProbsChunkLoss(ChunkLoss):
             bound = bound + self.inputs["grad_entropy"].abs() * (1.0 / math.e + math.log(max(self.vocab, 2)))
         return bound * self.inputs["inv_temperature"]
 
-    def coefficients(
-        self, logprobs: Tensor, entropy: Optional[Tensor], side: Dict[str, Tensor]
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """The rows' ``(g, h)`` (``h`` None: no entropy term): here the upstream gradients."""
-        return side["grad_logprobs"], side.get("grad_entropy") if self.with_entropy else None
+    def row_terms(
+        self, logprobs: Tensor, entropy: Optional[Tensor], side: Dict[str, Tensor], compute_grad: bool
+    ) -> Tuple[Optional[Tensor], Optional[Tensor], Tuple[Tensor, ...]]:
+        """From the rows' statistics: ``(g, h, extra outputs)`` (``h`` None: no entropy term; g, h None without
+        ``compute_grad``). Here g and h are the upstream gradients; a per-token loss of (log p, H) computes them
+        (and its loss rows, as extra outputs after (logprobs, entropy))."""
+        if not compute_grad:
+            return None, None, ()
+        return side["grad_logprobs"], side.get("grad_entropy") if self.with_entropy else None, ()
 
     def __call__(
         self,
@@ -88,7 +92,7 @@ class LogProbsChunkLoss(ChunkLoss):
         compute_grad: bool,
         grad_out: Optional[Tensor],
         tile_lse=None,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
+    ) -> Tuple[Optional[Tensor], ...]:
         inv_temperature = side["inv_temperature"]
         logprobs, lse, entropy = self.kernels.logprob_row_stats(
             logits,
@@ -97,8 +101,8 @@ class LogProbsChunkLoss(ChunkLoss):
             softcap=self.softcap_value,
             with_entropy=self.with_entropy,
         )
+        grad_logprobs, grad_entropy, extra = self.row_terms(logprobs, entropy, side, compute_grad)
         if compute_grad:
-            grad_logprobs, grad_entropy = self.coefficients(logprobs, entropy, side)
             self.kernels.logprob_grad(
                 logits,
                 target,
@@ -110,4 +114,4 @@ class LogProbsChunkLoss(ChunkLoss):
                 softcap=self.softcap_value,
                 grad_out=grad_out,
             )
-        return logprobs, entropy
+        return (logprobs, entropy, *extra)
