@@ -3,7 +3,8 @@
 backward only multiplies them by grad_output (:func:`lightning_flce.engine.finish_saved_grads`).
 
 Returns the loss (the sum of the scaled per-token losses, 0-d), and each token's log-probability and entropy (no
-gradient) for the metrics. Targets and temperatures are validated with one host sync, before any kernel runs.
+gradient) for the metrics. Targets, temperatures and advantages (of the tokens that count) are validated with one
+host sync, before any kernel runs.
 """
 
 from __future__ import annotations
@@ -78,16 +79,24 @@ def _forward(*values) -> Tuple[Tensor, ...]:
             entropy_coef=a["entropy_coef"],
         )
         inv_t = a["inv_temperature"]
-        extra = [(~((inv_t > 0) & torch.isfinite(inv_t))).sum()]
+        # one host sync for the targets, the temperatures, the advantages and the fp16 bounds
+        extra = [
+            (~((inv_t > 0) & torch.isfinite(inv_t))).sum(),
+            (~torch.isfinite(a["advantages"]) & valid).sum(),
+        ]
         if any(needs) and compute_dtype == torch.float16:
             extra += fp16_bound_stats(
                 x.reshape(-1, hidden), loss, keep_scaled=True, weight_dtype=weight.dtype
             )
-        n_valid, (n_bad_temperature, *fp16_bounds) = check_targets(
+        n_valid, (n_bad_temperature, n_bad_advantages, *fp16_bounds) = check_targets(
             target, valid, vocab, a["ignore_index"], extra
         )
         if n_bad_temperature:
             raise temperature_error(inv_t)
+        if n_bad_advantages:
+            raise ValueError(
+                f"advantages must be finite: {int(n_bad_advantages)} counted token(s) have NaN or Inf"
+            )
         backend = BACKENDS[a["backend"]]
         rows = chunk_rows(
             a["chunk_size"],
