@@ -7,7 +7,7 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
   (``functional.py``: the API; ``options.py``: the options record; ``validation.py``: input checks;
   ``op.py``: the custom ops; ``engine.py``: the chunk engine);
 - the chunk losses (plug-ins of the engine; interface in ``chunk_loss.py``): ``losses/``;
-- reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` (``rl.py``; their custom
+- reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` and its module :class:`FusedLinearPolicyLoss` (``rl.py``; their custom
   ops in ``logprobs_op.py`` and ``policy_op.py``);
 - the per-chunk kernels and their backends: ``kernels/`` (registry in ``kernels/__init__.py``);
 - the dW accumulation: ``accumulate.py``;
@@ -35,6 +35,7 @@ _LAZY = {
     "FLCEMixin": "lightning_flce.mixin",
     "FLCEOptions": "lightning_flce.options",
     "FLCEOutput": "lightning_flce.functional",
+    "FusedLinearPolicyLoss": "lightning_flce.rl",
     "LogProbsOutput": "lightning_flce.rl",
     "PolicyLossOutput": "lightning_flce.rl",
     "fused_linear_cross_entropy": "lightning_flce.functional",
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from lightning_flce.mixin import FLCEMixin
     from lightning_flce.options import FLCEOptions
     from lightning_flce.rl import (
+        FusedLinearPolicyLoss,
         LogProbsOutput,
         PolicyLossOutput,
         fused_linear_logprobs,
@@ -77,6 +79,7 @@ __all__ = [
     "FLCEMixin",
     "FLCEOptions",
     "FLCEOutput",
+    "FusedLinearPolicyLoss",
     "LogProbsOutput",
     "PolicyLossOutput",
     "fused_linear_cross_entropy",

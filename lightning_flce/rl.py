@@ -9,8 +9,9 @@ the (softcapped) logits by a temperature, which the log-probabilities must match
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Dict, NamedTuple, Optional, Union
+from typing import Any, Dict, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -22,7 +23,13 @@ from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision, resol
 from lightning_flce.policy_op import flce_policy_loss
 from lightning_flce.validation import check_inputs, class_indices
 
-__all__ = ["LogProbsOutput", "PolicyLossOutput", "fused_linear_logprobs", "fused_linear_policy_loss"]
+__all__ = [
+    "FusedLinearPolicyLoss",
+    "LogProbsOutput",
+    "PolicyLossOutput",
+    "fused_linear_logprobs",
+    "fused_linear_policy_loss",
+]
 
 
 class LogProbsOutput(NamedTuple):
@@ -372,3 +379,55 @@ def _check_per_token(name: str, value: Tensor, target: Tensor, *, allow, floatin
         raise ValueError(f"{name} is on {value.device} but target is on {target.device}")
     if floating and not value.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+
+
+class FusedLinearPolicyLoss(torch.nn.Module):
+    """:func:`fused_linear_policy_loss` as a module: the loss's options (``loss_type``, the clip range, ``beta``,
+    ``entropy_coef``, ``temperature``, ``max_completion_length``, ``softcap``, ``logits_precision``, ...) set once;
+    ``forward(input, weight, target, bias=None, *, advantages, old_logprobs=None, ref_logprobs=None, mask=None,
+    token_weight=None)`` returns its :class:`PolicyLossOutput`. Options are checked when the module is built."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        per_call = {"advantages", "old_logprobs", "ref_logprobs", "mask", "token_weight"}
+        signature = inspect.signature(fused_linear_policy_loss)
+        known = {name for name, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY} - per_call
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(
+                f"FusedLinearPolicyLoss got unknown option(s) {sorted(unknown)}; options: {sorted(known)}"
+                f" (per call: {sorted(per_call)})"
+            )
+        loss_type = options.get("loss_type", "grpo")
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        self.options = options
+
+    def forward(
+        self,
+        input: Tensor,
+        weight: Tensor,
+        target: Tensor,
+        bias: Optional[Tensor] = None,
+        *,
+        advantages: Tensor,
+        old_logprobs: Optional[Tensor] = None,
+        ref_logprobs: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        token_weight: Optional[Tensor] = None,
+    ) -> PolicyLossOutput:
+        return fused_linear_policy_loss(
+            input,
+            weight,
+            target,
+            bias,
+            advantages=advantages,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            mask=mask,
+            token_weight=token_weight,
+            **self.options,
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={value!r}" for name, value in self.options.items())

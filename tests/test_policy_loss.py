@@ -277,3 +277,22 @@ def test_compiles_as_one_node():
     assert relative_error(got, want) < FP64_TOL
     for a, r in zip(grads(got, (x, w, bias)), grads(want, (x, w, bias))):
         assert relative_error(a, r) < FP64_TOL
+
+
+def test_module_wraps_the_function():
+    from lightning_flce import FusedLinearPolicyLoss
+
+    x, w, target, bias, extras = make_problem()
+    module = FusedLinearPolicyLoss(loss_type="dapo", beta=0.04, epsilon_high=0.28, temperature=0.8)
+    assert "dapo" in repr(module)
+    per_call = {name: extras[name] for name in ("old_logprobs", "ref_logprobs", "mask")}
+    out = module(x, w, target, bias, advantages=extras["advantages"], **per_call)
+    want = fused_linear_policy_loss(
+        x, w, target, bias, advantages=extras["advantages"], loss_type="dapo", beta=0.04, epsilon_high=0.28,
+        temperature=0.8, **per_call,
+    )  # fmt: skip
+    assert relative_error(out.loss, want.loss) == 0
+    with pytest.raises(TypeError, match="unknown option"):
+        FusedLinearPolicyLoss(advantages=1.0)
+    with pytest.raises(ValueError, match="loss_type"):
+        FusedLinearPolicyLoss(loss_type="gspo")
