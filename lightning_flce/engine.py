@@ -1,7 +1,7 @@
 """The chunk engine shared by every chunk loss and front end (the single-device op :mod:`lightning_flce.op`, the
 vocab-parallel op :mod:`lightning_flce.parallel.op`, the log-probabilities :mod:`lightning_flce.logprobs_op`):
-the chunk-size rule, the target check, the cross-entropy's loss scales, the chunk loop (:func:`run_chunks`),
-the fp16 gradient scaling, and the backward of the gradients computed in forward.
+the chunk-size rule, the target check, the chunk loop (:func:`run_chunks`), the fp16 gradient scaling, and the
+backward of the gradients computed in forward.
 
 Per chunk of C tokens, :func:`run_chunks` runs::
 
@@ -32,7 +32,7 @@ from torch import Tensor
 from lightning_flce._compat import TORCH_VERSION, resolved_annotations, triton_usable
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
 from lightning_flce.chunk_loss import DEFAULT_WORKSPACE_COPIES, ChunkLoss, gather_side_inputs
-from lightning_flce.kernels import LOW_PRECISION, LossOptions, gradient_in_logits_rows, softmax_dtype
+from lightning_flce.kernels import LOW_PRECISION, gradient_in_logits_rows, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
 from lightning_flce.options import WIDE_LOGITS_PRECISIONS
 
@@ -571,71 +571,6 @@ def _write_rows(dest: Tensor, rows, values: Tensor) -> None:
         dest[rows] = values.to(dest.dtype)
     else:
         dest.index_copy_(0, rows, values.to(dest.dtype))
-
-
-def loss_scales(
-    target: Tensor,
-    reduction: str,
-    ignore_index: int,
-    class_weight: Optional[Tensor],
-    token_weight: Optional[Tensor],
-    dtype: torch.dtype,
-) -> Tuple[Tensor, Tensor]:
-    """The multipliers of each token's CE and z-loss terms in ``dtype`` (the softmax dtype), computed on the
-    device (no host sync): [1] shared, or [N] with per-token weights (the shared ones times ``token_weight``:
-    every summand of a token's loss is multiplied by its weight, the normalizer stays the unweighted one).
-
-    "mean" divides CE by the summed class weight of the valid targets (the count without weights), as
-    ``F.cross_entropy`` does, and the z-loss by the count; an all-ignored batch (or a zero total weight) gets
-    0, not NaN.
-    """
-    if reduction != "mean":
-        ce_scale = z_scale = torch.ones(1, dtype=dtype, device=target.device)
-    else:
-        ce_scale, z_scale = _mean_scales(target, ignore_index, class_weight, dtype)
-    if token_weight is None:
-        return ce_scale, z_scale
-    weight = token_weight.reshape(-1).to(dtype)
-    return ce_scale * weight, z_scale * weight
-
-
-def _mean_scales(
-    target: Tensor, ignore_index: int, class_weight: Optional[Tensor], dtype: torch.dtype
-) -> Tuple[Tensor, Tensor]:
-    target = target.reshape(-1)
-    valid = target != ignore_index
-    count = valid.sum(dtype=dtype).reshape(1)
-    if class_weight is not None:
-        safe = torch.where(valid, target, 0)
-        ce_norm = (class_weight.to(dtype)[safe] * valid).sum().reshape(1)
-    else:
-        ce_norm = count
-    # A zero total weight gives 0 (F.cross_entropy gives NaN); a negative one is a valid, if odd, normalizer.
-    ce_scale = torch.where(ce_norm != 0, 1.0 / ce_norm, 0.0).to(dtype)
-    z_scale = torch.where(count > 0, 1.0 / count, 0.0).to(dtype)
-    return ce_scale, z_scale
-
-
-def kernel_options(
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    class_weight: Optional[Tensor],
-    compute_dtype: torch.dtype,
-) -> LossOptions:
-    class_weight_sum = None
-    if class_weight is not None:
-        class_weight = class_weight.to(softmax_dtype(compute_dtype)).contiguous()
-        class_weight_sum = class_weight.sum().reshape(1)
-    return LossOptions(
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale,
-        softcap=softcap,
-        class_weight=class_weight,
-        class_weight_sum=class_weight_sum,
-    )
 
 
 def balanced_chunk_rows(n_rows: int, max_rows: int, align: int) -> int:

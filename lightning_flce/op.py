@@ -34,15 +34,13 @@ from lightning_flce.engine import (
     finish_saved_grads,
     fp16_bound_stats,
     inverse_scales,
-    kernel_options,
-    loss_scales,
     run_chunks,
     saved_grad_input_dtype,
     saved_grad_weight_dtype,
     valid_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
-from lightning_flce.losses.cross_entropy import CrossEntropyChunkLoss
+from lightning_flce.losses.cross_entropy import CrossEntropyChunkLoss, kernel_options, loss_scales
 from lightning_flce.options import FLCEOptions
 
 # The arguments of lightning_flce::flce_forward, in schema order: (name, schema type). The loss options are

@@ -47,8 +47,6 @@ from lightning_flce.engine import (
     check_single_backward,
     finish_saved_grads,
     inverse_scales,
-    kernel_options,
-    loss_scales,
     run_chunks,
     target_range_error,
     valid_rows,
@@ -61,7 +59,7 @@ from lightning_flce.kernels import (
     resolve_backend,
     softmax_dtype,
 )
-from lightning_flce.losses.cross_entropy import CrossEntropyChunkLoss
+from lightning_flce.losses.cross_entropy import CrossEntropyChunkLoss, kernel_options, loss_scales
 from lightning_flce.options import (
     AccumDtype,
     FLCEOptions,
