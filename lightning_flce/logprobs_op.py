@@ -211,3 +211,41 @@ def _refuse_double_backward(ctx, *grads):
 flce_logprobs_backward.register_autograd(
     _refuse_double_backward, setup_context=lambda ctx, inputs, output: None
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOP counts (model FLOPs, as the cross-entropy op counts them: a recompute in backward is not counted)
+# ----------------------------------------------------------------------------------------------
+
+
+def gemm_flops(x_shape, weight_shape) -> int:
+    """2 N H V: one GEMM of the head."""
+    n_rows = 1
+    for dim in x_shape[:-1]:
+        n_rows *= dim
+    vocab, hidden = weight_shape
+    return 2 * n_rows * hidden * vocab
+
+
+def register_flops(packet, formula) -> None:
+    """``formula(*schema_args)`` (tensors as their shapes) as ``packet``'s FLOP formula for
+    ``torch.utils.flop_counter`` (Lightning's ``measure_flops``)."""
+    try:
+        from torch.utils import flop_counter
+    except ImportError:  # pragma: no cover - older torch
+        return
+
+    flop_counter.register_flop_formula(packet)(lambda *args, out_shape=None, **kwargs: formula(*args))
+    # torch 2.4 files custom ops' formulas under their .default overload but looks ops up by packet.
+    registry = getattr(flop_counter, "flop_registry", {})
+    if packet not in registry and packet.default in registry:
+        registry[packet] = registry[packet.default]
+
+
+register_flops(torch.ops.lightning_flce.flce_logprobs, lambda x, weight, *rest: gemm_flops(x, weight))
+register_flops(
+    torch.ops.lightning_flce.flce_logprobs_backward,
+    lambda grad_logprobs, grad_entropy, x, weight, *rest: (
+        gemm_flops(x, weight) * (int(rest[-3]) + int(rest[-2]))
+    ),
+)

@@ -27,7 +27,7 @@ from lightning_flce.engine import (
     valid_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
-from lightning_flce.logprobs_op import temperature_error
+from lightning_flce.logprobs_op import gemm_flops, register_flops, temperature_error
 from lightning_flce.losses.policy import PolicyChunkLoss
 
 _ARGS = (
@@ -188,3 +188,9 @@ def _backward(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
 
 
 flce_policy_loss.register_autograd(_backward, setup_context=_setup_context)
+
+
+register_flops(
+    torch.ops.lightning_flce.flce_policy_loss,
+    lambda *args: gemm_flops(args[0], args[1]) * (1 + int(args[-3]) + int(args[-2])),
+)

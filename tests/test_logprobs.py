@@ -387,3 +387,53 @@ def test_cuda_bf16_matches_float64(precision):
             assert (got[index].double() - want[index]).abs().max() <= 1e-5, index
     for grad, ref, plain in zip(got[2], want[2], unfused[2]):
         assert relative_error(grad, ref) <= 1.5 * relative_error(plain, ref) + 2**-9
+
+
+def test_flop_counter_counts_the_head_gemms():
+    """Forward 2 N H V; backward (dX and dW) 4 N H V; the policy loss all 6 N H V in forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_flce import fused_linear_policy_loss
+
+    b, t, h, v = 2, 8, 16, 50
+    x = torch.randn(b, t, h, requires_grad=True)
+    w = torch.randn(v, h, requires_grad=True)
+    target = torch.randint(0, v, (b, t))
+    with FlopCounterMode(display=False) as counter:
+        out = fused_linear_logprobs(x, w, target)
+    assert counter.get_total_flops() == 2 * b * t * h * v
+    with FlopCounterMode(display=False) as counter:
+        out.logprobs.sum().backward()
+    assert counter.get_total_flops() == 4 * b * t * h * v
+    with FlopCounterMode(display=False) as counter:
+        fused_linear_policy_loss(x, w, target, advantages=torch.randn(b)).loss.backward()
+    assert counter.get_total_flops() == 6 * b * t * h * v
+
+
+@pytest.mark.interpret
+def test_op_triton_path_bf16_fp32_logits():
+    """bf16 inputs with logits_precision="fp32" on the Triton backend (the logits GEMM widened on the CPU, the kernels
+    on fp32 logits writing the bf16 gradient into the logits' rows): log-probs and entropy within fp32 tolerance of
+    float64, gradients as accurate as the PyTorch backend's up to the interpreter's rounding."""
+    x, w, t, b, temperature, upstream = make_problem(
+        (24,), h=16, v=300, dtype=torch.bfloat16, bias=True, per_token_temperature=True
+    )
+    want = values_and_grads(truth(t, temperature, 4.0), x.double(), w.double(), b.double(), upstream)
+    results = {
+        impl: values_and_grads(
+            fused(t, temperature, softcap=4.0, chunk_size=8, impl=impl, logits_precision="fp32"),
+            x,
+            w,
+            b,
+            upstream,
+        )
+        for impl in ("triton", "torch")
+    }
+    got, twin = results["triton"], results["torch"]
+    for index in range(2):
+        assert relative_error(got[index], want[index]) < FP32_TOL
+    for grad, ref, other in zip(got[2], want[2], twin[2]):
+        assert grad.dtype == torch.bfloat16
+        # 2x: Triton's interpreter converts fp32 to bf16 by truncation (measured: every value of the kernel's
+        # gradient is the twin's truncated), twice round-to-nearest's error; the GPU rounds to nearest
+        assert relative_error(grad, ref) <= 2 * relative_error(other, ref) + 1e-4
