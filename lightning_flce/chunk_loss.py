@@ -20,8 +20,9 @@ needs to know of a loss it declares as data:
 - :meth:`ChunkLoss.tile_stats_suffice`: whether it can take each row's LSE and target logit from the
   compensated logits GEMM's tile statistics instead of a first pass over the logits.
 
-The cross-entropy (:mod:`lightning_flce.losses.cross_entropy`) and the per-token log-probabilities and entropy
-(:mod:`lightning_flce.losses.logprobs`) are the plug-ins so far.
+The plug-ins so far: the cross-entropy (:mod:`lightning_flce.losses.cross_entropy`), the per-token
+log-probabilities and entropy (:mod:`lightning_flce.losses.logprobs`) and the policy losses built on them
+(:mod:`lightning_flce.losses.policy`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The chunk engine shared by every chunk loss and front end (the single-device op :mod:`lightning_flce.op`, the
-vocab-parallel op :mod:`lightning_flce.parallel.op`, the log-probabilities :mod:`lightning_flce.logprobs_op`):
+vocab-parallel op :mod:`lightning_flce.parallel.op`, the RL ops :mod:`lightning_flce.logprobs_op` and
+:mod:`lightning_flce.policy_op`):
 the chunk-size rule, the target check, the chunk loop (:func:`run_chunks`), the fp16 gradient scaling, and the
 backward of the gradients computed in forward.
 
@@ -14,7 +15,8 @@ Per chunk of C tokens, :func:`run_chunks` runs::
 where ``loss`` is a :class:`~lightning_flce.chunk_loss.ChunkLoss` (the plug-in interface: its per-token side
 inputs ``side_c`` gathered for the chunk's rows, its named per-token outputs, its workspace and fp16 bound);
 :mod:`lightning_flce.losses` has the cross-entropy (a backend's chunk kernel on the whole vocabulary, or the
-vocab-parallel softmax around its all-reduces) and the log-probabilities. The cross-entropy's row loss is
+vocab-parallel softmax around its all-reduces), the log-probabilities and the policy losses. The cross-entropy's
+row loss is
 ``ce_scale * ce + z_scale * z-loss`` with ``ce_scale``/``z_scale`` of shape [1] (shared) or [N] (per token): one
 kernel serves "mean" (1 / the normalizer), "sum" (1), per-token weights (the weights times those), and the
 per-token grad_output of "none"'s backward.
@@ -298,7 +300,7 @@ def run_chunks(
     grad_weight_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Optional[Tensor], ...]:
     """The chunk loop shared by every chunk loss and front end (:mod:`lightning_flce.op`,
-    :mod:`lightning_flce.parallel`, :mod:`lightning_flce.logprobs_op`).
+    :mod:`lightning_flce.parallel`, :mod:`lightning_flce.logprobs_op`, :mod:`lightning_flce.policy_op`).
 
     Over chunks of the ``rows`` that carry a loss (all rows when None): logits GEMM into one reused
     buffer, the chunk loss ``loss(logits, target, rows, side, compute_grad=, grad_out=)`` (a
