@@ -7,8 +7,8 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
   (``functional.py``: the API; ``options.py``: the options record; ``validation.py``: input checks;
   ``op.py``: the custom ops; ``engine.py``: the chunk engine);
 - the chunk losses (plug-ins of the engine; interface in ``chunk_loss.py``): ``losses/``;
-- reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` and its module :class:`FusedLinearPolicyLoss` (``rl.py``; their custom
-  ops in ``logprobs_op.py`` and ``policy_op.py``);
+- reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` and its module
+  :class:`FusedLinearPolicyLoss` (``rl/``: the APIs and their custom ops);
 - the per-chunk kernels and their backends: ``kernels/`` (registry in ``kernels/__init__.py``);
 - the dW accumulation: ``accumulate.py``;
 - the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);

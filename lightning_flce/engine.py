@@ -1,6 +1,6 @@
 """The chunk engine shared by every chunk loss and front end (the single-device op :mod:`lightning_flce.op`, the
-vocab-parallel op :mod:`lightning_flce.parallel.op`, the RL ops :mod:`lightning_flce.logprobs_op` and
-:mod:`lightning_flce.policy_op`):
+vocab-parallel op :mod:`lightning_flce.parallel.op`, the RL ops :mod:`lightning_flce.rl.logprobs_op` and
+:mod:`lightning_flce.rl.policy_op`):
 the chunk-size rule, the target check, the chunk loop (:func:`run_chunks`), the fp16 gradient scaling, and the
 backward of the gradients computed in forward.
 
@@ -300,7 +300,7 @@ def run_chunks(
     grad_weight_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Optional[Tensor], ...]:
     """The chunk loop shared by every chunk loss and front end (:mod:`lightning_flce.op`,
-    :mod:`lightning_flce.parallel`, :mod:`lightning_flce.logprobs_op`, :mod:`lightning_flce.policy_op`).
+    :mod:`lightning_flce.parallel`, :mod:`lightning_flce.rl.logprobs_op`, :mod:`lightning_flce.rl.policy_op`).
 
     Over chunks of the ``rows`` that carry a loss (all rows when None): logits GEMM into one reused
     buffer, the chunk loss ``loss(logits, target, rows, side, compute_grad=, grad_out=)`` (a

@@ -219,7 +219,7 @@ def test_all_ignored_and_no_grad():
 )
 def test_bad_temperature_raises_before_any_kernel(monkeypatch, temperature, error, message):
     import lightning_flce.engine as engine
-    import lightning_flce.logprobs_op as logprobs_op
+    import lightning_flce.rl.logprobs_op as logprobs_op
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel ran")

@@ -216,7 +216,7 @@ def test_backward_twice_raises_and_grad_output_scales():
     ],
 )
 def test_bad_input_raises_before_any_kernel(monkeypatch, change, error, message):
-    import lightning_flce.policy_op as policy_op
+    import lightning_flce.rl.policy_op as policy_op
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel ran")

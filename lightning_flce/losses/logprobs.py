@@ -5,7 +5,7 @@
 Per chunk: the backend's row-statistics kernel (one read of the logits: LSE, log p, H), then
 :meth:`LogProbsChunkLoss.row_terms` (g and h per row, from the side inputs; a subclass may compute them from
 log p and H: a per-token loss whose gradient is then known in the same pass), then the backend's gradient kernel
-(a second read, the gradient written in place). The backward of :func:`~lightning_flce.rl.fused_linear_logprobs`
+(a second read, the gradient written in place). The backward of :func:`~lightning_flce.rl.logprobs.fused_linear_logprobs`
 runs it with the upstream gradients as side inputs (the chunks recomputed, as for ``reduction="none"``).
 """
 

@@ -27,8 +27,8 @@ from lightning_flce.engine import (
     valid_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
-from lightning_flce.logprobs_op import gemm_flops, register_flops, temperature_error
 from lightning_flce.losses.policy import PolicyChunkLoss
+from lightning_flce.rl.logprobs_op import gemm_flops, register_flops, temperature_error
 
 _ARGS = (
     "Tensor x, Tensor weight, Tensor target, Tensor? bias, Tensor inv_temperature, Tensor advantages,"
