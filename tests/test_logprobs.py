@@ -215,6 +215,7 @@ def test_all_ignored_and_no_grad():
         (torch.ones(12, dtype=torch.int64), TypeError, "floating-point"),
         (torch.tensor([1.0] * 11 + [0.0]), ValueError, "positive and finite"),
         (torch.tensor([1.0] * 11 + [float("nan")]), ValueError, "positive and finite"),
+        (torch.ones(12, device="meta"), ValueError, "is on meta but target is on cpu"),
     ],
 )
 def test_bad_temperature_raises_before_any_kernel(monkeypatch, temperature, error, message):
