@@ -232,6 +232,16 @@ def test_bad_temperature_raises_before_any_kernel(monkeypatch, temperature, erro
         fused_linear_logprobs(x, w, t, temperature=temperature)
 
 
+def test_temperature_of_ignored_positions_is_not_checked():
+    """Padding may hold any temperature (0 here): only the tokens that count are checked."""
+    x, w, t, _, temperature, upstream = make_problem((12,), dtype=torch.float64, per_token_temperature=True)
+    temperature = torch.where(t == IGNORE, 0.0, temperature)
+    got = values_and_grads(fused(t, temperature), x, w, None, upstream)
+    want = values_and_grads(truth(t, torch.where(t == IGNORE, 1.0, temperature), None), x, w, None, upstream)
+    for a, r in zip([*got[:2], *got[2][:2]], [*want[:2], *want[2][:2]]):
+        assert relative_error(a, r) < FP64_TOL
+
+
 def test_bad_targets_and_options_raise():
     x, w, t, *_ = make_problem((12,), v=300)
     with pytest.raises(ValueError, match=r"outside \[0, 300\)"):

@@ -15,6 +15,7 @@ import math
 import types
 from typing import Dict, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from lightning_flce.chunk_loss import ChunkLoss, OutputSpec
@@ -70,7 +71,10 @@ class LogProbsChunkLoss(ChunkLoss):
         bound = self.inputs["grad_logprobs"].abs()
         if "grad_entropy" in self.inputs:
             bound = bound + self.inputs["grad_entropy"].abs() * (1.0 / math.e + math.log(max(self.vocab, 2)))
-        return bound * self.inputs["inv_temperature"]
+        bound = bound * self.inputs["inv_temperature"]
+        # rows that carry no loss may hold any temperature (padding); a valid one that is not finite raises in the
+        # same host sync
+        return torch.where(torch.isfinite(bound), bound, 0.0)
 
     def row_terms(
         self, logprobs: Tensor, entropy: Optional[Tensor], side: Dict[str, Tensor], compute_grad: bool

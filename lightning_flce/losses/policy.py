@@ -118,7 +118,8 @@ class PolicyChunkLoss(LogProbsChunkLoss):
         )
         bound = inputs["advantages"].abs() * ratio_bound + 2.0 * abs(terms["beta"])
         bound = bound + abs(terms["entropy_coef"]) * (1.0 / math.e + math.log(max(self.vocab, 2)))
-        return bound * inputs["token_scale"].abs() * inputs["inv_temperature"]
+        bound = bound * inputs["token_scale"].abs() * inputs["inv_temperature"]
+        return torch.where(torch.isfinite(bound), bound, 0.0)  # rows that carry no loss: any temperature
 
     def row_terms(
         self, logprobs: Tensor, entropy: Optional[Tensor], side: Dict[str, Tensor], compute_grad: bool

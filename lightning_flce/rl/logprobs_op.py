@@ -31,10 +31,16 @@ def _n_rows(x: Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
-def temperature_error(inv_temperature: Tensor) -> ValueError:
-    """The error for temperatures that are not positive and finite (a host sync; ``inv_temperature`` = 1 / T)."""
-    temperature = 1.0 / inv_temperature.double()
-    bad = temperature[~((inv_temperature > 0) & torch.isfinite(inv_temperature))]
+def bad_temperatures(inv_temperature: Tensor, valid: Tensor) -> Tensor:
+    """Where a temperature is not positive and finite (``inv_temperature`` = 1 / T, [1] or [N]); a per-token one
+    only where the token counts (``valid``: padding may hold anything)."""
+    bad = ~((inv_temperature > 0) & torch.isfinite(inv_temperature))
+    return bad & valid if bad.numel() > 1 else bad
+
+
+def temperature_error(inv_temperature: Tensor, valid: Tensor) -> ValueError:
+    """The error for :func:`bad_temperatures` (a host sync)."""
+    bad = (1.0 / inv_temperature.double())[bad_temperatures(inv_temperature, valid)]
     return ValueError(
         f"temperature must be positive and finite, got {bad.numel()} value(s) that are not, e.g. {bad[:5].tolist()}"
     )
@@ -76,13 +82,12 @@ def _run(
         grad_entropy=grad_entropy,
     )
     compute_grad = need_grad_input or need_grad_weight or need_grad_bias
-    bad_temperature = (~((inv_temperature > 0) & torch.isfinite(inv_temperature))).sum()
-    extra = [bad_temperature]
+    extra = [bad_temperatures(inv_temperature, valid).sum()]
     if compute_grad and compute_dtype == torch.float16:
         extra += fp16_bound_stats(x.reshape(-1, hidden), loss, keep_scaled=False, weight_dtype=weight.dtype)
     n_valid, (n_bad_temperature, *fp16_bounds) = check_targets(target, valid, vocab, ignore_index, extra)
     if n_bad_temperature:
-        raise temperature_error(inv_temperature)
+        raise temperature_error(inv_temperature, valid)
     rows = chunk_rows(
         chunk_size,
         _n_rows(x),

@@ -28,7 +28,7 @@ from lightning_flce.engine import (
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.policy import PolicyChunkLoss
-from lightning_flce.rl.logprobs_op import gemm_flops, register_flops, temperature_error
+from lightning_flce.rl.logprobs_op import bad_temperatures, gemm_flops, register_flops, temperature_error
 
 _ARGS = (
     "Tensor x, Tensor weight, Tensor target, Tensor? bias, Tensor inv_temperature, Tensor advantages,"
@@ -81,7 +81,7 @@ def _forward(*values) -> Tuple[Tensor, ...]:
         inv_t = a["inv_temperature"]
         # one host sync for the targets, the temperatures, the advantages and the fp16 bounds
         extra = [
-            (~((inv_t > 0) & torch.isfinite(inv_t))).sum(),
+            bad_temperatures(inv_t, valid).sum(),
             (~torch.isfinite(a["advantages"]) & valid).sum(),
         ]
         if any(needs) and compute_dtype == torch.float16:
@@ -92,7 +92,7 @@ def _forward(*values) -> Tuple[Tensor, ...]:
             target, valid, vocab, a["ignore_index"], extra
         )
         if n_bad_temperature:
-            raise temperature_error(inv_t)
+            raise temperature_error(inv_t, valid)
         if n_bad_advantages:
             raise ValueError(
                 f"advantages must be finite: {int(n_bad_advantages)} counted token(s) have NaN or Inf"
