@@ -194,8 +194,11 @@ def test_backward_twice_raises_and_grad_output_scales():
     (3.0 * out.loss).backward(retain_graph=True)
     want = grads(3.0 * reference_loss(x, w, target, bias, **kwargs), (x,))[0]
     assert relative_error(x.grad, want) < FP64_TOL
-    with pytest.raises(RuntimeError, match="twice"):
+    with pytest.raises(RuntimeError, match="twice through the same fused_linear_policy_loss"):
         out.loss.backward()
+    out = fused_linear_policy_loss(x, w, target, bias, **kwargs)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.loss, x, create_graph=True)
 
 
 @pytest.mark.parametrize(

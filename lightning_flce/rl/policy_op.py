@@ -15,7 +15,6 @@ import torch
 from torch import Tensor
 
 from lightning_flce.engine import (
-    check_single_backward,
     check_targets,
     chunk_rows,
     finish_saved_grads,
@@ -178,13 +177,29 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
     grads = dict.fromkeys(_NAMES)
     if grad_loss is not None:
-        check_single_backward(ctx)
+        _check_single_backward(ctx)
         *saved, inverse = ctx.saved_tensors
         gx, gw, gb = finish_saved_grads(saved, ctx.final_dtypes, grad_loss, inverse)
         grads["x"] = gx if ctx.needs[0] else None
         grads["weight"] = gw if ctx.needs[1] else None
         grads["bias"] = gb if ctx.needs[2] else None
     return tuple(grads.values())
+
+
+def _check_single_backward(ctx) -> None:
+    """The gradients computed in forward are scaled in place and handed out once, and carry no graph."""
+    if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
+        raise RuntimeError(
+            "fused_linear_policy_loss does not support double backward (create_graph=True): its gradients are"
+            " computed in forward, without a graph"
+        )
+    if getattr(ctx, "grads_handed_out", False):
+        raise RuntimeError(
+            "backward ran twice through the same fused_linear_policy_loss call: it computes the gradients in forward"
+            " and hands them out once (scaled in place). Call the loss again, or build the loss on"
+            " fused_linear_logprobs (its backward recomputes the chunks) for retain_graph or repeated autograd.grad"
+        )
+    ctx.grads_handed_out = True
 
 
 flce_policy_loss.register_autograd(_backward, setup_context=_setup_context)
