@@ -6,6 +6,9 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 - the op: :func:`fused_linear_cross_entropy`, :func:`fused_linear_cross_entropy_with_stats`
   (``functional.py``: the API; ``options.py``: the options record; ``validation.py``: input checks;
   ``op.py``: the custom ops; ``engine.py``: the chunk engine);
+- the chunk losses (plug-ins of the engine; interface in ``chunk_loss.py``): ``losses/``;
+- reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` and its module
+  :class:`FusedLinearPolicyLoss` (``rl/``: the APIs and their custom ops);
 - the per-chunk kernels and their backends: ``kernels/`` (registry in ``kernels/__init__.py``);
 - the dW accumulation: ``accumulate.py``;
 - the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);
@@ -32,8 +35,13 @@ _LAZY = {
     "FLCEMixin": "lightning_flce.mixin",
     "FLCEOptions": "lightning_flce.options",
     "FLCEOutput": "lightning_flce.functional",
+    "FusedLinearPolicyLoss": "lightning_flce.rl",
+    "LogProbsOutput": "lightning_flce.rl",
+    "PolicyLossOutput": "lightning_flce.rl",
     "fused_linear_cross_entropy": "lightning_flce.functional",
     "fused_linear_cross_entropy_with_stats": "lightning_flce.functional",
+    "fused_linear_logprobs": "lightning_flce.rl",
+    "fused_linear_policy_loss": "lightning_flce.rl",
 }
 
 if TYPE_CHECKING:
@@ -46,6 +54,13 @@ if TYPE_CHECKING:
     from lightning_flce.head import FLCEHeadLoss
     from lightning_flce.mixin import FLCEMixin
     from lightning_flce.options import FLCEOptions
+    from lightning_flce.rl import (
+        FusedLinearPolicyLoss,
+        LogProbsOutput,
+        PolicyLossOutput,
+        fused_linear_logprobs,
+        fused_linear_policy_loss,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -64,6 +79,11 @@ __all__ = [
     "FLCEMixin",
     "FLCEOptions",
     "FLCEOutput",
+    "FusedLinearPolicyLoss",
+    "LogProbsOutput",
+    "PolicyLossOutput",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_with_stats",
+    "fused_linear_logprobs",
+    "fused_linear_policy_loss",
 ]

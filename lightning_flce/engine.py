@@ -1,20 +1,25 @@
-"""The chunk engine shared by the single-device op (:mod:`lightning_flce.op`) and the vocab-parallel op
-(:mod:`lightning_flce.parallel.op`): the chunk-size rule, the target check, the loss scales, the chunk loop
-(:func:`run_chunks`), the fp16 gradient scaling, and the backward of the gradients computed in forward.
+"""The chunk engine shared by every chunk loss and front end (the single-device op :mod:`lightning_flce.op`, the
+vocab-parallel op :mod:`lightning_flce.parallel.op`, the RL ops :mod:`lightning_flce.rl.logprobs_op` and
+:mod:`lightning_flce.rl.policy_op`):
+the chunk-size rule, the target check, the chunk loop (:func:`run_chunks`), the fp16 gradient scaling, and the
+backward of the gradients computed in forward.
 
 Per chunk of C tokens, :func:`run_chunks` runs::
 
     logits = x_c @ W.T (+ b)                      # [C, V] in the compute dtype, one reused buffer
-    chunk_cross_entropy(logits) -> loss rows, LSE; logits := d loss / d logits
+    loss(logits, target_c, rows_c, side_c) -> per-row outputs; logits := d loss / d logits
     dX_c = logits @ W                              # written into grad_input
     dW (+)= logits.T @ x_c                         # lightning_flce.accumulate, no [V, H] temporary
     db += logits.sum(0)
 
-where ``chunk_cross_entropy`` is the front end's: a backend's chunk kernel on the whole vocabulary, or the
-vocab-parallel softmax around its all-reduces. Each row's loss is ``ce_scale * ce + z_scale * z-loss``
-with ``ce_scale``/``z_scale`` of shape [1] (shared) or [N] (per token): one kernel serves "mean" (1 / the
-normalizer), "sum" (1), per-token weights (the weights times those), and the per-token grad_output of
-"none"'s backward.
+where ``loss`` is a :class:`~lightning_flce.chunk_loss.ChunkLoss` (the plug-in interface: its per-token side
+inputs ``side_c`` gathered for the chunk's rows, its named per-token outputs, its workspace and fp16 bound);
+:mod:`lightning_flce.losses` has the cross-entropy (a backend's chunk kernel on the whole vocabulary, or the
+vocab-parallel softmax around its all-reduces), the log-probabilities and the policy losses. The cross-entropy's
+row loss is
+``ce_scale * ce + z_scale * z-loss`` with ``ce_scale``/``z_scale`` of shape [1] (shared) or [N] (per token): one
+kernel serves "mean" (1 / the normalizer), "sum" (1), per-token weights (the weights times those), and the
+per-token grad_output of "none"'s backward.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from torch import Tensor
 
 from lightning_flce._compat import TORCH_VERSION, resolved_annotations, triton_usable
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
-from lightning_flce.kernels import LOW_PRECISION, LossOptions, gradient_in_logits_rows, softmax_dtype
+from lightning_flce.chunk_loss import DEFAULT_WORKSPACE_COPIES, ChunkLoss, gather_side_inputs
+from lightning_flce.kernels import LOW_PRECISION, gradient_in_logits_rows, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
 from lightning_flce.options import WIDE_LOGITS_PRECISIONS
 
@@ -43,10 +49,9 @@ _CHUNK_ALIGN = 64
 # quarter-floor rule showed it as the largest loss (results/*_run8_*: dW 30% over its FLOP floor).
 _MIN_TRITON_CHUNK_ROWS = 4096
 _FLOOR_LIMITED_ALIGN = 256
-# The PyTorch path works on about three copies of a chunk in the softmax dtype (fp32, or fp64), and needs
-# larger chunks than the GPU to keep its GEMMs efficient (CPU, 4096x1024x32000 fp32: 64-row chunks run 1.4x
-# slower than 320-row ones).
-_TORCH_PATH_COPIES = 3
+# The PyTorch path works on a few copies of a chunk in the softmax dtype (fp32, or fp64; the chunk loss's
+# workspace_copies), and needs larger chunks than the GPU to keep its GEMMs efficient (CPU, 4096x1024x32000
+# fp32: 64-row chunks run 1.4x slower than 320-row ones).
 _TORCH_PATH_MIN_CHUNK_BYTES = 128 * _MiB
 # fp16 logit gradients. d loss / d logit is ~ p / N for "mean": below fp16's smallest subnormal (6e-8)
 # once N V > 2^24, so it would flush to zero, and torch's GradScaler cannot help (its scale reaches only
@@ -57,8 +62,6 @@ _FP16_LOGIT_GRAD_MAX = 2.0**10
 # fp16 gradients returned through backward are stored pre-multiplied by a power of two (backward divides
 # it out while it multiplies by grad_output), sized so their bound stays at or below this.
 _FP16_STORED_GRAD_MAX = 2.0**14
-# The z-loss gradient 2 lam lse p is bounded assuming |lse| <= this (the headroom covers far more).
-_Z_LOSS_LSE_BOUND = 64.0
 #: ``logits_precision="fp32_compensated"`` on the Triton path with the fp32 buffer (:data:`RELATIVE_16BIT_LOGITS`
 #: off): the logits GEMM's epilogue writes each row's
 #: log-sum-exp partials over its column tiles (:class:`~lightning_flce.kernels.compensated_gemm.TileLse`) and
@@ -96,27 +99,35 @@ def tile_stats_suffice(gemm_mode: Optional[str], label_smoothing: float, compute
 def relative_16bit_logits(
     gemm_mode: Optional[str], vocab: int, label_smoothing: float, compute_stats: bool
 ) -> bool:
-    """Whether the chunk's buffer holds :data:`RELATIVE_16BIT_LOGITS`' 16-bit relative logits (the op's rule; the
-    memory callback's model asks it too)."""
-    return (
-        RELATIVE_16BIT_LOGITS
-        and vocab >= RELATIVE_MIN_VOCAB
-        and tile_stats_suffice(gemm_mode, label_smoothing, compute_stats)
-    )
+    """Whether the cross-entropy's chunk buffer holds :data:`RELATIVE_16BIT_LOGITS`' 16-bit relative logits (the
+    memory callback's model asks it; the engine asks :func:`_relative_logits` with the chunk loss's answer)."""
+    return _relative_logits(tile_stats_suffice(gemm_mode, label_smoothing, compute_stats), vocab)
 
 
-def default_chunk_size(n_rows: int, vocab: int, hidden: int, itemsize: int, large_chunks: bool) -> int:
+def _relative_logits(tiles_suffice: bool, vocab: int) -> bool:
+    return RELATIVE_16BIT_LOGITS and vocab >= RELATIVE_MIN_VOCAB and tiles_suffice
+
+
+def default_chunk_size(
+    n_rows: int,
+    vocab: int,
+    hidden: int,
+    itemsize: int,
+    large_chunks: bool,
+    workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
+) -> int:
     """Tokens per chunk.
 
     The chunk's logits get a quarter of the memory floor (dX + dW). With ``large_chunks`` (a backend whose
     softmax works in place, on the GPU) a chunk gets at least ``_MIN_TRITON_CHUNK_ROWS`` rows as long as its logits stay within the floor itself, so the per-chunk
     dW accumulator traffic stays small next to the GEMMs; peak extra memory is then at most about the
-    floor for the logits plus the accumulator (see ``accum_dtype``).
+    floor for the logits plus the accumulator (see ``accum_dtype``). Otherwise a row costs the chunk loss's
+    ``workspace_copies`` of the logits in the softmax dtype (its PyTorch twin's workspace).
     """
     floor_bytes = (n_rows + vocab) * hidden * itemsize
     min_bytes = _MIN_CHUNK_BYTES if large_chunks else _TORCH_PATH_MIN_CHUNK_BYTES
     budget = max(floor_bytes // 4, min_bytes)
-    bytes_per_row = vocab * (itemsize if large_chunks else _TORCH_PATH_COPIES * max(itemsize, 4))
+    bytes_per_row = vocab * (itemsize if large_chunks else workspace_copies * max(itemsize, 4))
     align = _CHUNK_ALIGN
     wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row
     if large_chunks and wanted > budget:
@@ -139,6 +150,7 @@ def chunk_rows(
     hidden: int,
     compute_dtype: torch.dtype,
     large_chunks: bool,
+    workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
 ) -> int:
     """Rows per chunk: a user's ``chunk_size`` as given; else :func:`default_chunk_size` of the call's shape
     (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
@@ -149,7 +161,7 @@ def chunk_rows(
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    max_rows = default_chunk_size(n_rows, vocab, hidden, itemsize, large_chunks)
+    max_rows = default_chunk_size(n_rows, vocab, hidden, itemsize, large_chunks, workspace_copies)
     align = _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN
     return balanced_chunk_rows(n_valid, max_rows, align)
 
@@ -218,23 +230,17 @@ def _pow2_at_most(value: float) -> float:
 
 def fp16_bound_stats(
     x2: Tensor,
-    options: LossOptions,
-    ce_scale: Tensor,
-    z_scale: Tensor,
+    loss: ChunkLoss,
     *,
     keep_scaled: bool,
     weight_dtype: torch.dtype,
 ) -> List[Tensor]:
-    """The device-side inputs of :func:`_fp16_grad_scales` (0-d fp32): the largest per-token bound ``b``,
-    the sum of the per-token bounds (for a shared scale: ``b`` once), and max|x| when dW is stored scaled
-    (``keep_scaled`` with an fp16 weight).
-
-    Per token, every logit-gradient element is at most ``b = |ce_scale| w_max + |z_scale| 2 lam L`` and a
-    row's elements sum to at most ``2 b`` (softmax minus one-hot).
+    """The device-side inputs of :func:`_fp16_grad_scales` (0-d fp32): the largest per-token bound ``b``
+    (:meth:`~lightning_flce.chunk_loss.ChunkLoss.fp16_logit_grad_bound`: every logit-gradient element of the
+    token is at most ``b``, and a row's elements sum to at most ``2 b``), the sum of the per-token bounds (for a
+    shared bound: ``b`` once), and max|x| when dW is stored scaled (``keep_scaled`` with an fp16 weight).
     """
-    w_max = options.class_weight.abs().max() if options.class_weight is not None else 1.0
-    z_bound = 2.0 * options.lse_square_scale * _Z_LOSS_LSE_BOUND
-    token_bound = (ce_scale.abs() * w_max + z_scale.abs() * z_bound).float()
+    token_bound = loss.fp16_logit_grad_bound().float()
     if token_bound.numel() == 0:  # per-token scales of an empty batch ("none" backward)
         token_bound = token_bound.new_zeros(1)
     stats = [token_bound.max(), token_bound.sum()]
@@ -276,19 +282,15 @@ def run_chunks(
     weight: Tensor,
     target: Tensor,
     bias: Optional[Tensor],
-    chunk_cross_entropy,
-    options: LossOptions,
+    loss: ChunkLoss,
     *,
     rows: Optional[Tensor],
     n_valid: int,
     chunk_size: int,
-    ce_scale: Tensor,
-    z_scale: Tensor,
     compute_dtype: torch.dtype,
     need_grad_input: bool,
     need_grad_weight: bool,
     need_grad_bias: bool,
-    compute_stats: bool,
     accum_dtype: Optional[torch.dtype],
     logits_precision: str = "input",
     triton_logits_gemm: bool = False,
@@ -296,29 +298,30 @@ def run_chunks(
     keep_scaled: bool = False,
     fp16_bounds: Optional[Sequence[float]] = None,
     grad_weight_dtype: Optional[torch.dtype] = None,
-    chunk_lse_from_tiles: bool = False,
 ) -> Tuple[Optional[Tensor], ...]:
-    """The chunk loop shared by the op and its vocab-parallel variant (:mod:`lightning_flce.parallel`).
+    """The chunk loop shared by every chunk loss and front end (:mod:`lightning_flce.op`,
+    :mod:`lightning_flce.parallel`, :mod:`lightning_flce.rl.logprobs_op`, :mod:`lightning_flce.rl.policy_op`).
 
     Over chunks of the ``rows`` that carry a loss (all rows when None): logits GEMM into one reused
-    buffer, ``chunk_cross_entropy(logits, target, ce_scale, z_scale, compute_grad, grad_out) -> ChunkOutputs``
-    (which overwrites the logits with their gradient), then dX rows, the dW accumulation and d bias.
+    buffer, the chunk loss ``loss(logits, target, rows, side, compute_grad=, grad_out=)`` (a
+    :class:`~lightning_flce.chunk_loss.ChunkLoss`: it returns its per-row outputs and overwrites the logits
+    with their gradient), then dX rows, the dW accumulation and d bias.
 
-    Returns per-token loss/LSE/stats [N] (0 for ignored rows), the gradients: dX [N, H] in
-    ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for, and their
-    :class:`GradScales`. Per-token results are in :func:`~lightning_flce.kernels.softmax_dtype` of
-    ``compute_dtype``, and so are ``ce_scale``/``z_scale``: [1] (shared) or [N] (per token). ``accum_dtype``
+    Returns the loss's per-token outputs ([N] each in the order of ``loss.outputs()``, 0 for rows that carry
+    no loss; empty for inactive ones), the gradients: dX [N, H] in ``grad_input_dtype``, dW in the weight's
+    dtype, d bias; None for those not asked for, and their :class:`GradScales`. Per-token outputs whose spec
+    has no dtype are in :func:`~lightning_flce.kernels.softmax_dtype` of ``compute_dtype``. ``accum_dtype``
     is dW's accumulator dtype, None for the automatic choice (see :func:`accumulator_dtype`).
-    With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``); ``keep_scaled`` returns
+    With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``; the loss's
+    ``linear_inputs`` carry the factor); ``keep_scaled`` returns
     the gradients kept or returned in fp16 (dX: x's dtype or ``grad_input_dtype``, which may be wider for
     a later reduction or narrower for backward to widen) pre-multiplied by the scales in :class:`GradScales`
     (for a backward that multiplies them by grad_output anyway), otherwise every gradient is returned
     unscaled. ``fp16_bounds``: the values of :func:`fp16_bound_stats`, when the caller has read them
     already. ``grad_weight_dtype``: dW's accumulator dtype, returned as it is (no cast to the weight's
     dtype; see :func:`saved_grad_weight_dtype`). ``triton_logits_gemm``: the chunk kernels are the "triton"
-    backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`).
-    ``chunk_lse_from_tiles``: ``chunk_cross_entropy`` takes a ``tile_lse=`` keyword (the Triton chunk kernel's),
-    so with :data:`LSE_FROM_LOGITS_GEMM` that GEMM's LSE partials may replace the kernel's first pass.
+    backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`),
+    and where ``loss.tile_stats_suffice()`` its tile statistics may replace the chunk kernel's first pass.
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -342,43 +345,45 @@ def run_chunks(
         else None
     )
     # The GEMM's LSE partials (and target logits) for the chunk kernel, where it needs nothing else of the logits.
-    gemm_mode = logits_gemm.mode if logits_gemm is not None and chunk_lse_from_tiles else None
-    tiles_suffice = tile_stats_suffice(gemm_mode, options.label_smoothing, compute_stats)
-    relative_logits = relative_16bit_logits(gemm_mode, vocab, options.label_smoothing, compute_stats)
+    gemm_mode = logits_gemm.mode if logits_gemm is not None else None
+    tiles_suffice = gemm_mode == "triton" and loss.tile_stats_suffice()
+    relative_logits = _relative_logits(tiles_suffice, vocab)
     logits_dtype = torch.float32 if wide_logits and not relative_logits else compute_dtype
-    per_row_scale = ce_scale.numel() > 1
     # One buffer for the largest chunk (rows x V / 128 x 8 bytes: 1/64 of the fp32 logits at 128-wide tiles, plus
     # 4 bytes a row for the target logits), sliced per chunk.
     tile_lse = None
     if tiles_suffice and (relative_logits or LSE_FROM_LOGITS_GEMM):
         tile_lse = logits_gemm.empty_tile_lse(
-            min(chunk_size, n_valid), vocab, softcap=options.softcap, with_target_logit=relative_logits
+            min(chunk_size, n_valid), vocab, softcap=loss.softcap, with_target_logit=relative_logits
         )
 
     loss_dtype = softmax_dtype(compute_dtype)
-    loss = torch.zeros(n_rows, dtype=loss_dtype, device=device)
-    lse = torch.zeros(n_rows, dtype=loss_dtype, device=device)
-    correct = torch.zeros(n_rows if compute_stats else 0, dtype=torch.bool, device=device)
-    entropy = torch.zeros(n_rows if compute_stats else 0, dtype=loss_dtype, device=device)
+    specs = loss.outputs()
+    outputs = [
+        torch.zeros(n_rows if spec.active else 0, dtype=spec.dtype or loss_dtype, device=device)
+        for spec in specs
+    ]
+    active_outputs = [i for i, spec in enumerate(specs) if spec.active]
     compute_grad = need_grad_input or need_grad_weight or need_grad_bias
+    side = loss.side_inputs()
+    per_token_inputs = tuple(name for name, value in side.items() if value.numel() > 1)
     scales = GradScales()
     if compute_grad and compute_dtype == torch.float16:
         if fp16_bounds is None:  # one host sync (the op passes them in, read with its target check)
-            stats = fp16_bound_stats(
-                x2, options, ce_scale, z_scale, keep_scaled=keep_scaled, weight_dtype=weight.dtype
-            )
+            stats = fp16_bound_stats(x2, loss, keep_scaled=keep_scaled, weight_dtype=weight.dtype)
             fp16_bounds = torch.stack(stats).tolist()
         scales = _fp16_grad_scales(
             fp16_bounds,
             n_valid,
-            per_row_scale,
+            any(name in per_token_inputs for name in loss.linear_inputs),
             keep_scaled=keep_scaled,
             grad_input_fp16=torch.float16 in (x.dtype, grad_input_dtype),
             bias_dtype=bias.dtype if bias is not None else None,
         )
     if scales.logits != 1.0:
-        ce_scale = ce_scale * scales.logits
-        z_scale = z_scale * scales.logits
+        loss.scale_logit_gradient(scales.logits)
+        side = loss.side_inputs()
+    unscaled_outputs = tuple(i for i in active_outputs if specs[i].gradient_scaled and scales.logits != 1.0)
 
     grad_input = grad_weight = grad_bias = accum_path = None
     if need_grad_input:
@@ -404,10 +409,10 @@ def run_chunks(
     for chunk_index, start in enumerate(range(0, n_valid, chunk_size)):
         end = min(start + chunk_size, n_valid)
         if rows is None:
-            x_c, t_c, scale_rows = x2[start:end], target[start:end], slice(start, end)
+            x_c, t_c, chunk_rows_ = x2[start:end], target[start:end], slice(start, end)
         else:
-            scale_rows = rows[start:end]
-            x_c, t_c = x2.index_select(0, scale_rows), target.index_select(0, scale_rows)
+            chunk_rows_ = rows[start:end]
+            x_c, t_c = x2.index_select(0, chunk_rows_), target.index_select(0, chunk_rows_)
         x_c = x_c.to(compute_dtype)
         if logits_buffer is None:
             logits_buffer = torch.empty(min(chunk_size, n_valid), vocab, dtype=logits_dtype, device=device)
@@ -425,23 +430,21 @@ def run_chunks(
         grad_logits = logits
         if logits_dtype != compute_dtype and (need_grad_input or need_grad_weight):
             grad_logits = gradient_in_logits_rows(logits, compute_dtype)
-        out = chunk_cross_entropy(
+        out = loss(
             logits,
             t_c,
-            ce_scale[scale_rows] if per_row_scale else ce_scale,
-            z_scale[scale_rows] if per_row_scale else z_scale,
-            compute_grad,
-            grad_logits if grad_logits is not logits else None,
-            **({} if tile_lse_c is None else {"tile_lse": tile_lse_c}),
+            chunk_rows_,
+            gather_side_inputs(side, per_token_inputs, chunk_rows_),
+            compute_grad=compute_grad,
+            grad_out=grad_logits if grad_logits is not logits else None,
+            tile_lse=tile_lse_c,
         )
-        _write_rows(loss, scale_rows, out.loss if scales.logits == 1.0 else out.loss / scales.logits)
-        _write_rows(lse, scale_rows, out.lse)
-        if compute_stats:
-            _write_rows(correct, scale_rows, out.correct)
-            _write_rows(entropy, scale_rows, out.entropy)
+        for i in active_outputs:
+            value = out[i] / scales.logits if i in unscaled_outputs else out[i]
+            _write_rows(outputs[i], chunk_rows_, value)
 
         if need_grad_input:
-            _write_grad_input(grad_input, scale_rows, grad_logits, weight_for_grad_input, scales)
+            _write_grad_input(grad_input, chunk_rows_, grad_logits, weight_for_grad_input, scales)
         if need_grad_weight:
             accumulate_grad_weight(
                 grad_weight,
@@ -467,7 +470,7 @@ def run_chunks(
             grad_weight = grad_weight.to(weight.dtype)
     if need_grad_bias:
         grad_bias = grad_bias.to(bias.dtype)
-    return loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, scales
+    return (*outputs, grad_input, grad_weight, grad_bias, scales)
 
 
 def _scaled_mm(a: Tensor, b: Tensor, alpha: float, out: Optional[Tensor] = None) -> Tensor:
@@ -570,71 +573,6 @@ def _write_rows(dest: Tensor, rows, values: Tensor) -> None:
         dest[rows] = values.to(dest.dtype)
     else:
         dest.index_copy_(0, rows, values.to(dest.dtype))
-
-
-def loss_scales(
-    target: Tensor,
-    reduction: str,
-    ignore_index: int,
-    class_weight: Optional[Tensor],
-    token_weight: Optional[Tensor],
-    dtype: torch.dtype,
-) -> Tuple[Tensor, Tensor]:
-    """The multipliers of each token's CE and z-loss terms in ``dtype`` (the softmax dtype), computed on the
-    device (no host sync): [1] shared, or [N] with per-token weights (the shared ones times ``token_weight``:
-    every summand of a token's loss is multiplied by its weight, the normalizer stays the unweighted one).
-
-    "mean" divides CE by the summed class weight of the valid targets (the count without weights), as
-    ``F.cross_entropy`` does, and the z-loss by the count; an all-ignored batch (or a zero total weight) gets
-    0, not NaN.
-    """
-    if reduction != "mean":
-        ce_scale = z_scale = torch.ones(1, dtype=dtype, device=target.device)
-    else:
-        ce_scale, z_scale = _mean_scales(target, ignore_index, class_weight, dtype)
-    if token_weight is None:
-        return ce_scale, z_scale
-    weight = token_weight.reshape(-1).to(dtype)
-    return ce_scale * weight, z_scale * weight
-
-
-def _mean_scales(
-    target: Tensor, ignore_index: int, class_weight: Optional[Tensor], dtype: torch.dtype
-) -> Tuple[Tensor, Tensor]:
-    target = target.reshape(-1)
-    valid = target != ignore_index
-    count = valid.sum(dtype=dtype).reshape(1)
-    if class_weight is not None:
-        safe = torch.where(valid, target, 0)
-        ce_norm = (class_weight.to(dtype)[safe] * valid).sum().reshape(1)
-    else:
-        ce_norm = count
-    # A zero total weight gives 0 (F.cross_entropy gives NaN); a negative one is a valid, if odd, normalizer.
-    ce_scale = torch.where(ce_norm != 0, 1.0 / ce_norm, 0.0).to(dtype)
-    z_scale = torch.where(count > 0, 1.0 / count, 0.0).to(dtype)
-    return ce_scale, z_scale
-
-
-def kernel_options(
-    ignore_index: int,
-    label_smoothing: float,
-    lse_square_scale: float,
-    softcap: float,
-    class_weight: Optional[Tensor],
-    compute_dtype: torch.dtype,
-) -> LossOptions:
-    class_weight_sum = None
-    if class_weight is not None:
-        class_weight = class_weight.to(softmax_dtype(compute_dtype)).contiguous()
-        class_weight_sum = class_weight.sum().reshape(1)
-    return LossOptions(
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale,
-        softcap=softcap,
-        class_weight=class_weight,
-        class_weight_sum=class_weight_sum,
-    )
 
 
 def balanced_chunk_rows(n_rows: int, max_rows: int, align: int) -> int:

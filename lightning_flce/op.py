@@ -34,14 +34,13 @@ from lightning_flce.engine import (
     finish_saved_grads,
     fp16_bound_stats,
     inverse_scales,
-    kernel_options,
-    loss_scales,
     run_chunks,
     saved_grad_input_dtype,
     saved_grad_weight_dtype,
     valid_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
+from lightning_flce.losses.cross_entropy import CrossEntropyChunkLoss, kernel_options, loss_scales
 from lightning_flce.options import FLCEOptions
 
 # The arguments of lightning_flce::flce_forward, in schema order: (name, schema type). The loss options are
@@ -146,7 +145,8 @@ def _chunk_loop(
     grad_weight_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, ...]:
     """The op's loop: validate targets, drop ignored rows, :func:`~lightning_flce.engine.run_chunks` with the
-    backend's chunk kernel on the whole vocabulary.
+    cross-entropy (:class:`~lightning_flce.losses.cross_entropy.CrossEntropyChunkLoss` of the backend's chunk
+    kernel) on the whole vocabulary.
 
     Returns per-token loss/LSE/stats [N], the gradients, and :func:`~lightning_flce.engine.inverse_scales`
     (``keep_scaled``, ``grad_input_dtype`` (default: x's) and ``grad_weight_dtype`` as in ``run_chunks``);
@@ -163,18 +163,21 @@ def _chunk_loop(
     )
     target = args.target.reshape(-1)
     valid = target != options.ignore_index
+    backend = BACKENDS[args.backend]
+    loss = CrossEntropyChunkLoss(
+        backend.kernels().cross_entropy_chunk,
+        options,
+        ce_scale=ce_scale,
+        z_scale=z_scale,
+        compute_stats=compute_stats,
+        takes_tile_lse=args.backend == "triton",  # the Triton chunk kernel takes the GEMM's tile statistics
+    )
     fp16_stats = []
     if compute_dtype == torch.float16 and (need_grad_input or need_grad_weight or need_grad_bias):
         fp16_stats = fp16_bound_stats(
-            x.reshape(-1, x.shape[-1]),
-            options,
-            ce_scale,
-            z_scale,
-            keep_scaled=keep_scaled,
-            weight_dtype=weight.dtype,
+            x.reshape(-1, x.shape[-1]), loss, keep_scaled=keep_scaled, weight_dtype=weight.dtype
         )
     n_valid, fp16_bounds = check_targets(target, valid, weight.shape[0], options.ignore_index, fp16_stats)
-    large_chunks = _large_chunks(args)
     vocab, hidden = weight.shape
     chunk_size = chunk_rows(
         args.chunk_size,
@@ -183,45 +186,24 @@ def _chunk_loop(
         vocab,
         hidden,
         compute_dtype,
-        large_chunks,
+        backend.large_chunks,
+        loss.workspace_copies,
     )
-    kernels = BACKENDS[args.backend].kernels()
-
-    def chunk_cross_entropy(
-        logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad, grad_out, **tile
-    ):
-        return kernels.cross_entropy_chunk(
-            logits,
-            chunk_target,
-            options,
-            ce_scale=chunk_ce_scale,
-            z_scale=chunk_z_scale,
-            compute_grad=compute_grad,
-            compute_stats=compute_stats,
-            grad_out=grad_out,
-            **tile,  # tile_lse= (the engine passes it only to the Triton chunk kernel)
-        )
-
     *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
         x,
         weight,
         target,
         args.bias,
-        chunk_cross_entropy,
-        options,
+        loss,
         rows=valid_rows(valid, n_valid),
         n_valid=n_valid,
         chunk_size=chunk_size,
-        ce_scale=ce_scale,
-        z_scale=z_scale,
         compute_dtype=compute_dtype,
         logits_precision=args.logits_precision,
         triton_logits_gemm=args.backend == "triton",
-        chunk_lse_from_tiles=args.backend == "triton",
         need_grad_input=need_grad_input,
         need_grad_weight=need_grad_weight,
         need_grad_bias=need_grad_bias,
-        compute_stats=compute_stats,
         accum_dtype=args.accum_dtype,
         grad_input_dtype=grad_input_dtype or x.dtype,
         keep_scaled=keep_scaled,

@@ -272,7 +272,7 @@ def chunk_problem(options, seed):
     """37 x 203 (M and N tails), K = 72, bf16, every 7th target ignored, the options as the chunk kernel takes
     them, and the TMA kernel's persistent configuration with the copy engine's stores."""
     import lightning_flce.kernels.compensated_gemm as gemm
-    from lightning_flce.engine import kernel_options
+    from lightning_flce.losses.cross_entropy import kernel_options
 
     m, n, k = 37, 203, 72
     x, w, b = gemm_problem(m, n, k, torch.bfloat16, seed=seed)

@@ -4,17 +4,22 @@ A chunk kernel gets one chunk's logits and returns the loss per row and its LSE 
 writes d loss / d logits over the logits (or into ``grad_out``, a [C, V] tensor of its own dtype: the
 16-bit gradient of fp32 logits, laid out in the logits' own rows by :func:`gradient_in_logits_rows`). The
 vocab-parallel op splits the same math around its all-reduces: ``shard_row_stats`` (one read of a shard's
-columns), then ``shard_softmax_grad``.
+columns), then ``shard_softmax_grad``. The log-probability losses (:mod:`lightning_flce.losses.logprobs`,
+:mod:`lightning_flce.losses.policy`) split theirs the same way on the whole vocabulary: ``logprob_row_stats``
+(log p of the target, LSE, entropy of ``softmax(softcap(logits) / T)``), then ``logprob_grad`` for per-row
+upstream gradients.
 
-A backend is one module with those three functions and one :class:`Backend` entry in :data:`BACKENDS`:
+A backend is one module with those five functions and one :class:`Backend` entry in :data:`BACKENDS`:
 
 - ``triton`` (:mod:`~lightning_flce.kernels.triton_backend`): Triton kernels, one per file
-  (:mod:`~lightning_flce.kernels.cross_entropy`, :mod:`~lightning_flce.kernels.cross_entropy_shard`); CUDA, or
+  (:mod:`~lightning_flce.kernels.cross_entropy`, :mod:`~lightning_flce.kernels.cross_entropy_shard`,
+  :mod:`~lightning_flce.kernels.logprobs`); CUDA, or
   the CPU under Triton's interpreter (tests). The logits GEMM of ``logits_precision="fp32_compensated"``
   (:mod:`~lightning_flce.kernels.compensated_gemm`), which the chunk engine runs with this backend, lives
   beside them;
 - ``torch`` (:mod:`~lightning_flce.kernels.torch_backend`): their plain-PyTorch twins
-  (:mod:`~lightning_flce.kernels.cross_entropy_torch`, :mod:`~lightning_flce.kernels.cross_entropy_shard_torch`),
+  (:mod:`~lightning_flce.kernels.cross_entropy_torch`, :mod:`~lightning_flce.kernels.cross_entropy_shard_torch`,
+  :mod:`~lightning_flce.kernels.logprobs_torch`),
   for the CPU, devices without Triton, and fp64.
 
 The softmax runs in :func:`softmax_dtype` of the logits: fp32, or fp64 for fp64 logits. The Triton kernels
@@ -45,7 +50,8 @@ def softmax_dtype(logits_dtype: torch.dtype) -> torch.dtype:
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """One implementation of the per-chunk kernels: a module (``module``) with ``cross_entropy_chunk``,
-    ``shard_row_stats`` and ``shard_softmax_grad`` (the contracts below), and what the chunk engine needs to
+    ``shard_row_stats``, ``shard_softmax_grad``, ``logprob_row_stats`` and ``logprob_grad`` (the contracts
+    above), and what the chunk engine needs to
     know of it.
 
     ``softmax_dtypes``: the dtypes its softmax computes in (logits of other dtypes run the ``torch`` backend);
@@ -66,7 +72,7 @@ class Backend:
         return importlib.import_module(self.module)
 
 
-#: The registered backends, in the order ``impl="auto"`` tries them. A new backend: one module with the three
+#: The registered backends, in the order ``impl="auto"`` tries them. A new backend: one module with the five
 #: functions, and one entry here; ``impl`` accepts its name from then on.
 BACKENDS: Dict[str, Backend] = {
     backend.name: backend

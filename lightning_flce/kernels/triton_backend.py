@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from lightning_flce.kernels import cross_entropy as _chunk_kernel
 from lightning_flce.kernels import cross_entropy_shard as _shard_kernels
+from lightning_flce.kernels import logprobs as _logprob_kernels
 
 
 def cross_entropy_chunk(logits, target, options, **kwargs):
@@ -24,3 +25,13 @@ def shard_softmax_grad(logits, local_target, lse, p_coef, smoothing, target_coef
     _shard_kernels.shard_softmax_grad_triton(
         logits, local_target, lse, p_coef, smoothing, target_coef, **kwargs
     )
+
+
+def logprob_row_stats(logits, target, **kwargs):
+    """See :func:`lightning_flce.kernels.logprobs.logprob_row_stats_triton`."""
+    return _logprob_kernels.logprob_row_stats_triton(logits, target, **kwargs)
+
+
+def logprob_grad(logits, target, **kwargs):
+    """See :func:`lightning_flce.kernels.logprobs.logprob_grad_triton`."""
+    _logprob_kernels.logprob_grad_triton(logits, target, **kwargs)

@@ -63,3 +63,21 @@ def load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
         # Re-mask: tanh(-inf) is -1, not -inf.
         z = tl.where(mask, softcap * tanh(z / softcap), float("-inf"))
     return z
+
+
+@triton.jit
+def load_transformed(row_ptr, cols, mask, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
+    """A block of ``z = softcap(r) / T`` (-inf at masked lanes) and the softcapped ``softcap(r)`` itself (for
+    :func:`transform_backward`): the samplers' logit transform of the log-probability kernels."""
+    capped = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+    return capped * inv_temperature, capped
+
+
+@triton.jit
+def transform_backward(grad_z, capped, mask, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
+    """``d/dr`` from ``d/dz`` of :func:`load_transformed`: times ``1 / T`` and ``1 - (softcap(r) / c)^2``."""
+    grad = grad_z * inv_temperature
+    if HAS_SOFTCAP:
+        ratio = tl.where(mask, capped, 0.0) / softcap
+        grad = grad * (1.0 - ratio * ratio)
+    return grad

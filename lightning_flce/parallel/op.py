@@ -47,8 +47,6 @@ from lightning_flce.engine import (
     check_single_backward,
     finish_saved_grads,
     inverse_scales,
-    kernel_options,
-    loss_scales,
     run_chunks,
     target_range_error,
     valid_rows,
@@ -61,6 +59,7 @@ from lightning_flce.kernels import (
     resolve_backend,
     softmax_dtype,
 )
+from lightning_flce.losses.cross_entropy import CrossEntropyChunkLoss, kernel_options, loss_scales
 from lightning_flce.options import (
     AccumDtype,
     FLCEOptions,
@@ -438,14 +437,16 @@ def _chunk_loop(
     :class:`~lightning_flce.engine.GradScales` (``keep_scaled`` and ``grad_weight_dtype`` as in ``run_chunks``)."""
     target = target.reshape(-1)
 
-    def chunk_cross_entropy(logits, chunk_target, chunk_ce_scale, chunk_z_scale, compute_grad, grad_out):
+    def shard_cross_entropy(
+        logits, chunk_target, options, *, ce_scale, z_scale, compute_grad, compute_stats, grad_out
+    ):
         out = ChunkOutputs(
             *_shard_chunk(
                 logits,
                 chunk_target,
                 plan,
-                ce_scale=chunk_ce_scale,
-                z_scale=chunk_z_scale,
+                ce_scale=ce_scale,
+                z_scale=z_scale,
                 compute_grad=compute_grad,
                 compute_stats=compute_stats,
             )
@@ -455,15 +456,8 @@ def _chunk_loop(
             copy_gradient(logits, grad_out)
         return out
 
-    # Each rank's partial dX is summed over the group: in fp32 at least, so fp16/bf16 partials are not
-    # rounded before the sum.
-    reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
-        x,
-        weight,
-        target,
-        bias,
-        chunk_cross_entropy,
+    loss = CrossEntropyChunkLoss(
+        shard_cross_entropy,
         kernel_options(
             plan.options.ignore_index,
             plan.options.label_smoothing,
@@ -472,16 +466,26 @@ def _chunk_loop(
             None,
             plan.compute_dtype,
         ),
+        ce_scale=ce_scale,
+        z_scale=z_scale,
+        compute_stats=compute_stats,
+    )
+    # Each rank's partial dX is summed over the group: in fp32 at least, so fp16/bf16 partials are not
+    # rounded before the sum.
+    reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
+        x,
+        weight,
+        target,
+        bias,
+        loss,
         rows=valid_rows(target != plan.options.ignore_index, plan.n_valid),
         n_valid=plan.n_valid,
         chunk_size=plan.chunk_size,
-        ce_scale=ce_scale,
-        z_scale=z_scale,
         compute_dtype=plan.compute_dtype,
         need_grad_input=need_grad_input,
         need_grad_weight=need_grad_weight,
         need_grad_bias=need_grad_bias,
-        compute_stats=compute_stats,
         accum_dtype=plan.options.accum_dtype,
         logits_precision=plan.options.logits_precision,
         triton_logits_gemm=plan.backend.name == "triton",

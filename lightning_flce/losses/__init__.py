@@ -1,0 +1,4 @@
+"""The chunk losses (:class:`~lightning_flce.chunk_loss.ChunkLoss` plug-ins of the chunk engine), one module each:
+:mod:`~lightning_flce.losses.cross_entropy` (the op's loss), :mod:`~lightning_flce.losses.logprobs` (per-token
+log-probabilities and entropy with their gradients for any upstream gradient) and :mod:`~lightning_flce.losses.policy`
+(the clipped policy-gradient family, its gradients computed in forward)."""

@@ -1,0 +1,211 @@
+"""The policy-loss op: :class:`~lightning_flce.losses.policy.PolicyChunkLoss` on the chunk engine, registered as
+``torch.library`` custom ops, with the gradients computed in forward (as the cross-entropy's "mean"/"sum"):
+backward only multiplies them by grad_output (:func:`lightning_flce.engine.finish_saved_grads`).
+
+Returns the loss (the sum of the scaled per-token losses, 0-d), and each token's log-probability and entropy (no
+gradient) for the metrics. Targets, temperatures and advantages (of the tokens that count) are validated with one
+host sync, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from lightning_flce.engine import (
+    check_targets,
+    chunk_rows,
+    finish_saved_grads,
+    fp16_bound_stats,
+    inverse_scales,
+    run_chunks,
+    saved_grad_input_dtype,
+    saved_grad_weight_dtype,
+    valid_rows,
+)
+from lightning_flce.kernels import BACKENDS, softmax_dtype
+from lightning_flce.losses.policy import PolicyChunkLoss
+from lightning_flce.rl.logprobs_op import bad_temperatures, gemm_flops, register_flops, temperature_error
+
+_ARGS = (
+    "Tensor x, Tensor weight, Tensor target, Tensor? bias, Tensor inv_temperature, Tensor advantages,"
+    " Tensor token_scale, Tensor? old_logprobs, Tensor? ref_logprobs, str loss_type, float epsilon_low,"
+    " float epsilon_high, float beta, float entropy_coef, bool with_entropy, int ignore_index, float softcap,"
+    " str logits_precision, ScalarType compute_dtype, ScalarType? accum_dtype, int chunk_size, str backend,"
+    " bool need_grad_input, bool need_grad_weight, bool need_grad_bias"
+)
+_NAMES = [part.split()[-1] for part in _ARGS.split(",")]
+
+
+def _n_rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _saved_dtypes(a) -> Tuple[torch.dtype, torch.dtype]:
+    large = BACKENDS[a["backend"]].large_chunks
+    weight_dtype = saved_grad_weight_dtype(
+        a["x"], a["weight"], a["compute_dtype"], a["accum_dtype"], a["chunk_size"], large
+    )
+    return saved_grad_input_dtype(a["x"], a["compute_dtype"], weight_dtype), weight_dtype
+
+
+def _forward(*values) -> Tuple[Tensor, ...]:
+    """(loss 0-d, logprobs [N], entropy [N] or empty, dX, dW, d bias, inverse_scales); unused ones empty."""
+    a = dict(zip(_NAMES, values))
+    x, weight, compute_dtype = a["x"], a["weight"], a["compute_dtype"]
+    vocab, hidden = weight.shape
+    target = a["target"].reshape(-1)
+    valid = target != a["ignore_index"]
+    needs = (a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"])
+    grad_input_dtype, grad_weight_dtype = _saved_dtypes(a)
+    with torch.autocast(x.device.type, enabled=False):
+        loss = PolicyChunkLoss(
+            BACKENDS[a["backend"]].kernels(),
+            inv_temperature=a["inv_temperature"],
+            softcap=a["softcap"],
+            with_entropy=a["with_entropy"],
+            vocab=vocab,
+            advantages=a["advantages"],
+            token_scale=a["token_scale"],
+            old_logprobs=a["old_logprobs"],
+            ref_logprobs=a["ref_logprobs"],
+            loss_type=a["loss_type"],
+            epsilon_low=a["epsilon_low"],
+            epsilon_high=a["epsilon_high"],
+            beta=a["beta"],
+            entropy_coef=a["entropy_coef"],
+        )
+        inv_t = a["inv_temperature"]
+        # one host sync for the targets, the temperatures, the advantages and the fp16 bounds
+        extra = [
+            bad_temperatures(inv_t, valid).sum(),
+            (~torch.isfinite(a["advantages"]) & valid).sum(),
+        ]
+        if any(needs) and compute_dtype == torch.float16:
+            extra += fp16_bound_stats(
+                x.reshape(-1, hidden), loss, keep_scaled=True, weight_dtype=weight.dtype
+            )
+        n_valid, (n_bad_temperature, n_bad_advantages, *fp16_bounds) = check_targets(
+            target, valid, vocab, a["ignore_index"], extra
+        )
+        if n_bad_temperature:
+            raise temperature_error(inv_t, valid)
+        if n_bad_advantages:
+            raise ValueError(
+                f"advantages must be finite: {int(n_bad_advantages)} counted token(s) have NaN or Inf"
+            )
+        backend = BACKENDS[a["backend"]]
+        rows = chunk_rows(
+            a["chunk_size"],
+            _n_rows(x),
+            n_valid,
+            vocab,
+            hidden,
+            compute_dtype,
+            backend.large_chunks,
+            loss.workspace_copies,
+        )
+        logprobs, entropy, per_token_loss, gx, gw, gb, scales = run_chunks(
+            x,
+            weight,
+            target,
+            a["bias"],
+            loss,
+            rows=valid_rows(valid, n_valid),
+            n_valid=n_valid,
+            chunk_size=rows,
+            compute_dtype=compute_dtype,
+            logits_precision=a["logits_precision"],
+            triton_logits_gemm=a["backend"] == "triton",
+            need_grad_input=needs[0],
+            need_grad_weight=needs[1],
+            need_grad_bias=needs[2],
+            accum_dtype=a["accum_dtype"],
+            grad_input_dtype=grad_input_dtype,
+            keep_scaled=True,
+            fp16_bounds=fp16_bounds if fp16_bounds else None,
+            grad_weight_dtype=grad_weight_dtype,
+        )
+    inverse = (
+        inverse_scales(scales, compute_dtype, x.device) if any(needs) else x.new_empty(0, dtype=torch.float32)
+    )
+    if gx is not None:
+        gx = gx.view(x.shape)
+    grads = [g if g is not None else x.new_empty(0) for g in (gx, gw, gb)]
+    return (per_token_loss.sum(), logprobs, entropy, *grads, inverse)
+
+
+def _forward_fake(*values) -> Tuple[Tensor, ...]:
+    a = dict(zip(_NAMES, values))
+    x, weight, bias = a["x"], a["weight"], a["bias"]
+    dtype = softmax_dtype(a["compute_dtype"])
+    n_rows = _n_rows(x)
+    needs = (a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"])
+    grad_input_dtype, grad_weight_dtype = _saved_dtypes(a)
+    scaled = a["compute_dtype"] == torch.float16 and any(needs)
+    return (
+        x.new_empty((), dtype=dtype),
+        x.new_empty(n_rows, dtype=dtype),
+        x.new_empty(n_rows if a["with_entropy"] else 0, dtype=dtype),
+        x.new_empty(x.shape, dtype=grad_input_dtype) if needs[0] else x.new_empty(0),
+        weight.new_empty(weight.shape, dtype=grad_weight_dtype) if needs[1] else x.new_empty(0),
+        bias.new_empty(bias.shape) if needs[2] else x.new_empty(0),
+        x.new_empty(3 if scaled else 0, dtype=torch.float32),
+    )
+
+
+flce_policy_loss = torch.library.custom_op(
+    "lightning_flce::flce_policy_loss",
+    _forward,
+    mutates_args=(),
+    schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+flce_policy_loss.register_fake(_forward_fake)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a = dict(zip(_NAMES, inputs))
+    ctx.needs = (a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"])
+    ctx.final_dtypes = (a["x"].dtype, a["weight"].dtype, None if a["bias"] is None else a["bias"].dtype)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[3:])
+
+
+def _backward(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
+    grads = dict.fromkeys(_NAMES)
+    if grad_loss is not None:
+        _check_single_backward(ctx)
+        *saved, inverse = ctx.saved_tensors
+        gx, gw, gb = finish_saved_grads(saved, ctx.final_dtypes, grad_loss, inverse)
+        grads["x"] = gx if ctx.needs[0] else None
+        grads["weight"] = gw if ctx.needs[1] else None
+        grads["bias"] = gb if ctx.needs[2] else None
+    return tuple(grads.values())
+
+
+def _check_single_backward(ctx) -> None:
+    """The gradients computed in forward are scaled in place and handed out once, and carry no graph."""
+    if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
+        raise RuntimeError(
+            "fused_linear_policy_loss does not support double backward (create_graph=True): its gradients are"
+            " computed in forward, without a graph"
+        )
+    if getattr(ctx, "grads_handed_out", False):
+        raise RuntimeError(
+            "backward ran twice through the same fused_linear_policy_loss call: it computes the gradients in forward"
+            " and hands them out once (scaled in place). Call the loss again, or build the loss on"
+            " fused_linear_logprobs (its backward recomputes the chunks) for retain_graph or repeated autograd.grad"
+        )
+    ctx.grads_handed_out = True
+
+
+flce_policy_loss.register_autograd(_backward, setup_context=_setup_context)
+
+
+register_flops(
+    torch.ops.lightning_flce.flce_policy_loss,
+    lambda *args: gemm_flops(args[0], args[1]) * (1 + int(args[-3]) + int(args[-2])),
+)
