@@ -6,8 +6,9 @@ log-probabilities against the unfused ones.
     python3 benchmarks/bench_rl.py --device cpu --shapes 256x64x1000 --rounds 1 --reps 1   # smoke test
 
 Writes ``$OUT/bench_rl.json`` (or ``./bench_out``) and prints a table (ms, peak MiB). Liger's
-``LigerFusedLinearGRPOLoss`` is not a row yet (its call differs by version; the issue's numbers came from
-another run).
+``LigerFusedLinearGRPOLoss`` (0.8.5's call: ``liger_kernel.chunked_loss``, compiled, ``chunk_size=1``, the same
+GRPO loss with the k3 KL to the reference log-probs; it has no entropy term) is a row when Liger is importable
+(``benchmarks/fetch_peers.sh`` carries it to the GPU machine).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def make_calls(x, w, target, batch):
     def unfused_logprobs_fwd():
         torch.log_softmax(F.linear(x, w).float(), -1).gather(-1, target[..., None])
 
-    return {
+    calls = {
         "ce_mean": lambda: fused_linear_cross_entropy(x, w, target).backward(),
         "unfused_grpo": unfused(0.0),
         "unfused_grpo_entropy": unfused(0.01),
@@ -99,6 +100,42 @@ def make_calls(x, w, target, batch):
         "logprobs_fwd": logprobs_fwd,
         "unfused_logprobs_fwd": unfused_logprobs_fwd,
     }
+    liger = liger_grpo(x, w, target, batch)
+    if liger is not None:
+        calls["liger_grpo"] = liger
+    return calls
+
+
+def liger_grpo(x, w, target, batch):
+    """Liger-Kernel's fused GRPO loss on the same batch, or None without Liger."""
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except ImportError:
+        return None
+    loss_fn = LigerFusedLinearGRPOLoss(
+        beta=GRPO["beta"],
+        use_ref_model=True,
+        loss_type=GRPO["loss_type"],
+        epsilon_low=GRPO["epsilon_low"],
+        epsilon_high=GRPO["epsilon_high"],
+        compiled=x.is_cuda,
+        chunk_size=1,
+    )
+    mask = batch["mask"].to(torch.int64)
+
+    def call():
+        loss, _metrics = loss_fn(
+            x,
+            w,
+            target,
+            mask,
+            batch["advantages"],
+            ref_per_token_logps=batch["ref"],
+            old_per_token_logps=batch["old"],
+        )
+        loss.backward()
+
+    return call
 
 
 def main() -> None:
