@@ -77,7 +77,7 @@ class GRPOTinyGPT(TinyGPT):
             advantages=advantages,
             loss_type="grpo",
             entropy_coef=self.entropy_coef,
-            compute_entropy=True,
+            return_entropy=True,
         )
         self.log("train/reward", reward.mean(), prog_bar=True)
         self.log_dict({f"train/{name}": value for name, value in out.metrics.items()})

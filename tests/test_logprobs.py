@@ -142,7 +142,8 @@ def test_16bit_no_worse_than_unfused(precision, dtype):
         error = relative_error(got[index], want[index])
         assert error <= 1.5 * relative_error(unfused[index], want[index]) + 1e-6, (index, error)
         if precision in WIDE_LOGPROB_BOUND:
-            assert (got[index].double() - want[index]).abs().max() <= WIDE_LOGPROB_BOUND[precision], index
+            bound = (WIDE_LOGPROB_BOUND, WIDE_ENTROPY_BOUND)[index][precision]
+            assert (got[index].double() - want[index]).abs().max() <= bound, index
     for index, (grad, ref, plain) in enumerate(zip(got[2], want[2], unfused[2])):
         assert grad.dtype == dtype
         error = relative_error(grad, ref)
@@ -371,6 +372,9 @@ def test_compiles_as_one_node():
 # fp32 accumulation over H, uncompensated: 3.2e-5 measured on an H200 at H = 1024 (2026-12-04), as the
 # cross-entropy's per-token loss there (2.8-5.2e-5 at H = 2304-4096, docs/op.md).
 WIDE_LOGPROB_BOUND = {"fp32_compensated": 1e-5, "fp32_head": 1e-5, "fp32": 1e-4}
+# The entropy (lse - sum p z, about 9 nats here) carries the fp32 sums over V of the chunk kernel besides the
+# logits' error: 1.6e-5 / 2.3e-5 measured with "fp32_compensated" / "fp32_head" (2026-12-04), about 20 fp32 ulps of H.
+WIDE_ENTROPY_BOUND = {"fp32_compensated": 4e-5, "fp32_head": 4e-5, "fp32": 1e-4}
 
 
 @pytest.mark.cuda
@@ -378,7 +382,7 @@ WIDE_LOGPROB_BOUND = {"fp32_compensated": 1e-5, "fp32_head": 1e-5, "fp32": 1e-4}
 def test_cuda_bf16_matches_float64(precision):
     """The Triton kernels on a GPU at a mid-size shape (bf16, bias, softcap 30, per-token temperature, several
     chunks): no worse than the unfused bf16 formula; the wide-logits precisions' log-probabilities within
-    :data:`WIDE_LOGPROB_BOUND` of float64."""
+    :data:`WIDE_LOGPROB_BOUND` of float64 (the entropies within :data:`WIDE_ENTROPY_BOUND`)."""
     gen = torch.Generator().manual_seed(0)
     n, h, v = 2048, 1024, 32003
     x = torch.randn(n, h, generator=gen).bfloat16().cuda().requires_grad_()
@@ -404,7 +408,8 @@ def test_cuda_bf16_matches_float64(precision):
             <= 1.5 * relative_error(unfused[index], want[index]) + 1e-6
         )
         if precision in WIDE_LOGPROB_BOUND:
-            assert (got[index].double() - want[index]).abs().max() <= WIDE_LOGPROB_BOUND[precision], index
+            bound = (WIDE_LOGPROB_BOUND, WIDE_ENTROPY_BOUND)[index][precision]
+            assert (got[index].double() - want[index]).abs().max() <= bound, index
     for grad, ref, plain in zip(got[2], want[2], unfused[2]):
         assert relative_error(grad, ref) <= 1.5 * relative_error(plain, ref) + 2**-9
 

@@ -1,6 +1,7 @@
 """Tests of FLCEMemoryCallback: real CPU fits with a CSVLogger, the CUDA branch with mocks, and a real GPU run."""
 
 import csv
+import gc
 import os
 import pickle
 import sys
@@ -904,6 +905,10 @@ def test_max_over_ranks_ddp(tmp_path, accelerator):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_real(tmp_path):
+    # an earlier test's garbage (reference cycles holding CUDA tensors) freed by a collection inside step 0 would
+    # sit in step 0's peak window: collected before the run
+    gc.collect()
+    torch.cuda.empty_cache()
     callback = FLCEMemoryCallback(plot=True, snapshot_steps=[1], verbose=False)
     trainer = Trainer(
         default_root_dir=tmp_path,

@@ -161,7 +161,7 @@ def test_per_token_grads_match_autograd(loss_type):
 def test_metrics_and_outputs():
     x, w, target, bias, extras = make_problem()
     kwargs = resolve({"old_logprobs": True, "ref_logprobs": True, "beta": 0.04}, extras, "grpo")
-    out = fused_linear_policy_loss(x, w, target, bias, compute_entropy=True, **kwargs)
+    out = fused_linear_policy_loss(x, w, target, bias, return_entropy=True, **kwargs)
     counted = (target != -100) & extras["mask"]
     log_probs = torch.log_softmax(F.linear(x, w, bias), -1).detach()
     logp = torch.where(counted, log_probs.gather(-1, target.clamp(min=0)[..., None]).squeeze(-1), 0.0)
@@ -291,10 +291,28 @@ def test_module_wraps_the_function():
         temperature=0.8, **per_call,
     )  # fmt: skip
     assert relative_error(out.loss, want.loss) == 0
-    with pytest.raises(TypeError, match="unknown option"):
+    with pytest.raises(TypeError, match="advantages"):  # a per-call argument, not an option
         FusedLinearPolicyLoss(advantages=1.0)
     with pytest.raises(ValueError, match="loss_type"):
         FusedLinearPolicyLoss(loss_type="gspo")
+
+
+def test_module_takes_the_functions_options_under_their_names_and_defaults():
+    # the constructor's typed keywords are the function's, less the per-call tensors: derived, so that an option
+    # added to one and not the other fails here
+    import inspect
+
+    from lightning_flce import FusedLinearPolicyLoss
+
+    def keywords(function):
+        parameters = inspect.signature(function).parameters.values()
+        return {p.name: (p.default, p.annotation) for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+    function_options = keywords(fused_linear_policy_loss)
+    for name in FusedLinearPolicyLoss.PER_CALL:
+        function_options.pop(name)
+    assert keywords(FusedLinearPolicyLoss.__init__) == function_options
+    assert set(keywords(FusedLinearPolicyLoss.forward)) == set(FusedLinearPolicyLoss.PER_CALL)
 
 
 @pytest.mark.cuda

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Dict, Optional, Tuple
+from typing import Dict, Literal, Optional, Tuple, get_args
 
 import torch
 from torch import Tensor
@@ -29,7 +29,9 @@ from torch import Tensor
 from lightning_flce.chunk_loss import OutputSpec
 from lightning_flce.losses.logprobs import LogProbsChunkLoss
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "ppo")
+#: The policy losses' ``loss_type`` (normalizers as TRL's ``GRPOTrainer``, plus "ppo"); the tuple is read from it.
+PolicyLossType = Literal["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "ppo"]
+LOSS_TYPES: tuple[str, ...] = get_args(PolicyLossType)
 
 
 def per_token_policy_loss(

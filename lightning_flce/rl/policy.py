@@ -5,7 +5,6 @@ computed in forward (:mod:`lightning_flce.rl.policy_op`, :class:`~lightning_flce
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Dict, NamedTuple, Optional, Union
 
@@ -13,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_flce.kernels import backend_for, resolve_backend, softmax_dtype
-from lightning_flce.losses.policy import LOSS_TYPES
+from lightning_flce.losses.policy import LOSS_TYPES, PolicyLossType
 from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision, resolve_logits_precision
 from lightning_flce.rl.logprobs import inverse_temperature
 from lightning_flce.rl.policy_op import flce_policy_loss
@@ -52,7 +51,7 @@ def fused_linear_policy_loss(
     old_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
     mask: Optional[Tensor] = None,
-    loss_type: str = "grpo",
+    loss_type: PolicyLossType = "grpo",
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     beta: float = 0.0,
@@ -60,7 +59,7 @@ def fused_linear_policy_loss(
     temperature: Union[float, Tensor] = 1.0,
     token_weight: Optional[Tensor] = None,
     max_completion_length: Optional[int] = None,
-    compute_entropy: bool = False,
+    return_entropy: bool = False,
     ignore_index: int = -100,
     softcap: Optional[float] = None,
     logits_precision: LogitsPrecision = "input",
@@ -93,7 +92,7 @@ def fused_linear_policy_loss(
             never count. Tokens outside it cost no GEMM work.
         temperature: a positive float or [B, T] tensor dividing the (softcapped) logits, as the sampler did.
         token_weight: optional [B, T] per-token factors of the loss (no gradient).
-        compute_entropy: compute each token's entropy (and ``"entropy_mean"``) without an entropy term.
+        return_entropy: compute each token's entropy (and ``"entropy_mean"``) without an entropy term.
         softcap, logits_precision, chunk_size, impl: as :func:`fused_linear_logprobs`'s.
 
     Returns:
@@ -168,7 +167,7 @@ def fused_linear_policy_loss(
     def per_token(value: Optional[Tensor]) -> Optional[Tensor]:
         return None if value is None else value.detach().to(dtype).reshape(-1)
 
-    with_entropy = compute_entropy or entropy_coef != 0.0
+    with_entropy = return_entropy or entropy_coef != 0.0
     grad_enabled = torch.is_grad_enabled()
     loss, logprobs, entropy, *_ = flce_policy_loss(
         input,
@@ -264,21 +263,46 @@ class FusedLinearPolicyLoss(torch.nn.Module):
     ``forward(input, weight, target, bias=None, *, advantages, old_logprobs=None, ref_logprobs=None, mask=None,
     token_weight=None)`` returns its :class:`PolicyLossOutput`. Options are checked when the module is built."""
 
-    def __init__(self, **options: Any) -> None:
+    #: the arguments of :func:`fused_linear_policy_loss` given per call (``forward``), not to the constructor
+    PER_CALL = ("advantages", "old_logprobs", "ref_logprobs", "mask", "token_weight")
+
+    def __init__(
+        self,
+        *,
+        loss_type: PolicyLossType = "grpo",
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        beta: float = 0.0,
+        entropy_coef: float = 0.0,
+        temperature: Union[float, Tensor] = 1.0,
+        max_completion_length: Optional[int] = None,
+        return_entropy: bool = False,
+        ignore_index: int = -100,
+        softcap: Optional[float] = None,
+        logits_precision: LogitsPrecision = "input",
+        chunk_size: Optional[int] = None,
+        impl: ImplName = "auto",
+    ) -> None:
+        # the function's keyword options less PER_CALL, under the same names and defaults
+        # (tests/test_policy_loss.py checks the two signatures agree)
         super().__init__()
-        per_call = {"advantages", "old_logprobs", "ref_logprobs", "mask", "token_weight"}
-        signature = inspect.signature(fused_linear_policy_loss)
-        known = {name for name, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY} - per_call
-        unknown = set(options) - known
-        if unknown:
-            raise TypeError(
-                f"FusedLinearPolicyLoss got unknown option(s) {sorted(unknown)}; options: {sorted(known)}"
-                f" (per call: {sorted(per_call)})"
-            )
-        loss_type = options.get("loss_type", "grpo")
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-        self.options = options
+        self.options: Dict[str, Any] = dict(
+            loss_type=loss_type,
+            epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high,
+            beta=beta,
+            entropy_coef=entropy_coef,
+            temperature=temperature,
+            max_completion_length=max_completion_length,
+            return_entropy=return_entropy,
+            ignore_index=ignore_index,
+            softcap=softcap,
+            logits_precision=logits_precision,
+            chunk_size=chunk_size,
+            impl=impl,
+        )
 
     def forward(
         self,

@@ -24,8 +24,13 @@ from lightning_flce import (
     FLCEMixin,
     FLCEOptions,
     FLCEOutput,
+    FusedLinearPolicyLoss,
+    LogProbsOutput,
+    PolicyLossOutput,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
+    fused_linear_logprobs,
+    fused_linear_policy_loss,
 )
 from lightning_flce.flops import batch_size, batch_tokens
 from lightning_flce.models import HFCausalLM, LitGPTCausalLM, TinyGPT
@@ -180,3 +185,25 @@ class MyTinyGPT(TinyGPT):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+# --- reinforcement learning (docs/rl.md)
+lp = fused_linear_logprobs(hidden, lm_head, labels, temperature=0.7, return_entropy=True)
+assert_type(lp, LogProbsOutput)
+assert_type(lp.logprobs, Tensor)
+assert_type(lp.entropy, Optional[Tensor])
+advantages = torch.randn(B)
+policy = fused_linear_policy_loss(
+    hidden,
+    lm_head,
+    labels,
+    advantages=advantages,
+    old_logprobs=lp.logprobs.detach(),
+    loss_type="dapo",
+    beta=0.04,
+)
+assert_type(policy, PolicyLossOutput)
+assert_type(policy.loss, Tensor)
+fused_linear_policy_loss(hidden, lm_head, labels, advantages=advantages, loss_type="gspo")  # type: ignore[arg-type]
+policy_module = FusedLinearPolicyLoss(loss_type="cispo", epsilon_high=5.0)
+assert_type(policy_module, FusedLinearPolicyLoss)
