@@ -21,10 +21,13 @@ from lightning_flce.eval_metrics import TokenMetrics
 from lightning_flce.fsdp import register_fsdp_step_methods
 from lightning_flce.head import FLCEHeadLoss, unwrap_head
 from lightning_flce.head_discovery import HeadNotFoundError, head_logits, resolve_head
+from lightning_flce.losses.policy import PolicyLossType
 from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch, scale_gradients
 from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.outputs import FLCEOutput
 from lightning_flce.parallel import VocabParallelHead
+from lightning_flce.rl import LogProbsOutput, PolicyLossOutput, policy_normalizer
+from lightning_flce.rl.head_calls import head_logprobs, head_policy_loss, policy_loss_module, shift_per_token
 
 # the record's fields under the mixin's option names (its errors name what the user wrote)
 _OPTION_NAMES = {field: f"flce_{field}" for field in FLCEOptions.field_names()}
@@ -270,6 +273,13 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         flce_impl: ImplName = "auto",
         flce_naive: bool = False,
         flce_normalize: Literal["step", "micro_batch"] = "step",
+        flce_loss_type: PolicyLossType = "grpo",
+        flce_epsilon_low: float = 0.2,
+        flce_epsilon_high: float = 0.2,
+        flce_beta: float = 0.0,
+        flce_entropy_coef: float = 0.0,
+        flce_temperature: float = 1.0,
+        flce_max_completion_length: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         mro = type(self).__mro__
@@ -291,6 +301,17 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         )
         self.flce_head = flce_head
         self.flce_head_loss = FLCEHeadLoss.from_options(options, naive=flce_naive)
+        #: the policy loss's options (flce_policy_loss; the op's names with the flce_ prefix), as its module
+        self.flce_policy = policy_loss_module(
+            options,
+            loss_type=flce_loss_type,
+            epsilon_low=flce_epsilon_low,
+            epsilon_high=flce_epsilon_high,
+            beta=flce_beta,
+            entropy_coef=flce_entropy_coef,
+            temperature=flce_temperature,
+            max_completion_length=flce_max_completion_length,
+        )
         #: the arithmetic of flce_normalize (token totals of the optimizer step, fp16 divisor, gradient scale)
         self.flce_step_normalizer = StepNormalizer(flce_normalize)
         self._flce_unweighted_term_watch = UnweightedTermWatch()
@@ -434,6 +455,157 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
     def flce_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the head on ``hidden`` with the loss's logit scale and softcap (inference path)."""
         return head_logits(resolve_head(self, self.flce_head, self.flce_softcap), hidden)
+
+    # -------------------------------------------------------------------- RL
+
+    def flce_logprobs(
+        self,
+        hidden: Tensor,
+        target: Tensor,
+        *,
+        shift: bool = False,
+        temperature: Union[float, Tensor, None] = None,
+        return_entropy: bool = False,
+    ) -> LogProbsOutput:
+        """Each token's log-probability of ``target`` under the head, and on request its entropy
+        (:func:`~lightning_flce.fused_linear_logprobs`), both differentiable, without the logits.
+
+        The head is found as :meth:`flce_loss` finds it, with the model's logit scale and softcap; the
+        ``flce_ignore_index``, ``flce_logits_precision``, ``flce_chunk_size`` and ``flce_impl`` options apply.
+        Under ``torch.no_grad()`` it is the reference or old-policy pass (one GEMM per chunk). A loss built on
+        it is not normalized by the mixin (a step without :meth:`flce_loss` / :meth:`flce_policy_loss` calls
+        keeps Lightning's plain averaging).
+
+        Args:
+            hidden: final hidden states [..., H].
+            target: token ids [...] (``flce_ignore_index``: 0 and no gradient).
+            shift: ``target`` holds the input ids: position t is scored against token t + 1 (the last position
+                ignored); a per-token ``temperature`` is shifted with it.
+            temperature: a positive float or a tensor of the target's shape dividing the softcapped logits;
+                None: ``flce_temperature``.
+            return_entropy: also compute each token's entropy.
+
+        Returns:
+            :class:`~lightning_flce.LogProbsOutput` (``.logprobs``, ``.entropy``) in the target's shape.
+        """
+        target = self._flce_rl_target(hidden, target, shift)
+        if shift and isinstance(temperature, Tensor):
+            temperature = shift_per_token(temperature, 1.0)
+        policy = self.flce_policy.options
+        return head_logprobs(
+            self._flce_rl_head(),
+            hidden,
+            target,
+            temperature=policy["temperature"] if temperature is None else temperature,
+            return_entropy=return_entropy,
+            **{name: policy[name] for name in ("ignore_index", "logits_precision", "chunk_size", "impl")},
+        )
+
+    def flce_policy_loss(
+        self,
+        hidden: Tensor,
+        target: Tensor,
+        *,
+        advantages: Tensor,
+        old_logprobs: Optional[Tensor] = None,
+        ref_logprobs: Optional[Tensor] = None,
+        mask: Optional[Tensor] = None,
+        token_weight: Optional[Tensor] = None,
+        temperature: Optional[Tensor] = None,
+        shift: bool = False,
+    ) -> PolicyLossOutput:
+        """The clipped policy-gradient loss of the head (:func:`~lightning_flce.fused_linear_policy_loss`) with
+        the mixin's options ``flce_loss_type``, ``flce_epsilon_low`` / ``flce_epsilon_high``, ``flce_beta``,
+        ``flce_entropy_coef``, ``flce_temperature`` and ``flce_max_completion_length``, the head found as
+        :meth:`flce_loss` finds it.
+
+        Under ``flce_normalize="step"`` the loss is normalized as its loss type over the whole optimizer step
+        (micro-batches and data-parallel ranks), as if the step's sequences were one call: ``"grpo"`` divides
+        the sum of the sequences' masked means by the step's sequences, ``"bnpo"``/``"dapo"``/``"cispo"``/
+        ``"ppo"`` the masked token sum by the step's masked tokens, ``"dr_grpo"`` by the step's sequences times
+        ``flce_max_completion_length`` (default T). The mechanism is :meth:`flce_loss`'s (see the class
+        docstring), with the loss type's count in place of the tokens; one step's calls must share one loss
+        type's normalizer (and not mix with :meth:`flce_loss`).
+
+        In training, logs the metrics as ``train/policy/<name>`` (this micro-batch's masked means).
+
+        Args:
+            hidden: [B, T, H] hidden states predicting ``target``.
+            target: [B, T] the sampled tokens.
+            advantages: [B] or [B, T]; old_logprobs, ref_logprobs, mask, token_weight: [B, T] (see the function).
+            temperature: a [B, T] tensor (per token, as the sampler) replacing ``flce_temperature`` for this call.
+            shift: ``target`` holds the input ids (position t is scored against t + 1): the [B, T] tensors are
+                shifted with it (the last position leaves the mask) and the returned log-probabilities are the
+                predicting positions'.
+
+        Returns:
+            :class:`~lightning_flce.PolicyLossOutput` whose ``loss`` value is the micro-batch's own normalized
+            loss; in training under ``"step"`` its gradient is the micro-batch's share of the step's loss (the
+            mixin rescales the gradients at the optimizer step).
+        """
+        target = self._flce_rl_target(hidden, target, shift)
+        if shift:
+            advantages = cast(Tensor, shift_per_token(advantages, 0.0))
+            old_logprobs, ref_logprobs, token_weight = (
+                shift_per_token(value, 0.0) for value in (old_logprobs, ref_logprobs, token_weight)
+            )
+            temperature = shift_per_token(temperature, 1.0)
+            if mask is None:
+                mask = torch.ones_like(target, dtype=torch.bool)
+            mask = shift_per_token(mask, 0)
+        output = head_policy_loss(
+            self._flce_rl_head(),
+            hidden,
+            target,
+            self.flce_policy,
+            temperature=temperature,
+            advantages=advantages,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            mask=mask,
+            token_weight=token_weight,
+        )
+        stage = self._flce_stage()
+        if stage != "train":
+            return output
+        counted = target != self.flce_ignore_index
+        if mask is not None:
+            counted = counted & (mask != 0)
+        options = self.flce_policy.options
+        count, unit = policy_normalizer(
+            options["loss_type"], counted.to(output.loss.dtype), options["max_completion_length"]
+        )
+        normalizer = self.flce_step_normalizer
+        if normalizer.needs_divisor:  # fp16 gradients: D from the most this micro-batch could count
+            capacity = target.numel() if unit == "completion tokens" else int(count)
+            normalizer.agree_first_divisor(capacity, self._flce_mean_over_ranks(count.device))
+        loss_sum = output.loss * count
+        normalizer.count(loss_sum, count, unit)
+        if not loss_sum.requires_grad:
+            normalizer.commit(self.trainer.global_step)
+        loss, self._flce_last_loss_weight = normalizer.loss_to_backward(loss_sum, count)
+        if normalizer.rescales:
+            self._flce_unweighted_term_watch.record(loss)
+        for name, value in output.metrics.items():  # per step only: no batch size to weigh (and no host sync)
+            self.log(f"train/policy/{name}", value, on_step=True, on_epoch=False, batch_size=target.shape[0])
+        return output._replace(loss=loss)
+
+    def _flce_rl_target(self, hidden: Tensor, target: Tensor, shift: bool) -> Tensor:
+        if not isinstance(hidden, Tensor) or not isinstance(target, Tensor):
+            raise TypeError(
+                f"the RL calls take the final hidden states and the target as tensors, got {type(hidden).__name__}"
+                f" and {type(target).__name__}"
+            )
+        if target.dtype in NARROW_INT_DTYPES:
+            target = target.long()
+        if shift:
+            target = F.pad(target[..., 1:], (0, 1), value=self.flce_ignore_index)
+        return target
+
+    def _flce_rl_head(self):
+        if self.flce_naive:
+            raise NotImplementedError("flce_naive=True has no RL path: the RL calls always use the fused ops")
+        return resolve_head(self, self.flce_head, self.flce_softcap)
 
     # ----------------------------------------------------------------- hooks
 

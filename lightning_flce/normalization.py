@@ -75,6 +75,7 @@ class StepNormalizer:
         self._pending: Optional[Tensor] = None  # counted at forward, not back-propagated yet
         self._totals: Optional[Tensor] = None  # [loss sum, tokens, micro-batches] of the step in progress
         self._step: Optional[int] = None  # the global step those totals belong to
+        self._unit: Optional[str] = None  # what the counts of the step in progress count
 
     @property
     def rescales(self) -> bool:
@@ -83,7 +84,7 @@ class StepNormalizer:
 
     def start_fit(self, fp16_gradients: bool) -> None:
         """Forgets any totals; fp16 gradients: ``D`` is agreed afresh at the first micro-batch."""
-        self._pending = self._totals = self._step = None
+        self._pending = self._totals = self._step = self._unit = None
         self.grad_divisor = None if fp16_gradients and self.rescales else 1.0
 
     @property
@@ -110,8 +111,23 @@ class StepNormalizer:
         divisor = self.grad_divisor if self.grad_divisor is not None else 1.0
         return mean.detach() + (loss_sum - loss_sum.detach()) / divisor, num_tokens.float() / divisor
 
-    def count(self, loss_sum: Tensor, num_tokens: Tensor) -> None:
-        """Counts a micro-batch's loss sum and tokens; they join the step at :meth:`commit`."""
+    def count(self, loss_sum: Tensor, num_tokens: Tensor, unit: str = "tokens") -> None:
+        """Counts a micro-batch's loss sum and tokens; they join the step at :meth:`commit`.
+
+        ``num_tokens`` is the micro-batch's share of the step's normalizer, in ``unit``: the cross-entropy's
+        tokens, or a policy loss's (:func:`~lightning_flce.rl.policy_normalizer`: tokens, sequences, or
+        sequences times the completion length). The losses of one step must count in one unit.
+
+        Raises:
+            ValueError: a unit other than the one the step's earlier calls counted in.
+        """
+        if self._unit is not None and self._unit != unit:
+            raise ValueError(
+                f"one optimizer step counted its losses in {self._unit!r} and now in {unit!r}: under"
+                " flce_normalize='step' the losses of a step must share one normalizer (flce_loss counts tokens,"
+                " flce_policy_loss its loss type's normalizer); use flce_normalize='micro_batch' to mix them"
+            )
+        self._unit = unit
         totals = torch.stack(
             [loss_sum.detach().double(), num_tokens.double(), num_tokens.new_ones((), dtype=torch.float64)]
         )
@@ -120,6 +136,8 @@ class StepNormalizer:
     def discard_pending(self) -> None:
         """Forgets what was counted but never back-propagated (a skipped batch)."""
         self._pending = None
+        if self._totals is None:
+            self._unit = None
 
     def commit(self, step: int) -> None:
         """The counted micro-batches were back-propagated: they join optimizer step ``step``."""
@@ -164,6 +182,7 @@ class StepNormalizer:
             fp16_gradients: raise ``D`` to the step's tokens per micro-batch for the next step.
         """
         totals, self._totals = self._totals, None
+        self._unit = None
         if totals is None:
             return None
         if sum_over_ranks is not None:

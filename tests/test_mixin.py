@@ -543,7 +543,12 @@ def test_cli_lists_the_options_under_model_init_args():
         UserLM,
         run=False,
         save_config_callback=None,
-        args=["--model.width=4", "--model.flce_chunk_size=64", "--model.flce_normalize=micro_batch"],
+        args=[
+            "--model.width=4",
+            "--model.flce_chunk_size=64",
+            "--model.flce_normalize=micro_batch",
+            "--model.flce_loss_type=dapo",
+        ],
     )
     # the mixin's options: every FLCEOptions field that is an __init__ option (the others are given per call or
     # decided by flce_normalize), prefixed, and the mixin's own; no deprecated name
@@ -552,9 +557,13 @@ def test_cli_lists_the_options_under_model_init_args():
         f"flce_{field}" for field in FLCEOptions.field_names() if field not in per_call_or_normalized
     }
     flce_options |= {"flce_head", "flce_naive", "flce_normalize"}
+    # the policy loss's options (flce_policy_loss), under the function's names
+    policy = ("loss_type", "epsilon_low", "epsilon_high", "beta", "entropy_coef", "temperature")
+    flce_options |= {f"flce_{name}" for name in (*policy, "max_completion_length")}
     assert flce_options == {name for name in list(cli.config["model"].keys()) if name.startswith("flce_")}
     assert cli.model.flce_head_loss.chunk_size == 64
     assert cli.model.flce_normalize == "micro_batch"
+    assert cli.model.flce_policy.options["loss_type"] == "dapo"
     assert cli.model.hparams["flce_chunk_size"] == 64
     assert cli.model.hparams["width"] == 4
 

@@ -10,7 +10,12 @@ Their chunk losses are in :mod:`lightning_flce.losses` (``logprobs.py``, ``polic
 """
 
 from lightning_flce.rl.logprobs import LogProbsOutput, fused_linear_logprobs
-from lightning_flce.rl.policy import FusedLinearPolicyLoss, PolicyLossOutput, fused_linear_policy_loss
+from lightning_flce.rl.policy import (
+    FusedLinearPolicyLoss,
+    PolicyLossOutput,
+    fused_linear_policy_loss,
+    policy_normalizer,
+)
 
 __all__ = [
     "FusedLinearPolicyLoss",
@@ -18,4 +23,5 @@ __all__ = [
     "PolicyLossOutput",
     "fused_linear_logprobs",
     "fused_linear_policy_loss",
+    "policy_normalizer",
 ]

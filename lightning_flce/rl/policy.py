@@ -18,7 +18,13 @@ from lightning_flce.rl.logprobs import inverse_temperature
 from lightning_flce.rl.policy_op import flce_policy_loss
 from lightning_flce.validation import check_inputs, class_indices
 
-__all__ = ["FusedLinearPolicyLoss", "PolicyLossOutput", "fused_linear_policy_loss", "policy_metrics"]
+__all__ = [
+    "FusedLinearPolicyLoss",
+    "PolicyLossOutput",
+    "fused_linear_policy_loss",
+    "policy_metrics",
+    "policy_normalizer",
+]
 
 
 class PolicyLossOutput(NamedTuple):
@@ -241,6 +247,22 @@ def policy_metrics(
     if entropy is not None:
         metrics["entropy_mean"] = mean(entropy)
     return metrics
+
+
+def policy_normalizer(
+    loss_type: PolicyLossType, counted: Tensor, max_completion_length: Optional[int] = None
+) -> tuple[Tensor, str]:
+    """What :func:`fused_linear_policy_loss` divides ``loss_type``'s sum by, for a call whose tokens that count
+    are ``counted`` ([B, T], 0/1), and its unit, for a normalizer over several calls (micro-batches, ranks):
+    the counted tokens (``"bnpo"``, ``"dapo"``, ``"cispo"``, ``"ppo"``), the B sequences (``"grpo"``: the sum of
+    the sequences' means), or ``B * max_completion_length`` (``"dr_grpo"``; default T). A 0-d tensor of
+    ``counted``'s dtype, not clamped (the function divides by at least 1)."""
+    batch, length = counted.shape
+    if loss_type == "grpo":
+        return counted.new_tensor(float(batch)), "sequences"
+    if loss_type == "dr_grpo":
+        return counted.new_tensor(float(batch * (max_completion_length or length))), "sequences x length"
+    return counted.sum(), "completion tokens"
 
 
 def _check_per_token(name: str, value: Tensor, target: Tensor, *, allow, floating: bool = True) -> None:
