@@ -217,3 +217,33 @@ def test_a_step_cannot_mix_normalizers():
         normalizer.count(torch.tensor(1.0), torch.tensor(2.0), "sequences")
     normalizer.finish()
     normalizer.count(torch.tensor(1.0), torch.tensor(2.0), "sequences")  # a new step may count otherwise
+
+
+def test_a_hooked_head_computes_inside_its_own_call():
+    """A forward pre-hook on the head (as a sharding wrapper's that gathers the weight) runs around the loss."""
+    model = PolicyLM()
+    batch = MICRO_BATCHES[0]
+    hidden = model.hidden_states(batch["input_ids"])
+    expected = model.flce_logprobs(hidden, batch["target"]).logprobs
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+    torch.testing.assert_close(model.flce_logprobs(hidden, batch["target"]).logprobs, expected, **TOL)
+    model.flce_policy_loss(hidden, batch["target"], advantages=batch["advantages"])
+    assert calls == [hidden.shape, hidden.shape]
+
+
+def test_a_peft_lora_head_gives_the_logits_of_the_peft_module():
+    peft = pytest.importorskip("peft")
+    model = PolicyLM()
+    torch.manual_seed(1)
+    holder = nn.Module()
+    holder.lm_head = model.lm_head
+    config = peft.LoraConfig(target_modules=["lm_head"], r=4, lora_alpha=8, init_lora_weights=False)
+    model.lm_head = peft.inject_adapter_in_model(config, holder).lm_head.to(torch.float64)
+    assert type(model.lm_head).__module__.startswith("peft.")
+    batch = MICRO_BATCHES[0]
+    hidden = model.hidden_states(batch["input_ids"])
+    out = model.flce_logprobs(hidden, batch["target"], temperature=1.0)
+    logits = model.lm_head(hidden)
+    expected = torch.log_softmax(logits, -1).gather(-1, batch["target"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out.logprobs, expected, **TOL)
