@@ -512,6 +512,7 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         mask: Optional[Tensor] = None,
         token_weight: Optional[Tensor] = None,
         temperature: Optional[Tensor] = None,
+        return_entropy: bool = False,
         shift: bool = False,
     ) -> PolicyLossOutput:
         """The clipped policy-gradient loss of the head (:func:`~lightning_flce.fused_linear_policy_loss`) with
@@ -534,6 +535,8 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
             target: [B, T] the sampled tokens.
             advantages: [B] or [B, T]; old_logprobs, ref_logprobs, mask, token_weight: [B, T] (see the function).
             temperature: a [B, T] tensor (per token, as the sampler) replacing ``flce_temperature`` for this call.
+            return_entropy: compute each token's entropy (and ``entropy_mean``) without an entropy term (it is
+                computed anyway when ``flce_entropy_coef`` is not 0).
             shift: ``target`` holds the input ids (position t is scored against t + 1): the [B, T] tensors are
                 shifted with it (the last position leaves the mask) and the returned log-probabilities are the
                 predicting positions'.
@@ -559,6 +562,7 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
             target,
             self.flce_policy,
             temperature=temperature,
+            return_entropy=return_entropy,
             advantages=advantages,
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,

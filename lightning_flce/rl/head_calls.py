@@ -143,14 +143,17 @@ def head_policy_loss(
     policy: FusedLinearPolicyLoss,
     *,
     temperature: Optional[Union[float, Tensor]] = None,
+    return_entropy: bool = False,
     **per_call: Optional[Tensor],
 ) -> PolicyLossOutput:
     """:func:`~lightning_flce.fused_linear_policy_loss` of the head with ``policy``'s options (the softcap is
-    the head's; ``temperature``, when given, replaces the option's) and the per-call tensors ``per_call``
+    the head's; ``temperature``, when given, replaces the option's; ``return_entropy`` adds to the option's) and
+    the per-call tensors ``per_call``
     (``advantages``, ``old_logprobs``, ``ref_logprobs``, ``mask``, ``token_weight``)."""
     options = {**policy.options, "softcap": resolved.softcap}
     if temperature is not None:
         options["temperature"] = temperature
+    options["return_entropy"] = options["return_entropy"] or return_entropy
     output = _run_in_head(
         resolved,
         hidden,
