@@ -231,6 +231,12 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
       world, which would average the head shards of different vocabulary rows (and assume different data
       per rank). Also refused: a world size that is not a multiple of the TP size.
 
+    Reinforcement learning (``docs/rl.md``): :meth:`flce_logprobs` (per-token log-probabilities and entropy) and
+    :meth:`flce_policy_loss` (GRPO, DAPO, Dr. GRPO, ...) on the same head; the policy loss's options are
+    ``flce_loss_type``, ``flce_epsilon_low``, ``flce_epsilon_high``, ``flce_beta``, ``flce_entropy_coef``,
+    ``flce_temperature`` and ``flce_max_completion_length`` (the function's names), and ``"step"`` normalizes it
+    as its loss type over the step (tokens, sequences, or sequences x length in place of the tokens).
+
     :meth:`flce_loss` returns a tensor whose *value* is the micro-batch mean and whose gradient (``"step"``)
     is that of the token sum over ``D``. A micro-batch whose labels are all ignored gives 0 with the graph
     connected, so every rank runs the same backward (no DDP hang).
