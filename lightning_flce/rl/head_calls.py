@@ -14,7 +14,7 @@ Not yet supported, and refused: a :class:`~lightning_flce.parallel.VocabParallel
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -86,7 +86,7 @@ def _run_in_head(
         )
     scale = resolved.logit_scale
 
-    def with_operands(head_input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
+    def with_operands(head_input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple[Any, ...]:
         if head_input.shape[-1] != weight.shape[1]:
             raise ValueError(
                 f"hidden size {head_input.shape[-1]} does not match the head weight {tuple(weight.shape)} ([V, H])"
@@ -97,10 +97,10 @@ def _run_in_head(
         # a plain tuple: hooks that rebuild their outputs may not handle NamedTuples
         return tuple(loss_of(head_input, weight, bias))
 
-    def as_forward(head_input: Tensor) -> tuple:
+    def as_forward(head_input: Tensor) -> tuple[Any, ...]:
         if lora:  # one linear map with the LoRA head's logits (lightning_flce/adapters.py)
             return lora_head_loss(module, head_input, lambda ops, h: with_operands(h, ops.weight, ops.bias))
-        return with_operands(head_input, module.weight, getattr(module, "bias", None))
+        return with_operands(head_input, cast(Tensor, module.weight), getattr(module, "bias", None))
 
     if head is module and "forward" not in module.__dict__ and not has_call_hooks(module):
         return as_forward(hidden)
@@ -144,7 +144,7 @@ def head_policy_loss(
     *,
     temperature: Optional[Union[float, Tensor]] = None,
     return_entropy: bool = False,
-    **per_call: Optional[Tensor],
+    **per_call: Any,
 ) -> PolicyLossOutput:
     """:func:`~lightning_flce.fused_linear_policy_loss` of the head with ``policy``'s options (the softcap is
     the head's; ``temperature``, when given, replaces the option's; ``return_entropy`` adds to the option's) and

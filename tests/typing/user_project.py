@@ -168,6 +168,16 @@ tiny = TinyGPT(vocab_size=8192, d_model=128, n_layers=2, flce_chunk_size=1024)
 assert_type(tiny, TinyGPT)
 assert_type(tiny.estimate_flops(batch_size=16, seq_len=128), int)
 assert_type(tiny.flce_loss(torch.randn(2, 8, 128), torch.randint(0, 8192, (2, 8)), shift=True), Tensor)
+# the RL calls on the mixin's head (docs/rl.md), the policy options as flce_* arguments
+rl_tiny = TinyGPT(vocab_size=8192, d_model=128, flce_loss_type="dapo", flce_epsilon_high=0.28, flce_beta=0.0)
+rl_ids = torch.randint(0, 8192, (2, 8))
+rl_logprobs = rl_tiny.flce_logprobs(torch.randn(2, 8, 128), rl_ids, temperature=0.7, return_entropy=True)
+assert_type(rl_logprobs, LogProbsOutput)
+rl_policy = rl_tiny.flce_policy_loss(
+    torch.randn(2, 8, 128), rl_ids, advantages=torch.randn(2), old_logprobs=rl_logprobs.logprobs.detach()
+)
+assert_type(rl_policy, PolicyLossOutput)
+assert_type(rl_policy.metrics, dict[str, Tensor])
 monitor = ThroughputMonitor(batch_size_fn=batch_size, length_fn=batch_tokens)
 L.Trainer(max_steps=500, callbacks=[monitor, FLCEMemoryCallback()])
 
