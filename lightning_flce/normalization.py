@@ -75,7 +75,8 @@ class StepNormalizer:
         self._pending: Optional[Tensor] = None  # counted at forward, not back-propagated yet
         self._totals: Optional[Tensor] = None  # [loss sum, tokens, micro-batches] of the step in progress
         self._step: Optional[int] = None  # the global step those totals belong to
-        self._unit: Optional[str] = None  # what the counts of the step in progress count
+        self._pending_unit = "tokens"  # what the pending counts count
+        self._unit = "tokens"  # what the step's totals count
 
     @property
     def rescales(self) -> bool:
@@ -84,7 +85,7 @@ class StepNormalizer:
 
     def start_fit(self, fp16_gradients: bool) -> None:
         """Forgets any totals; fp16 gradients: ``D`` is agreed afresh at the first micro-batch."""
-        self._pending = self._totals = self._step = self._unit = None
+        self._pending = self._totals = self._step = None
         self.grad_divisor = None if fp16_gradients and self.rescales else 1.0
 
     @property
@@ -119,15 +120,14 @@ class StepNormalizer:
         sequences times the completion length). The losses of one step must count in one unit.
 
         Raises:
-            ValueError: a unit other than the one the step's earlier calls counted in.
+            ValueError: a unit other than the one the micro-batch's earlier calls counted in (against the step's
+                earlier micro-batches: at :meth:`commit`).
         """
-        if self._unit is not None and self._unit != unit:
-            raise ValueError(
-                f"one optimizer step counted its losses in {self._unit!r} and now in {unit!r}: under"
-                " flce_normalize='step' the losses of a step must share one normalizer (flce_loss counts tokens,"
-                " flce_policy_loss its loss type's normalizer); use flce_normalize='micro_batch' to mix them"
-            )
-        self._unit = unit
+        # the unit is compared here only within a micro-batch: a compiled training step reads no state that
+        # differs between micro-batches (that would recompile it)
+        if self._pending is not None:
+            _check_same_unit(self._pending_unit, unit)
+        self._pending_unit = unit
         totals = torch.stack(
             [loss_sum.detach().double(), num_tokens.double(), num_tokens.new_ones((), dtype=torch.float64)]
         )
@@ -136,21 +136,21 @@ class StepNormalizer:
     def discard_pending(self) -> None:
         """Forgets what was counted but never back-propagated (a skipped batch)."""
         self._pending = None
-        if self._totals is None:
-            self._unit = None
 
     def commit(self, step: int) -> None:
         """The counted micro-batches were back-propagated: they join optimizer step ``step``."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            self.add(pending, step)
+            self.add(pending, step, self._pending_unit)
 
-    def add(self, totals: Tensor, step: int) -> None:
-        """Adds ``[loss sum, tokens, micro-batches]`` to optimizer step ``step``'s totals.
+    def add(self, totals: Tensor, step: int, unit: str = "tokens") -> None:
+        """Adds ``[loss sum, tokens, micro-batches]`` (the tokens counted in ``unit``) to optimizer step ``step``'s
+        totals.
 
         Raises:
             RuntimeError: under ``"step"``, when an earlier step's totals were never finished (its gradients
                 were not normalized).
+            ValueError: ``unit`` is not the unit of the step's totals.
         """
         if self._totals is not None and self._step != step:
             if self.rescales:
@@ -160,8 +160,9 @@ class StepNormalizer:
                 )
             self._totals = None
         if self._totals is None:
-            self._totals, self._step = totals, step
+            self._totals, self._step, self._unit = totals, step, unit
         else:
+            _check_same_unit(self._unit, unit)
             self._totals = self._totals + totals
 
     def finish(
@@ -182,7 +183,6 @@ class StepNormalizer:
             fp16_gradients: raise ``D`` to the step's tokens per micro-batch for the next step.
         """
         totals, self._totals = self._totals, None
-        self._unit = None
         if totals is None:
             return None
         if sum_over_ranks is not None:
@@ -198,6 +198,15 @@ class StepNormalizer:
             per_micro_batch = power_of_two_at_least(num_tokens / max(micro_batches, 1.0))
             self.grad_divisor = max(divisor, per_micro_batch)
         return FinishedStep(mean_loss, num_tokens, scale)
+
+
+def _check_same_unit(earlier: str, unit: str) -> None:
+    if unit != earlier:
+        raise ValueError(
+            f"one optimizer step counted its losses in {earlier!r} and now in {unit!r}: under"
+            " flce_normalize='step' the losses of a step must share one normalizer (flce_loss counts tokens,"
+            " flce_policy_loss its loss type's normalizer); use flce_normalize='micro_batch' to mix them"
+        )
 
 
 def scale_gradients(params, scale: float) -> None:

@@ -212,11 +212,16 @@ def test_policy_normalizer_counts_each_loss_types_divisor():
 def test_a_step_cannot_mix_normalizers():
     normalizer = StepNormalizer("step")
     normalizer.count(torch.tensor(1.0), torch.tensor(4.0), "tokens")
-    normalizer.commit(0)
-    with pytest.raises(ValueError, match="must share one normalizer"):
+    with pytest.raises(ValueError, match="must share one normalizer"):  # in one micro-batch
         normalizer.count(torch.tensor(1.0), torch.tensor(2.0), "sequences")
+    normalizer.commit(0)
+    normalizer.count(torch.tensor(1.0), torch.tensor(2.0), "sequences")
+    with pytest.raises(ValueError, match="must share one normalizer"):  # in the next micro-batch of the step
+        normalizer.commit(0)
     normalizer.finish()
     normalizer.count(torch.tensor(1.0), torch.tensor(2.0), "sequences")  # a new step may count otherwise
+    normalizer.commit(1)
+    assert normalizer.finish().num_tokens == 2.0
 
 
 def test_a_hooked_head_computes_inside_its_own_call():
