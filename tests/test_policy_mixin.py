@@ -252,3 +252,40 @@ def test_a_peft_lora_head_gives_the_logits_of_the_peft_module():
     logits = model.lm_head(hidden)
     expected = torch.log_softmax(logits, -1).gather(-1, batch["target"].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(out.logprobs, expected, **TOL)
+
+
+@pytest.mark.parametrize(("loss_type", "divisor"), [("grpo", 2.0), ("dapo", 16.0)])
+def test_fp16_gradients_divide_by_the_loss_types_count(loss_type, divisor):
+    """``16-mixed`` (fp16 autocast on the CPU, Lightning's GradScaler): the first micro-batch's divisor ``D`` is a
+    power of two at least what it could count (2 sequences; 2 x 6 = 12 tokens), and the step's gradients are
+    those of one float64 call within fp16 rounding (6e-4 relative measured)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    model = PolicyLM(flce_loss_type=loss_type)
+    _, expected = one_call_grads(model, MICRO_BATCHES, loss_type=loss_type)
+    batches = [{k: v.float() if v.is_floating_point() else v for k, v in b.items()} for b in MICRO_BATCHES]
+    capture = GradCapture()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[capture],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        max_epochs=1,
+        plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))],
+        accumulate_grad_batches=2,
+    )
+    # the divisor of the first micro-batch, before the step raises it to the step's count per micro-batch
+    divisors = []
+    model.on_before_backward = lambda loss: (
+        divisors.append(model.flce_step_normalizer.grad_divisor),
+        FLCEMixin.on_before_backward(model, loss),
+    )
+    trainer.fit(model.float(), DataLoader(batches, batch_size=None))
+    assert divisors[0] == divisor
+    for name, grad in capture.grads[0].items():
+        error = ((grad.double() - expected[name]).norm() / expected[name].norm()).item()
+        assert error < 1e-2, f"{name}: relative error {error:.1e}"
