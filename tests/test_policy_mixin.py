@@ -289,3 +289,27 @@ def test_fp16_gradients_divide_by_the_loss_types_count(loss_type, divisor):
     for name, grad in capture.grads[0].items():
         error = ((grad.double() - expected[name]).norm() / expected[name].norm()).item()
         assert error < 1e-2, f"{name}: relative error {error:.1e}"
+
+
+def test_a_vocab_parallel_head_is_refused_clearly():
+    from lightning_flce.parallel import VocabParallelHead
+
+    model = PolicyLM()
+    head = VocabParallelHead.__new__(
+        VocabParallelHead
+    )  # the type is all the refusal reads (no process group)
+    nn.Module.__init__(head)
+    model.lm_head = head
+    batch = MICRO_BATCHES[0]
+    hidden = model.hidden_states(batch["input_ids"])
+    with pytest.raises(NotImplementedError, match="do not support a VocabParallelHead"):
+        model.flce_logprobs(hidden, batch["target"])
+    with pytest.raises(NotImplementedError, match="do not support a VocabParallelHead"):
+        model.flce_policy_loss(hidden, batch["target"], advantages=batch["advantages"])
+
+
+def test_naive_has_no_rl_path():
+    model = PolicyLM(flce_naive=True)
+    batch = MICRO_BATCHES[0]
+    with pytest.raises(NotImplementedError, match="flce_naive=True has no RL path"):
+        model.flce_logprobs(model.hidden_states(batch["input_ids"]), batch["target"])
