@@ -330,6 +330,7 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         self.flce_last_logits_bytes: Optional[int] = None
         self.flce_last_num_tokens: Optional[Tensor] = None
         self._flce_last_loss_weight: Optional[Tensor] = None
+        self._flce_policy_metrics: dict[str, Tensor] = {}  # to log at the micro-batch's backward
 
     # read-only views of the options record (one copy, in flce_head_loss.options)
     @property
@@ -534,7 +535,8 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         docstring), with the loss type's count in place of the tokens; one step's calls must share one loss
         type's normalizer (and not mix with :meth:`flce_loss`).
 
-        In training, logs the metrics as ``train/policy/<name>`` (this micro-batch's masked means).
+        In training, logs the metrics as ``train/policy/<name>`` (this micro-batch's masked means; the last call's
+        of the micro-batch, when it is back-propagated: ``on_before_backward`` must call ``super()``).
 
         Args:
             hidden: [B, T, H] hidden states predicting ``target``.
@@ -596,8 +598,8 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         loss, self._flce_last_loss_weight = normalizer.loss_to_backward(loss_sum, count)
         if normalizer.rescales:
             self._flce_unweighted_term_watch.record(loss)
-        for name, value in output.metrics.items():  # per step only: no batch size to weigh (and no host sync)
-            self.log(f"train/policy/{name}", value, on_step=True, on_epoch=False, batch_size=target.shape[0])
+        # logged when the micro-batch is back-propagated (on_before_backward): self.log in a compiled step breaks it
+        self._flce_policy_metrics = output.metrics
         return output._replace(loss=loss)
 
     def _flce_rl_target(self, hidden: Tensor, target: Tensor, shift: bool) -> Tensor:
@@ -672,12 +674,19 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
         # what a skipped batch (training_step returned None) counted is never back-propagated: forget it
         self.flce_step_normalizer.discard_pending()
+        self._flce_policy_metrics = {}
         self._flce_unweighted_term_watch.reset()
         return super().on_train_batch_start(batch, batch_idx)
 
     def on_before_backward(self, loss: Tensor) -> None:
         # the micro-batch's flce_loss calls are back-propagated now: their tokens join the optimizer step
         self.flce_step_normalizer.commit(self.trainer.global_step)
+        metrics, self._flce_policy_metrics = self._flce_policy_metrics, {}
+        for (
+            name,
+            value,
+        ) in metrics.items():  # the last flce_policy_loss call's: per step, so no batch size to weigh
+            self.log(f"train/policy/{name}", value, on_step=True, on_epoch=False, batch_size=1)
         # "step" rescales every gradient at the optimizer step for the LM loss's token sum, so a term added to
         # flce_loss's output without flce_last_loss_weight is silently weighted ~1 / tokens: warn once.
         if self._flce_unweighted_term_watch.should_warn(loss):

@@ -313,3 +313,15 @@ def test_naive_has_no_rl_path():
     batch = MICRO_BATCHES[0]
     with pytest.raises(NotImplementedError, match="flce_naive=True has no RL path"):
         model.flce_logprobs(model.hidden_states(batch["input_ids"]), batch["target"])
+
+
+def test_a_compiled_module_trains_with_the_policy_loss():
+    """``torch.compile(model)`` (Dynamo; the eager backend keeps it fast): the same step, and the metrics logged
+    outside the compiled step (``self.log`` inside it would break it)."""
+    model = PolicyLM(flce_loss_type="grpo")
+    _, expected = one_call_grads(model, MICRO_BATCHES, loss_type="grpo")
+    torch._dynamo.reset()
+    trainer, capture = fit(torch.compile(model, backend="eager"), MICRO_BATCHES, accumulate_grad_batches=2)
+    for name, grad in capture.grads[0].items():
+        torch.testing.assert_close(grad, expected[name], **TOL, msg=name)
+    assert "train/policy/ratio_mean" in trainer.logged_metrics
