@@ -82,7 +82,7 @@ def run_ddp(out_dir: str, loss_type: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_ddp_policy_step_equals_one_call_on_both_ranks_sequences(tmp_path, loss_type):
     result = subprocess.run(
         [sys.executable, __file__, str(tmp_path), loss_type],
