@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
-from lightning_flce.kernels import backend_for, resolve_backend
+from lightning_flce.kernels import Backend, backend_for, resolve_backend
 from lightning_flce.op import flce_forward, forward_args
 from lightning_flce.options import (
     AccumDtype,
@@ -143,6 +144,20 @@ def fused_linear_cross_entropy_with_stats(
     return _call(input, weight, target, bias, FLCEOptions.of(**kwargs), compute_stats=True)
 
 
+def checked_call(
+    input: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor], options: FLCEOptions
+) -> tuple[FLCEOptions, torch.dtype, Backend]:
+    """What a single-device call runs, its inputs checked first (clear errors before any kernel): the options with
+    ``logits_precision`` resolved, the GEMMs' compute dtype and the chunk kernels' backend. The cross-entropy's and
+    the RL calls' front ends share it."""
+    compute_dtype = check_inputs(input, weight, target, bias, options)
+    # Here, not in check_inputs: the vocab-parallel op reports a zero-row shard with every rank's shard sizes.
+    if 0 in weight.shape:
+        raise ValueError(f"hidden size and vocabulary must be non-empty, got weight {tuple(weight.shape)}")
+    options, compute_dtype = resolve_logits_precision(options, compute_dtype)
+    return options, compute_dtype, backend_for(resolve_backend(options.impl, input.device), compute_dtype)
+
+
 def _call(
     input: Tensor,
     weight: Tensor,
@@ -151,12 +166,7 @@ def _call(
     options: FLCEOptions,
     compute_stats: bool,
 ) -> FLCEOutput:
-    compute_dtype = check_inputs(input, weight, target, bias, options)
-    # Here, not in check_inputs: the vocab-parallel op reports a zero-row shard with every rank's shard sizes.
-    if 0 in weight.shape:
-        raise ValueError(f"hidden size and vocabulary must be non-empty, got weight {tuple(weight.shape)}")
-    options, compute_dtype = resolve_logits_precision(options, compute_dtype)
-    backend = backend_for(resolve_backend(options.impl, input.device), compute_dtype)
+    options, compute_dtype, backend = checked_call(input, weight, target, bias, options)
     args = forward_args(
         options,
         input,

@@ -13,10 +13,11 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_flce.kernels import backend_for, resolve_backend, softmax_dtype
-from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision, resolve_logits_precision
+from lightning_flce.functional import checked_call
+from lightning_flce.kernels import softmax_dtype
+from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.rl.logprobs_op import flce_logprobs
-from lightning_flce.validation import check_inputs, class_indices
+from lightning_flce.validation import class_indices
 
 __all__ = ["LogProbsOutput", "fused_linear_logprobs", "inverse_temperature"]
 
@@ -85,11 +86,7 @@ def fused_linear_logprobs(
         chunk_size=chunk_size,
         impl=impl,
     )
-    compute_dtype = check_inputs(input, weight, target, bias, options)
-    if 0 in weight.shape:
-        raise ValueError(f"hidden size and vocabulary must be non-empty, got weight {tuple(weight.shape)}")
-    options, compute_dtype = resolve_logits_precision(options, compute_dtype)
-    backend = backend_for(resolve_backend(options.impl, input.device), compute_dtype)
+    options, compute_dtype, backend = checked_call(input, weight, target, bias, options)
     inv_temperature = inverse_temperature(temperature, target, softmax_dtype(compute_dtype))
     grad_enabled = torch.is_grad_enabled()
     logprobs, entropy = flce_logprobs(

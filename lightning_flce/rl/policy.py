@@ -11,12 +11,13 @@ from typing import Any, Dict, NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_flce.kernels import backend_for, resolve_backend, softmax_dtype
+from lightning_flce.functional import checked_call
+from lightning_flce.kernels import softmax_dtype
 from lightning_flce.losses.policy import LOSS_TYPES, PolicyLossType
-from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision, resolve_logits_precision
+from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.rl.logprobs import inverse_temperature
 from lightning_flce.rl.policy_op import flce_policy_loss
-from lightning_flce.validation import check_inputs, class_indices
+from lightning_flce.validation import class_indices
 
 __all__ = [
     "FusedLinearPolicyLoss",
@@ -145,11 +146,7 @@ def fused_linear_policy_loss(
         chunk_size=chunk_size,
         impl=impl,
     )
-    compute_dtype = check_inputs(input, weight, target, bias, options)
-    if 0 in weight.shape:
-        raise ValueError(f"hidden size and vocabulary must be non-empty, got weight {tuple(weight.shape)}")
-    options, compute_dtype = resolve_logits_precision(options, compute_dtype)
-    backend = backend_for(resolve_backend(options.impl, input.device), compute_dtype)
+    options, compute_dtype, backend = checked_call(input, weight, target, bias, options)
     dtype = softmax_dtype(compute_dtype)
 
     target = class_indices(target)
