@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 REPO = str(Path(__file__).resolve().parent.parent)
 
@@ -122,3 +123,22 @@ def error_in_step(call: Callable[[], Any]) -> Optional[str]:
         error = None
     dist.barrier()
     return error
+
+
+class SaveStep(Callback):
+    """A DDP worker's callback: at the first optimizer step, saves this rank's gradients, the logged step loss and
+    the world size into ``out_dir / f"rank{rank}.pt"`` (what :func:`run_ranks` loads)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.grads = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.grads is not None:
+            loss = trainer.callback_metrics["train/loss_step"].item()
+            result = {"grads": self.grads, "loss": loss, "world_size": trainer.world_size}
+            torch.save(result, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+            self.grads = None

@@ -20,10 +20,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
-from ranks import clean_env
+from ranks import SaveStep, clean_env
 from torch.utils.data import DataLoader
 
 from lightning_flce.models.gpt import TinyGPT
@@ -83,22 +82,6 @@ def trim(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     if "token_weight" in batch[0]:
         trimmed["token_weight"] = torch.stack([s["token_weight"] for s in batch])[:, :length]
     return trimmed
-
-
-class SaveStep(Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-        self.grads = None
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.grads is not None:
-            loss = trainer.callback_metrics["train/loss_step"].item()
-            result = {"grads": self.grads, "loss": loss, "world_size": trainer.world_size}
-            torch.save(result, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
-            self.grads = None
 
 
 def run_ddp(out_dir: str, precision: str, weighted: bool) -> None:

@@ -7,16 +7,14 @@ The test runs this file as a script (Lightning's DDP launcher starts rank 1 by r
 ``train/loss`` it logged. float64 (``precision="64-true"``), so the tolerances are rounding only.
 """
 
-import os
 import subprocess
 import sys
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from ranks import clean_env
+from ranks import SaveStep, clean_env
 from test_policy_mixin import TOL, PolicyLM, make_batch, one_call_grads
 from torch.utils.data import DataLoader
 
@@ -38,22 +36,6 @@ class RankMicroBatches(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return 2
-
-
-class SaveStep(Callback):
-    def __init__(self, out_dir: str) -> None:
-        self.out_dir = out_dir
-        self.grads = None
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.grads is not None:
-            loss = trainer.callback_metrics["train/loss_step"].item()
-            result = {"grads": self.grads, "loss": loss, "world_size": trainer.world_size}
-            torch.save(result, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
-            self.grads = None
 
 
 def options_of(loss_type: str) -> dict:
