@@ -16,7 +16,7 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 - the loss inside the head module's own forward call (plain PyTorch, Fabric): :class:`FLCEHeadLoss` (``head.py``);
 - Lightning: :class:`FLCEMixin` (``mixin.py``, with ``normalization.py``, ``head_discovery.py``,
   ``eval_metrics.py``), :class:`FLCEMemoryCallback`
-  (``callbacks/``), models in ``models/``, data in ``data/``, the CLI in ``cli.py`` and its configs in ``configs/``.
+  (``callbacks/``), models in ``models/`` (distillation: :class:`DistillationModule`, ``models/distill.py``), data in ``data/``, the CLI in ``cli.py`` and its configs in ``configs/``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from lightning_flce._version import __version__ as __version__
 # `lightning-flce --version` and `configs` run) does not import torch. Static checkers read the imports below
 # instead of ``__getattr__``.
 _LAZY = {
+    "DistillationModule": "lightning_flce.models.distill",
     "FLCEHeadLoss": "lightning_flce.head",
     "FLCEMemoryCallback": "lightning_flce.callbacks",
     "FLCEMixin": "lightning_flce.mixin",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
         fused_linear_cross_entropy_with_stats,
     )
     from lightning_flce.head import FLCEHeadLoss
+    from lightning_flce.models.distill import DistillationModule
     from lightning_flce.mixin import FLCEMixin
     from lightning_flce.options import FLCEOptions
     from lightning_flce.rl import (
@@ -74,6 +76,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DistillationModule",
     "FLCEHeadLoss",
     "FLCEMemoryCallback",
     "FLCEMixin",

@@ -105,6 +105,10 @@ class FLCEMemoryCallback(Callback):
 
       The precision is ``trainer.precision``; a module that reports only ``flce_last_logits_bytes`` gets
       that number for both. With gradient accumulation the figures are the last micro-batch's.
+      A distillation module (:class:`~lightning_flce.models.DistillationModule`) also reports its teacher's
+      ``flce_last_teacher_logits_shape = (N, V)`` and ``flce_teacher_compute_dtype``: both figures then count the
+      teacher's logits and their softmax (8 bytes a logit in fp32, 6 in bf16), and the fused side one more chunk
+      of logits (:meth:`~lightning_flce.callbacks.memory_model.HeadMemoryEstimate.with_teacher`).
 
     **Where the memory goes** (CUDA): at each logged step the callback counts the parameters, the gradients
     and the optimizer state held on the device; at the end of fit it logs them once for the step of the
@@ -490,6 +494,10 @@ class FLCEMemoryCallback(Callback):
         estimate = self._head_model(trainer, pl_module, vocab_size).estimate(
             num_tokens, vocab_size, naive=naive
         )
+        teacher_shape = _logits_shape(pl_module, "flce_last_teacher_logits_shape")
+        if teacher_shape is not None:  # distillation: the teacher's logits and softmax are avoided too
+            teacher_dtype = getattr(pl_module, "flce_teacher_compute_dtype", None) or torch.float32
+            estimate = estimate.with_teacher(*teacher_shape, teacher_dtype)
         return estimate, estimate.unfused_bytes / _MIB, estimate.saved_bytes / _MIB
 
     def _head_model(
@@ -570,9 +578,12 @@ def _without_legacy_names(row: dict[str, float]) -> dict[str, float]:
     return row
 
 
-def _logits_shape(pl_module: pl.LightningModule) -> Optional[tuple[int, int]]:
-    """The module's ``flce_last_logits_shape`` ``(N, V)``, checked; None if it does not report one."""
-    shape = getattr(pl_module, "flce_last_logits_shape", None)
+def _logits_shape(
+    pl_module: pl.LightningModule, attribute: str = "flce_last_logits_shape"
+) -> Optional[tuple[int, int]]:
+    """The module's ``flce_last_logits_shape`` ``(N, V)`` (or another such ``attribute``), checked; None if it
+    does not report one."""
+    shape = getattr(pl_module, attribute, None)
     if shape is None:
         return None
     try:
@@ -580,9 +591,7 @@ def _logits_shape(pl_module: pl.LightningModule) -> Optional[tuple[int, int]]:
     except (TypeError, ValueError):
         num_tokens = vocab_size = -1
     if num_tokens < 0 or vocab_size < 0:
-        raise ValueError(
-            f"`flce_last_logits_shape` must be a pair of non-negative ints (N, V), got {shape!r}."
-        )
+        raise ValueError(f"`{attribute}` must be a pair of non-negative ints (N, V), got {shape!r}.")
     return num_tokens, vocab_size
 
 

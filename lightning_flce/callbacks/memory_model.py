@@ -28,11 +28,16 @@ the chunk's logits are fp32 (their gradient, in the compute dtype, written into 
 copy a fallback GEMM makes (fp32, or fp64 with an fp64 chunk product); "fp32_compensated"'s Triton GEMM without
 label smoothing keeps the 16-bit buffer and adds its LSE partials (``engine.RELATIVE_16BIT_LOGITS``); "fp32_head"
 runs the fp32 path.
+
+Distillation (:class:`~lightning_flce.models.DistillationModule`) has a second head, the teacher's, run
+without gradient: the unfused formula holds its ``[N, V]`` logits in their compute dtype and their
+log-softmax in the softmax dtype while the divergence reads them (:func:`teacher_logits_bytes`, added by
+:meth:`HeadMemoryEstimate.with_teacher`); the fused loss holds one more chunk of logits for it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Optional
 
 import torch
@@ -58,6 +63,13 @@ _TRUE_DTYPES = {
     "bf16-true": torch.bfloat16,
     "16-true": torch.float16,
 }
+
+
+def teacher_logits_bytes(num_tokens: int, vocab_size: int, compute_dtype: torch.dtype) -> int:
+    """What the teacher's head adds to the peak of an unfused distillation step: its ``[N, V]`` logits in the
+    compute dtype and their log-softmax in the softmax dtype (fp32; fp64 for fp64 logits), both alive while the
+    divergence reads them (no gradient: nothing is kept for backward). 8 bytes a logit in fp32, 6 in bf16."""
+    return num_tokens * vocab_size * (compute_dtype.itemsize + softmax_dtype(compute_dtype).itemsize)
 
 
 def precision_weight_dtype(precision: Optional[str]) -> torch.dtype:
@@ -90,6 +102,24 @@ class HeadMemoryEstimate:
     chunk_bytes: int
     fused_bytes: int
     naive: bool
+    #: the teacher's part of ``unfused_bytes`` (distillation; 0 without a teacher)
+    teacher_bytes: int = 0
+
+    def with_teacher(
+        self, num_tokens: int, vocab_size: int, compute_dtype: torch.dtype
+    ) -> HeadMemoryEstimate:
+        """This estimate with a teacher head of ``num_tokens x vocab_size`` logits in ``compute_dtype``: the
+        unfused side adds :func:`teacher_logits_bytes`, the fused side one more chunk buffer of the teacher's
+        logits (the chunk rows as the student's; an estimate, as the op may pick fewer rows for two buffers)."""
+        teacher = teacher_logits_bytes(num_tokens, vocab_size, compute_dtype)
+        chunk = (self.chunk_rows or 0) * vocab_size * compute_dtype.itemsize
+        return replace(
+            self,
+            unfused_bytes=self.unfused_bytes + teacher,
+            fused_bytes=self.fused_bytes + chunk if self.fused_bytes else 0,
+            chunk_bytes=self.chunk_bytes + chunk,
+            teacher_bytes=self.teacher_bytes + teacher,
+        )
 
     @property
     def saved_bytes(self) -> int:

@@ -1,7 +1,15 @@
 """Ready-made LightningModules that compute their LM loss with :class:`~lightning_flce.mixin.FLCEMixin`."""
 
+from lightning_flce.models.distill import DistillationModule
 from lightning_flce.models.gpt import TinyGPT
 from lightning_flce.models.hf import HFCausalLM, compile_decoder_layers
 from lightning_flce.models.litgpt import LitGPTCausalLM, litgpt_hidden_states
 
-__all__ = ["HFCausalLM", "LitGPTCausalLM", "TinyGPT", "compile_decoder_layers", "litgpt_hidden_states"]
+__all__ = [
+    "DistillationModule",
+    "HFCausalLM",
+    "LitGPTCausalLM",
+    "TinyGPT",
+    "compile_decoder_layers",
+    "litgpt_hidden_states",
+]

@@ -1,0 +1,511 @@
+"""DistillationModule: a student LM trained on a frozen teacher's vocabulary distribution, with both LM heads
+fused (:func:`~lightning_flce.fused_linear_distillation`): neither model's ``[N, V]`` logits exist.
+
+The student is any model :class:`~lightning_flce.mixin.FLCEMixin` can train (TinyGPT, HFCausalLM,
+LitGPTCausalLM): the module takes its final hidden states (its ``hidden_states`` method) and finds its LM head and
+logit transforms (softcap, logit scale) as the mixin does. The teacher is another such model, a Hugging Face
+causal LM, or a Lightning checkpoint of one (the main job's ``last.ckpt``); it is frozen, kept in eval mode, run
+under ``no_grad`` and optionally in its own dtype. What the module adds to the loss op is the Lightning side:
+the teacher's life cycle, the targets, the logging and the checkpoint.
+
+.. code-block:: python
+
+    from lightning_flce import DistillationModule
+    from lightning_flce.models import TinyGPT
+
+    module = DistillationModule(
+        student=TinyGPT(d_model=64, n_layers=1),
+        teacher_checkpoint="lightning_logs/default/tinygpt/checkpoints/last.ckpt",
+        divergence="forward_kl",
+        temperature=2.0,
+    )
+    L.Trainer(max_steps=300).fit(module, datamodule)
+
+The bundled config ``distill`` (``lightning-flce fit --config distill``) does this on the CPU; ``docs/distill.md``
+says when to use which divergence.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+import warnings
+from typing import Any, NamedTuple, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch import Tensor, nn
+
+from lightning_flce.callbacks.checkpoint_identity import IDENTITY_KEY
+from lightning_flce.console import rank_zero_info_line
+from lightning_flce.data.dataset import check_label_format
+from lightning_flce.head import unwrap_head
+from lightning_flce.head_discovery import is_hf_model, resolve_head
+from lightning_flce.mixin import NARROW_INT_DTYPES
+from lightning_flce.models.gpt import adamw_with_warmup_cosine
+from lightning_flce.models.hf import HFCausalLM
+from lightning_flce.options import LogitsPrecision
+
+__all__ = ["DistillationModule", "HeadOperands", "final_hidden_states", "head_operands"]
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+TEACHER_PREFIX = "teacher."
+# the LightningModule of a checkpoint that does not record its class (LastStepCheckpoint records it)
+_DEFAULT_TEACHER_CLASS = "lightning_flce.models.gpt.TinyGPT"
+# order of the validation sums: the loss, the divergence, the student's cross-entropy, correct tokens, tokens
+_VAL_SUMS = ("loss", "divergence", "student_ce", "correct", "tokens")
+
+
+class HeadOperands(NamedTuple):
+    """An LM head's operands for the fused loss: ``softcap(scale * (x @ weight.T + bias))``."""
+
+    weight: Tensor
+    bias: Optional[Tensor]
+    logit_scale: float
+    softcap: Optional[float]
+
+
+def head_operands(model: nn.Module) -> HeadOperands:
+    """The LM head of ``model`` found as :class:`~lightning_flce.mixin.FLCEMixin` finds it (its ``flce_head``
+    and ``flce_softcap`` where it has them, else ``get_output_embeddings()`` or ``lm_head``), and the logit
+    transforms the model declares. The head must be a plain ``nn.Linear`` (or an ``nn.Embedding`` used as the
+    tied output matrix): its weight is read directly, so hooks around the head (FSDP's gathering of a sharded
+    weight, PEFT LoRA) are not supported here."""
+    resolved = resolve_head(model, getattr(model, "flce_head", None), getattr(model, "flce_softcap", None))
+    module = unwrap_head(resolved.module)
+    is_linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    if not (is_linear or isinstance(module, nn.Embedding)):
+        raise TypeError(
+            f"DistillationModule needs a plain LM head (an nn.Linear, or an nn.Embedding used as the tied output"
+            f" matrix) on {type(model).__name__}, got {type(module).__name__}"
+        )
+    scale = 1.0 if resolved.logit_scale is None else float(resolved.logit_scale)
+    return HeadOperands(module.weight, getattr(module, "bias", None), scale, resolved.softcap)
+
+
+def final_hidden_states(
+    model: nn.Module, input_ids: Tensor, attention_mask: Optional[Tensor] = None
+) -> Tensor:
+    """The hidden states [B, T, H] that ``model``'s LM head reads: its ``hidden_states`` method (TinyGPT,
+    HFCausalLM, LitGPTCausalLM; given the attention mask where it takes one), or the decoder of a Hugging Face
+    causal LM."""
+    hidden_states = getattr(model, "hidden_states", None)
+    if callable(hidden_states):
+        if attention_mask is not None and "attention_mask" in inspect.signature(hidden_states).parameters:
+            return hidden_states(input_ids, attention_mask=attention_mask)
+        return hidden_states(input_ids)
+    if is_hf_model(model):
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
+        output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+    raise TypeError(
+        f"{type(model).__name__} has no `hidden_states(input_ids)` method and is no Hugging Face causal LM: the"
+        " distillation loss needs the hidden states its LM head reads"
+    )
+
+
+def _fused_distillation(*args: Any, **kwargs: Any) -> Tensor:
+    """The loss op (imported at the call: the op does not depend on this module)."""
+    from lightning_flce import fused_linear_distillation
+
+    return fused_linear_distillation(*args, **kwargs)
+
+
+class DistillationModule(pl.LightningModule):
+    r"""Trains ``student`` to match a frozen teacher's next-token distribution, with the fused linear
+    distillation loss on both LM heads (:func:`~lightning_flce.fused_linear_distillation`).
+
+    Each token's loss is ``(1 - hard_weight) · divergence + hard_weight · CE``: the divergence between the
+    teacher's and the student's softmaxes of their (softcapped, scaled) logits over ``temperature``, and the
+    student's cross-entropy on the batch's labels (no temperature). Tokens whose label is the student's
+    ``flce_ignore_index`` (or whose ``attention_mask`` is 0) carry no loss. No ``T²`` factor is applied (the op's
+    convention; ``docs/distill.md`` says when Hinton's ``T²`` matters and how to apply it).
+
+    Batches are the student's: ``{"input_ids", "labels"}`` with labels already shifted (TinyGPT, LitGPT; data
+    ``label_format: shifted``), or in the Hugging Face convention (the student is an :class:`HFCausalLM` or a
+    Hugging Face model; ``label_format: hf``, labels default to ``input_ids`` and are shifted here). Both
+    models read the same ``input_ids``: they must share the tokenizer, and their vocabularies must match.
+
+    **The teacher** is frozen (``requires_grad=False``), in eval mode (also after Lightning's ``train()`` calls),
+    run under ``torch.no_grad()``; with ``teacher_dtype`` its parameters are cast to that dtype (again at the start
+    of fit, validation and test, after a ``"*-true"`` precision converted the module) and it runs outside
+    autocast. It is left out of the optimizer and out of the checkpoint: ``on_save_checkpoint`` drops its weights
+    (a checkpoint holds the student, as it would without distillation) and ``on_load_checkpoint`` puts this
+    module's teacher back, so resuming (``--ckpt_path last``) and ``load_from_checkpoint`` rebuild the teacher
+    from ``teacher`` / ``teacher_checkpoint`` as given.
+
+    **Normalization**: the training loss is each micro-batch's mean over its tokens that carry a loss; Lightning
+    averages micro-batches (gradient accumulation) and DDP averages ranks, so a micro-batch with few tokens
+    weighs as much as a full one. This is FLCEMixin's ``flce_normalize="micro_batch"``; the student's
+    ``flce_normalize`` option is not used (with unpadded batches of one length both modes agree).
+
+    **Logged**: ``train/loss`` (per step and epoch, in the progress bar); at the end of each validation
+    ``val/loss`` (the training loss's formula), ``val/divergence``, ``val/student_ce`` (the student's plain
+    cross-entropy on the labels), ``val/perplexity`` (its exp) and ``val/token_accuracy``, token-weighted over
+    the whole validation and all ranks (one validation dataloader), and a console line with them.
+
+    **Memory**: after each loss call ``flce_last_logits_shape = (N, V)`` and ``flce_last_teacher_logits_shape``
+    report the student's and the teacher's avoided logits to
+    :class:`~lightning_flce.callbacks.FLCEMemoryCallback` (which adds the teacher's logits and softmax to the
+    unfused figure).
+
+    Args:
+        student: the model to train (an :class:`~lightning_flce.mixin.FLCEMixin` model, e.g. ``TinyGPT``). Not
+            saved in the hyper-parameters (the CLI's config records it): pass it again to ``load_from_checkpoint``.
+        teacher: the teacher as a module (a TinyGPT, an HFCausalLM, an ``AutoModelForCausalLM``), or
+        teacher_checkpoint: the path of a Lightning checkpoint of the teacher (e.g. the main job's
+            ``last.ckpt``); its class is the one ``LastStepCheckpoint`` recorded, else TinyGPT. Exactly one of
+            the two.
+        teacher_dtype: ``"bfloat16"``, ``"float32"``, ... (a ``torch`` dtype's name): the teacher's parameters
+            in that dtype and its forward outside autocast. None: the teacher follows the Trainer's precision.
+        divergence: ``"forward_kl"`` (KL(teacher ‖ student)), ``"reverse_kl"`` (KL(student ‖ teacher)) or
+            ``"jsd"`` (generalized Jensen-Shannon with ``beta``).
+        beta: the teacher's weight in JSD's mixture (0: forward KL, 1: reverse KL).
+        temperature: divides both models' logits before their softmaxes (not the cross-entropy's).
+        hard_weight: weight of the student's cross-entropy on the labels, in [0, 1].
+        top_k: the divergence over the teacher's ``top_k`` most likely tokens, both distributions renormalized
+            there; None: the whole vocabulary.
+        chunk_size: tokens per chunk of the fused loss; None: the op chooses.
+        logits_precision: the precision of both heads' chunk logits (``"input"``, ``"fp32"``, ...).
+        vocab_size: the data's vocabulary (``lightning-flce`` links the tokenizer's size to it): checked against
+            both heads. None: not checked against the data (the two heads are always checked).
+        lr: peak learning rate of AdamW (the student's parameters).
+        weight_decay: AdamW weight decay of the matrices; biases and norms get none.
+        warmup_steps: linear warmup steps, then cosine decay to 10% of ``lr``.
+
+    .. code-block:: yaml
+
+        model:
+          class_path: lightning_flce.models.DistillationModule
+          init_args:
+            student:
+              class_path: lightning_flce.models.TinyGPT
+              init_args: {d_model: 64, n_layers: 1}
+            teacher_checkpoint: lightning_logs/default/tinygpt/checkpoints/last.ckpt
+            divergence: forward_kl
+            temperature: 2.0
+    """
+
+    def __init__(
+        self,
+        student: nn.Module,
+        teacher: Optional[nn.Module] = None,
+        teacher_checkpoint: Optional[str] = None,
+        teacher_dtype: Optional[str] = None,
+        divergence: str = "jsd",
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        hard_weight: float = 0.0,
+        top_k: Optional[int] = None,
+        chunk_size: Optional[int] = None,
+        logits_precision: LogitsPrecision = "input",
+        vocab_size: Optional[int] = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 50,
+    ) -> None:
+        super().__init__()
+        _check_loss_options(divergence, beta, temperature, hard_weight, top_k)
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if (teacher is None) == (teacher_checkpoint is None):
+            raise ValueError(
+                "DistillationModule takes exactly one of `teacher` (a module) and `teacher_checkpoint` (the path"
+                " of a Lightning checkpoint, e.g. the main job's last.ckpt)"
+            )
+        self.save_hyperparameters(ignore=["student", "teacher"])
+        self.student = student  # registered first: its [V, H] head is the module's first (FLCEMemoryCallback)
+        if teacher is None:
+            teacher = load_teacher_checkpoint(str(teacher_checkpoint))
+        self.teacher_dtype = None if teacher_dtype is None else _dtype_named(teacher_dtype)
+        teacher.requires_grad_(False)
+        teacher.eval()
+        if self.teacher_dtype is not None:
+            teacher.to(self.teacher_dtype)
+        self.teacher = teacher
+        self.ignore_index = int(getattr(student, "flce_ignore_index", -100))
+        self.label_format = "hf" if isinstance(student, HFCausalLM) or is_hf_model(student) else "shifted"
+        self._check_vocabularies(vocab_size)
+        self.flce_last_logits_shape: Optional[tuple[int, int]] = None
+        self.flce_last_logits_bytes: Optional[int] = None
+        self.flce_last_teacher_logits_shape: Optional[tuple[int, int]] = None
+        self.flce_teacher_compute_dtype: Optional[torch.dtype] = None
+        #: the metrics logged at the end of the last validation (``{"val/loss": ..., ...}``)
+        self.last_val_metrics: dict[str, float] = {}
+        self._val_sums: Optional[Tensor] = None
+
+    # ------------------------------------------------------------- the teacher
+
+    def train(self, mode: bool = True) -> DistillationModule:
+        """Lightning puts the module in train mode before each training epoch: the teacher stays in eval
+        mode (no dropout, running statistics unchanged)."""
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+    def _keep_teacher_dtype(self) -> None:
+        # a "*-true" precision converted the whole module (teacher included) after __init__
+        if self.teacher_dtype is not None:
+            self.teacher.to(self.teacher_dtype)
+
+    def on_fit_start(self) -> None:
+        self._keep_teacher_dtype()
+        # Lightning warns at the start of training when modules are in eval mode: the teacher's are, by design.
+        # Silenced for exactly their count (a student module left in eval mode changes the count and still warns).
+        teacher_modules = sum(1 for _ in self.teacher.modules())
+        warnings.filterwarnings(
+            "ignore",
+            message=re.escape(f"Found {teacher_modules} module(s) in eval mode at the start of training."),
+            category=PossibleUserWarning,
+        )
+
+    def on_validation_start(self) -> None:
+        self._keep_teacher_dtype()
+
+    def on_test_start(self) -> None:
+        self._keep_teacher_dtype()
+
+    @torch.no_grad()
+    def teacher_hidden_states(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """The teacher's final hidden states, without gradient, in ``teacher_dtype`` outside autocast when set."""
+        if self.teacher_dtype is None:
+            return final_hidden_states(self.teacher, input_ids, attention_mask)
+        with torch.autocast(input_ids.device.type, enabled=False):
+            return final_hidden_states(self.teacher, input_ids, attention_mask)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Leaves the teacher's weights out: it is rebuilt from ``teacher`` / ``teacher_checkpoint``."""
+        state = checkpoint.get("state_dict")
+        if state is not None:
+            for name in [name for name in state if name.startswith(TEACHER_PREFIX)]:
+                del state[name]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Puts this module's teacher into the checkpoint's weights, so that strict loading (and the resume
+        check of ``LastStepCheckpoint``) finds every parameter and the teacher stays as built."""
+        state = checkpoint.get("state_dict")
+        if state is not None:
+            for name, value in self.teacher.state_dict().items():
+                state.setdefault(TEACHER_PREFIX + name, value)
+
+    # ----------------------------------------------------------------- steps
+
+    def setup(self, stage: str) -> None:
+        check_label_format(self, self.label_format)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        student_hidden, teacher_hidden, target = self._forward_both(batch)
+        loss_sum = self._loss_sum(student_hidden, teacher_hidden, target, self.hparams.hard_weight)
+        num_tokens = (target != self.ignore_index).sum()
+        loss = loss_sum / num_tokens.clamp(min=1)  # 0 with the graph connected when no token counts
+        self.log(
+            "train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=max(int(num_tokens), 1)
+        )
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        student_hidden, teacher_hidden, target = self._forward_both(batch)
+        divergence = self._loss_sum(student_hidden, teacher_hidden, target, 0.0)
+        ce, correct = self._student_cross_entropy(student_hidden, target)
+        weight = float(self.hparams.hard_weight)
+        loss = (1.0 - weight) * divergence + weight * ce
+        num_tokens = (target != self.ignore_index).sum()
+        sums = torch.stack([value.double() for value in (loss, divergence, ce, correct, num_tokens)])
+        self._val_sums = sums if self._val_sums is None else self._val_sums + sums
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = None
+
+    def on_validation_epoch_end(self) -> None:
+        sums = self._val_sums
+        self._val_sums = None
+        if sums is None:
+            return
+        if self.trainer.world_size > 1:
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        totals = dict(zip(_VAL_SUMS, sums.tolist()))
+        tokens = max(totals["tokens"], 1.0)
+        metrics = {
+            "val/loss": totals["loss"] / tokens,
+            "val/divergence": totals["divergence"] / tokens,
+            "val/student_ce": totals["student_ce"] / tokens,
+            "val/token_accuracy": totals["correct"] / tokens,
+        }
+        metrics["val/perplexity"] = math.exp(min(metrics["val/student_ce"], 700.0))
+        for name, value in metrics.items():
+            # equal on every rank (summed above): Lightning's sync then averages equal values
+            self.log(name, value, prog_bar=name == "val/loss", sync_dist=True)
+        if self.trainer.sanity_checking:
+            return
+        self.last_val_metrics = metrics
+        rank_zero_info_line(
+            f"Distillation val (epoch {self.trainer.current_epoch}, step {self.trainer.global_step}): "
+            + _summary(metrics),
+            self.trainer,
+        )
+
+    def on_fit_end(self) -> None:
+        if self.last_val_metrics:
+            rank_zero_info_line(
+                f"Distillation: last validation: {_summary(self.last_val_metrics)}", self.trainer
+            )
+
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        # the teacher's parameters do not require grad: AdamW gets the student's only
+        return adamw_with_warmup_cosine(
+            self,
+            lr=self.hparams.lr,
+            weight_decay=self.hparams.weight_decay,
+            warmup_steps=self.hparams.warmup_steps,
+        )
+
+    def forward(self, input_ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """The student's logits (inference path)."""
+        return self.student(input_ids, *args, **kwargs)
+
+    # --------------------------------------------------------------- helpers
+
+    def _forward_both(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """The student's and the teacher's hidden states of the batch, and the target of each position."""
+        input_ids = batch["input_ids"]
+        attention_mask = batch.get("attention_mask")
+        target = batch.get("labels", input_ids if self.label_format == "hf" else None)
+        if target is None:
+            raise KeyError(
+                "the batch has no `labels` (label_format 'shifted': the token after each position)"
+            )
+        if target.dtype in NARROW_INT_DTYPES:  # ignore_index (-100) must fit
+            target = target.long()
+        if attention_mask is not None:
+            target = target.masked_fill(attention_mask == 0, self.ignore_index)
+        if self.label_format == "hf":  # position t predicts label t + 1; the last position has none
+            target = F.pad(target[..., 1:], (0, 1), value=self.ignore_index)
+        teacher_hidden = self.teacher_hidden_states(input_ids, attention_mask)
+        student_hidden = final_hidden_states(self.student, input_ids, attention_mask)
+        return student_hidden, teacher_hidden, target
+
+    def _loss_sum(
+        self, student_hidden: Tensor, teacher_hidden: Tensor, target: Tensor, hard_weight: float
+    ) -> Tensor:
+        """The token sum of the loss (``hard_weight`` 0: of the divergence) over the tokens that carry one."""
+        student, teacher = head_operands(self.student), head_operands(self.teacher)
+        hp = self.hparams
+        vocab_size = student.weight.shape[0]
+        self.flce_last_logits_shape = (target.numel(), vocab_size)
+        self.flce_last_logits_bytes = target.numel() * vocab_size * 4
+        self.flce_last_teacher_logits_shape = (target.numel(), teacher.weight.shape[0])
+        self.flce_teacher_compute_dtype = teacher_hidden.dtype
+        return _fused_distillation(
+            student_hidden,
+            student.weight,
+            teacher_hidden,
+            teacher.weight,
+            target,
+            student_bias=student.bias,
+            teacher_bias=teacher.bias,
+            divergence=hp.divergence,
+            beta=hp.beta,
+            temperature=hp.temperature,
+            hard_weight=hard_weight,
+            top_k=hp.top_k,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+            student_softcap=student.softcap,
+            teacher_softcap=teacher.softcap,
+            student_logit_scale=student.logit_scale,
+            teacher_logit_scale=teacher.logit_scale,
+            logits_precision=hp.logits_precision,
+            chunk_size=hp.chunk_size,
+        )
+
+    def _student_cross_entropy(self, hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        """The student's plain cross-entropy (token sum) and its correct tokens, fused."""
+        from lightning_flce.functional import fused_linear_cross_entropy_with_stats
+
+        head = head_operands(self.student)
+        bias = head.bias
+        if head.logit_scale != 1.0:  # softcap(scale * (x W^T + b)) = softcap((scale x) W^T + scale b)
+            hidden = hidden * head.logit_scale
+            bias = None if bias is None else bias * head.logit_scale
+        output = fused_linear_cross_entropy_with_stats(
+            hidden,
+            head.weight,
+            target,
+            bias,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+            softcap=head.softcap,
+            logits_precision=self.hparams.logits_precision,
+            chunk_size=self.hparams.chunk_size,
+        )
+        return output.loss, output.correct.sum()
+
+    def _check_vocabularies(self, vocab_size: Optional[int]) -> None:
+        student_rows = head_operands(self.student).weight.shape[0]
+        teacher_rows = head_operands(self.teacher).weight.shape[0]
+        if student_rows != teacher_rows:
+            raise ValueError(
+                f"the student's LM head has {student_rows} rows and the teacher's {teacher_rows}: distillation"
+                " needs one vocabulary (the same tokenizer); give the student the teacher's vocab_size"
+            )
+        if vocab_size is not None and vocab_size != student_rows:
+            raise ValueError(
+                f"the data's vocabulary has {vocab_size} tokens but the student's and the teacher's heads"
+                f" {student_rows}: use the tokenizer the teacher was trained with (data.init_args.vocab_size)"
+            )
+
+
+def load_teacher_checkpoint(path: str) -> pl.LightningModule:
+    """The LightningModule saved in the checkpoint at ``path`` (its class as ``LastStepCheckpoint`` recorded it,
+    else TinyGPT), on the CPU; a clear error when the file is missing."""
+    import os
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"no teacher checkpoint at {path!r}: run `lightning-flce fit --config default` first (it writes"
+            " lightning_logs/default/tinygpt/checkpoints/last.ckpt), or pass"
+            " --model.init_args.teacher_checkpoint=PATH"
+        )
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    class_path = (checkpoint.get(IDENTITY_KEY) or {}).get("class", _DEFAULT_TEACHER_CLASS)
+    module_name, _, class_name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls.load_from_checkpoint(path, map_location="cpu")
+
+
+def _check_loss_options(
+    divergence: str, beta: float, temperature: float, hard_weight: float, top_k: Optional[int]
+) -> None:
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if not 0.0 <= hard_weight <= 1.0:
+        raise ValueError(f"hard_weight must be in [0, 1], got {hard_weight}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+
+
+def _dtype_named(name: Union[str, torch.dtype]) -> torch.dtype:
+    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"teacher_dtype must name a floating-point torch dtype (e.g. 'bfloat16'), got {name!r}"
+        )
+    return dtype
+
+
+def _summary(metrics: dict[str, float]) -> str:
+    """``loss 1.2300, divergence 1.2300, student CE 4.5600, perplexity 95.6, token accuracy 0.2310``."""
+    parts = []
+    for name, value in metrics.items():
+        label = name.split("/", 1)[1].replace("student_ce", "student CE").replace("_", " ")
+        parts.append(f"{label} {value:.4g}" if label == "perplexity" else f"{label} {value:.4f}")
+    return ", ".join(parts)

@@ -1,0 +1,473 @@
+"""DistillationModule (``lightning_flce/models/distill.py``): the fused distillation loss through Lightning.
+
+Against the unfused float64 formula (``unfused_distillation``, the contract's semantics written with PyTorch
+ops): the module's loss and the student's gradients; the teacher frozen, unchanged and in eval mode; gradient
+accumulation; DDP on two gloo ranks (run as a script, as ``tests/test_policy_ddp_cpu.py``); the checkpoint
+without the teacher and resuming; the ``distill`` config; the memory callback's teacher figures.
+float64 everywhere the values are compared, so the tolerances are rounding only.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from lightning_flce.models import DistillationModule, TinyGPT
+
+VOCAB = 48
+SEQ = 12
+TOL = {"rtol": 1e-9, "atol": 1e-11}  # float64 on both sides: rounding of differently ordered sums
+
+
+def unfused_distillation(
+    student_input,
+    student_weight,
+    teacher_input,
+    teacher_weight,
+    target=None,
+    *,
+    student_bias=None,
+    teacher_bias=None,
+    divergence="jsd",
+    beta=0.5,
+    temperature=1.0,
+    hard_weight=0.0,
+    top_k=None,
+    ignore_index=-100,
+    reduction="mean",
+    student_softcap=None,
+    teacher_softcap=None,
+    student_logit_scale=1.0,
+    teacher_logit_scale=1.0,
+    **_,
+):
+    """The distillation loss with both [N, V] logits and their softmaxes (the formula the fused op avoids)."""
+
+    def transformed(hidden, weight, bias, scale, softcap):
+        logits = F.linear(hidden, weight, bias).reshape(-1, weight.shape[0])
+        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) * scale
+        return logits if not softcap else softcap * torch.tanh(logits / softcap)
+
+    student = transformed(student_input, student_weight, student_bias, student_logit_scale, student_softcap)
+    teacher = transformed(teacher_input, teacher_weight, teacher_bias, teacher_logit_scale, teacher_softcap)
+    z_s, z_t = student / temperature, teacher.to(student.dtype) / temperature
+    if top_k is not None:
+        kept = z_t.topk(top_k, dim=-1).indices
+        z_s, z_t = z_s.gather(-1, kept), z_t.gather(-1, kept)
+    log_p, log_q = F.log_softmax(z_s, -1), F.log_softmax(z_t, -1)
+    if divergence == "jsd" and beta in (0.0, 1.0):
+        divergence = "forward_kl" if beta == 0.0 else "reverse_kl"
+    if divergence == "forward_kl":
+        rows = (log_q.exp() * (log_q - log_p)).sum(-1)
+    elif divergence == "reverse_kl":
+        rows = (log_p.exp() * (log_p - log_q)).sum(-1)
+    else:
+        log_m = torch.logsumexp(torch.stack([log_q + math.log(beta), log_p + math.log(1 - beta)]), dim=0)
+        rows = beta * (log_q.exp() * (log_q - log_m)).sum(-1) + (1 - beta) * (
+            log_p.exp() * (log_p - log_m)
+        ).sum(-1)
+    counted = torch.ones_like(rows, dtype=torch.bool)
+    if target is not None:
+        target = target.reshape(-1)
+        counted = target != ignore_index
+        if hard_weight:
+            ce = F.cross_entropy(student, target, ignore_index=ignore_index, reduction="none")
+            rows = (1 - hard_weight) * rows + hard_weight * ce
+    rows = torch.where(counted, rows, torch.zeros_like(rows))
+    if reduction == "none":
+        return rows.reshape(student_input.shape[:-1])
+    total = rows.sum()
+    return total if reduction == "sum" else total / counted.sum()
+
+
+def _fused_available() -> bool:
+    import lightning_flce
+
+    return hasattr(lightning_flce, "fused_linear_distillation") or "fused_linear_distillation" in dir(
+        lightning_flce
+    )
+
+
+def tiny_teacher(seed: int = 0, **kwargs) -> TinyGPT:
+    torch.manual_seed(seed)
+    options = {"vocab_size": VOCAB, "d_model": 32, "n_layers": 1, "n_heads": 2, "max_seq_len": SEQ}
+    return TinyGPT(**{**options, **kwargs})
+
+
+def tiny_student(seed: int = 1, **kwargs) -> TinyGPT:
+    torch.manual_seed(seed)
+    options = {"vocab_size": VOCAB, "d_model": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": SEQ}
+    return TinyGPT(**{**options, **kwargs})
+
+
+def make_batch(seed: int, batch_size: int = 2, n_ignored: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=generator)
+    labels = tokens[:, 1:].clone()
+    if n_ignored:
+        labels.view(-1)[torch.randperm(labels.numel(), generator=generator)[:n_ignored]] = -100
+    return {"input_ids": tokens[:, :-1].contiguous(), "labels": labels}
+
+
+def trainer(**kwargs) -> pl.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    return pl.Trainer(**{**options, **kwargs})
+
+
+def reference_loss(module: DistillationModule, batch: dict, **options) -> torch.Tensor:
+    """The unfused formula on the module's models (the student's graph, so its gradients can be taken)."""
+    student, teacher = module.student, module.teacher
+    with torch.no_grad():
+        teacher_hidden = teacher.hidden_states(batch["input_ids"])
+    hp = {**module.hparams, **options}
+    return unfused_distillation(
+        student.hidden_states(batch["input_ids"]),
+        student.lm_head.weight,
+        teacher_hidden,
+        teacher.lm_head.weight,
+        batch["labels"],
+        divergence=hp["divergence"],
+        beta=hp["beta"],
+        temperature=hp["temperature"],
+        hard_weight=hp["hard_weight"],
+        top_k=hp["top_k"],
+        student_softcap=student.flce_softcap,
+        teacher_softcap=teacher.flce_softcap,
+    )
+
+
+def student_grads(module) -> dict:
+    return {name: p.grad.clone() for name, p in module.student.named_parameters() if p.grad is not None}
+
+
+requires_op = pytest.mark.skipif(not _fused_available(), reason="fused_linear_distillation not merged yet")
+
+CASES = [
+    {"divergence": "forward_kl"},
+    {"divergence": "reverse_kl", "temperature": 2.0},
+    {"divergence": "jsd", "beta": 0.3, "hard_weight": 0.25},
+    {"divergence": "jsd", "beta": 0.5, "top_k": 5, "hard_weight": 0.5, "temperature": 0.7},
+]
+
+
+@requires_op
+@pytest.mark.parametrize("options", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_loss_and_student_grads_equal_the_unfused_formula_in_float64(options, softcap):
+    module = DistillationModule(
+        student=tiny_student(flce_softcap=softcap), teacher=tiny_teacher(flce_softcap=softcap), **options
+    ).double()
+    batch = make_batch(3, n_ignored=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+    loss.backward()
+    fused = student_grads(module)
+    module.zero_grad()
+    expected = reference_loss(module, batch)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, **TOL)
+    unfused = student_grads(module)
+    assert fused.keys() == unfused.keys() and fused
+    for name, grad in fused.items():
+        torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
+    assert all(p.grad is None for p in module.teacher.parameters())
+
+
+@requires_op
+def test_trains_and_keeps_the_teacher_frozen_in_eval_mode():
+    teacher = tiny_teacher()
+    before = copy.deepcopy(teacher.state_dict())
+    module = DistillationModule(student=tiny_student(), teacher=teacher, divergence="forward_kl", lr=1e-2)
+    batches = [make_batch(seed) for seed in range(4)]
+    losses = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+            assert pl_module.training and not pl_module.teacher.training
+            assert not any(m.training for m in pl_module.teacher.modules())
+
+    trainer(max_steps=40, callbacks=[Record()]).fit(module, DataLoader(batches, batch_size=None))
+    assert sum(losses[-4:]) < 0.5 * sum(losses[:4]), losses
+    assert all(not p.requires_grad and p.grad is None for p in module.teacher.parameters())
+    for name, value in module.teacher.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    optimized = {id(p) for group in module.optimizers().optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in module.student.parameters()}
+
+
+def test_the_teacher_stays_in_eval_mode_and_frozen():
+    module = DistillationModule(student=tiny_student(dropout=0.1), teacher=tiny_teacher(dropout=0.1))
+    module.train()
+    assert module.student.training and not module.teacher.training
+    assert not any(p.requires_grad for p in module.teacher.parameters())
+    assert all(p.requires_grad for p in module.student.parameters())
+
+
+def test_teacher_dtype_casts_the_teacher_only():
+    module = DistillationModule(student=tiny_student(), teacher=tiny_teacher(), teacher_dtype="bfloat16")
+    assert {p.dtype for p in module.teacher.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in module.student.parameters()} == {torch.float32}
+    module.double()  # a "64-true" Trainer converts the whole module; fit start casts the teacher back
+    module.on_fit_start()
+    assert {p.dtype for p in module.teacher.parameters()} == {torch.bfloat16}
+    hidden = module.teacher_hidden_states(make_batch(0)["input_ids"])
+    assert hidden.dtype == torch.bfloat16 and not hidden.requires_grad
+
+
+@requires_op
+def test_gradient_accumulation_equals_one_batch_of_both_in_float64():
+    # equal token counts per micro-batch: the mean of the micro-batch means is the mean over both
+    first, second = make_batch(5), make_batch(6)
+    both = {key: torch.cat([first[key], second[key]]) for key in first}
+    grads = {}
+
+    class Save(pl.Callback):
+        def __init__(self, name):
+            self.name = name
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads[self.name] = student_grads(pl_module)
+
+    for name, batches, accumulate in (("accumulated", [first, second], 2), ("one", [both], 1)):
+        module = DistillationModule(
+            student=tiny_student(), teacher=tiny_teacher(), divergence="jsd", hard_weight=0.3
+        )
+        trainer(
+            precision="64-true", max_steps=1, accumulate_grad_batches=accumulate, callbacks=[Save(name)]
+        ).fit(module, DataLoader(batches, batch_size=None))
+    assert grads["accumulated"].keys() == grads["one"].keys()
+    for name, grad in grads["one"].items():
+        torch.testing.assert_close(grads["accumulated"][name], grad, **TOL, msg=name)
+
+
+@requires_op
+def test_checkpoint_leaves_the_teacher_out_and_resumes(tmp_path):
+    teacher = tiny_teacher()
+    module = DistillationModule(student=tiny_student(), teacher=teacher)
+    batches = [make_batch(seed) for seed in range(2)]
+    trainer(max_steps=2, default_root_dir=tmp_path).fit(module, DataLoader(batches, batch_size=None))
+    path = tmp_path / "distill.ckpt"
+    module.trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert state and not any(name.startswith("teacher.") for name in state)
+    assert any(name.startswith("student.") for name in state)
+    # resuming: the module rebuilt with its teacher loads the student and continues the steps
+    resumed = DistillationModule(student=tiny_student(seed=9), teacher=tiny_teacher())
+    fit = trainer(max_steps=3, default_root_dir=tmp_path)
+    fit.fit(resumed, DataLoader(batches, batch_size=None), ckpt_path=path)
+    assert fit.global_step == 3
+    loaded = DistillationModule.load_from_checkpoint(
+        path, student=tiny_student(seed=9), teacher=tiny_teacher()
+    )
+    for name, value in module.student.state_dict().items():
+        torch.testing.assert_close(loaded.student.state_dict()[name], value)
+    for name, value in teacher.state_dict().items():
+        torch.testing.assert_close(loaded.teacher.state_dict()[name], value)
+
+
+def test_teacher_checkpoint_is_loaded_and_a_missing_one_explained(tmp_path):
+    teacher = tiny_teacher()
+    path = save_module_checkpoint(teacher, tmp_path / "teacher.ckpt")
+    module = DistillationModule(student=tiny_student(), teacher_checkpoint=str(path))
+    assert isinstance(module.teacher, TinyGPT)
+    for name, value in teacher.state_dict().items():
+        torch.testing.assert_close(module.teacher.state_dict()[name], value)
+    assert "teacher_checkpoint" in module.hparams and "student" not in module.hparams
+    with pytest.raises(FileNotFoundError, match="lightning-flce fit --config default"):
+        DistillationModule(student=tiny_student(), teacher_checkpoint=str(tmp_path / "missing.ckpt"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"divergence": "kl"}, "divergence must be one of"),
+        ({"beta": 1.5}, "beta"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"hard_weight": -0.1}, "hard_weight"),
+        ({"top_k": 0}, "top_k"),
+        ({"teacher_dtype": "int8"}, "teacher_dtype"),
+        ({"vocab_size": VOCAB + 1}, "vocabulary"),
+    ],
+)
+def test_bad_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DistillationModule(student=tiny_student(), teacher=tiny_teacher(), **kwargs)
+
+
+def test_vocabularies_must_match_and_exactly_one_teacher():
+    with pytest.raises(ValueError, match="rows"):
+        DistillationModule(student=tiny_student(vocab_size=VOCAB + 2), teacher=tiny_teacher())
+    with pytest.raises(ValueError, match="exactly one"):
+        DistillationModule(student=tiny_student())
+
+
+@requires_op
+def test_validation_logs_loss_divergence_and_student_ce(tmp_path):
+    module = DistillationModule(student=tiny_student(), teacher=tiny_teacher(), hard_weight=0.25)
+    batches = [make_batch(seed, n_ignored=3) for seed in range(3)]
+    fit = trainer(max_steps=1, limit_val_batches=3, default_root_dir=tmp_path)
+    fit.fit(module, DataLoader(batches[:1], batch_size=None), DataLoader(batches, batch_size=None))
+    metrics = fit.callback_metrics
+    with torch.no_grad():
+        labels = torch.cat([b["labels"] for b in batches])
+        inputs = torch.cat([b["input_ids"] for b in batches])
+        student, teacher = module.student.eval(), module.teacher
+        divergence = reference_loss(module, {"input_ids": inputs, "labels": labels}, hard_weight=0.0)
+        ce = F.cross_entropy(student(inputs).reshape(-1, VOCAB), labels.reshape(-1))
+    for name, value in {
+        "val/divergence": divergence,
+        "val/student_ce": ce,
+        "val/loss": 0.75 * divergence + 0.25 * ce,
+        "val/perplexity": ce.exp(),
+    }.items():
+        assert float(metrics[name]) == pytest.approx(float(value), rel=1e-4), name
+    assert set(module.last_val_metrics) >= {"val/loss", "val/divergence", "val/student_ce", "val/perplexity"}
+    assert module.flce_last_teacher_logits_shape == (2 * SEQ, VOCAB)
+    assert teacher.training is False
+
+
+def test_memory_callback_counts_the_teacher(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning_flce.callbacks import FLCEMemoryCallback
+    from lightning_flce.callbacks.memory_model import teacher_logits_bytes
+
+    tokens, vocab, mib = 64, 1000, 2**20
+    callback = FLCEMemoryCallback()
+    fake_trainer = SimpleNamespace(precision="32-true")
+    student_only = SimpleNamespace(flce_last_logits_shape=(tokens, vocab), parameters=lambda: [])
+    distilling = SimpleNamespace(
+        flce_last_logits_shape=(tokens, vocab),
+        flce_last_teacher_logits_shape=(tokens, vocab),
+        flce_teacher_compute_dtype=torch.bfloat16,
+        parameters=lambda: [],
+    )
+    _, unfused, saved = callback._head_figures(fake_trainer, student_only)
+    estimate, unfused_both, saved_both = callback._head_figures(fake_trainer, distilling)
+    # the teacher's bf16 logits (2 bytes) and their fp32 log-softmax (4 bytes)
+    assert teacher_logits_bytes(tokens, vocab, torch.bfloat16) == tokens * vocab * 6
+    assert estimate.teacher_bytes == tokens * vocab * 6
+    assert unfused_both == pytest.approx(unfused + tokens * vocab * 6 / mib)
+    assert saved_both == pytest.approx(saved + tokens * vocab * 6 / mib)  # no hidden size: no fused buffers
+    assert teacher_logits_bytes(tokens, vocab, torch.float32) == tokens * vocab * 8
+    assert teacher_logits_bytes(tokens, vocab, torch.float64) == tokens * vocab * 16
+
+
+def test_memory_estimate_with_teacher_adds_a_chunk_buffer():
+    from lightning_flce.callbacks.memory_model import HeadMemoryModel
+
+    estimate = HeadMemoryModel("32-true", torch.float32, hidden_size=16, chunk_size=8).estimate(64, 100)
+    both = estimate.with_teacher(64, 100, torch.float32)
+    assert both.unfused_bytes == estimate.unfused_bytes + 64 * 100 * 8
+    assert both.chunk_bytes == estimate.chunk_bytes + estimate.chunk_rows * 100 * 4
+    assert both.fused_bytes == estimate.fused_bytes + estimate.chunk_rows * 100 * 4
+    assert both.saved_bytes == both.unfused_bytes - both.fused_bytes
+
+
+@requires_op
+def test_memory_callback_reports_the_teacher_during_fit(tmp_path):
+    from lightning_flce.callbacks import FLCEMemoryCallback
+
+    callback = FLCEMemoryCallback(verbose=False)
+    module = DistillationModule(student=tiny_student(), teacher=tiny_teacher())
+    trainer(max_steps=2, log_every_n_steps=1, callbacks=[callback], default_root_dir=tmp_path).fit(
+        module, DataLoader([make_batch(0), make_batch(1)], batch_size=None)
+    )
+    assert callback.head_estimate.teacher_bytes == 2 * SEQ * VOCAB * 8  # 32-true: fp32 logits and softmax
+    student_only = callback.head_estimate.unfused_bytes - callback.head_estimate.teacher_bytes
+    assert student_only == 2 * SEQ * VOCAB * 12
+
+
+def save_module_checkpoint(module: pl.LightningModule, path: Path) -> Path:
+    """A Lightning checkpoint of ``module`` as it is (no training)."""
+    fit = trainer(max_steps=0)
+    fit.strategy.connect(module)
+    fit.save_checkpoint(path)
+    return path
+
+
+# ------------------------------------------------------------------ DDP (2 gloo ranks)
+
+# rank 0 takes micro-batches 0 and 1, rank 1 takes 2 and 3; equal token counts (no ignored labels), so the
+# average of the four micro-batch means is the mean over all their tokens
+DDP_BATCHES = [make_batch(20 + index) for index in range(4)]
+DDP_OPTIONS = {"divergence": "jsd", "beta": 0.4, "hard_weight": 0.2, "temperature": 1.5}
+
+
+class RankMicroBatches(torch.utils.data.Sampler):
+    def __iter__(self):
+        rank = torch.distributed.get_rank()
+        return iter([2 * rank, 2 * rank + 1])
+
+    def __len__(self) -> int:
+        return 2
+
+
+def run_ddp(out_dir: str) -> None:
+    from lightning.pytorch.strategies import DDPStrategy
+    from ranks import SaveStep
+
+    torch.set_num_threads(1)
+    fit = trainer(
+        devices=2,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        precision="64-true",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        callbacks=[SaveStep(out_dir)],
+        use_distributed_sampler=False,
+    )
+    module = DistillationModule(student=tiny_student(), teacher=tiny_teacher(), **DDP_OPTIONS)
+    fit.fit(module, DataLoader(DDP_BATCHES, batch_size=None, sampler=RankMicroBatches()))
+
+
+@pytest.mark.slow
+@requires_op
+def test_ddp_two_ranks_with_accumulation_equals_one_batch_of_all(tmp_path):
+    from ranks import clean_env
+
+    result = subprocess.run(
+        [sys.executable, __file__, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=clean_env(),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    module = DistillationModule(student=tiny_student(), teacher=tiny_teacher(), **DDP_OPTIONS).double()
+    both = {key: torch.cat([batch[key] for batch in DDP_BATCHES]) for key in DDP_BATCHES[0]}
+    reference_loss(module, both).backward()
+    expected = {f"student.{name}": grad for name, grad in student_grads(module).items()}
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert saved["world_size"] == 2
+        grads = {name: grad for name, grad in saved["grads"].items()}
+        assert grads.keys() == expected.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], **TOL, msg=f"rank {rank}: {name}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    run_ddp(sys.argv[1])
