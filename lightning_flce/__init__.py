@@ -53,8 +53,8 @@ if TYPE_CHECKING:
         fused_linear_cross_entropy_with_stats,
     )
     from lightning_flce.head import FLCEHeadLoss
-    from lightning_flce.models.distill import DistillationModule
     from lightning_flce.mixin import FLCEMixin
+    from lightning_flce.models.distill import DistillationModule
     from lightning_flce.options import FLCEOptions
     from lightning_flce.rl import (
         FusedLinearPolicyLoss,
