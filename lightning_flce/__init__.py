@@ -18,7 +18,8 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 - the loss inside the head module's own forward call (plain PyTorch, Fabric): :class:`FLCEHeadLoss` (``head.py``);
 - Lightning: :class:`FLCEMixin` (``mixin.py``, with ``normalization.py``, ``head_discovery.py``,
   ``eval_metrics.py``), :class:`FLCEMemoryCallback`
-  (``callbacks/``), models in ``models/`` (distillation: :class:`DistillationModule`, ``models/distill.py``), data in ``data/``, the CLI in ``cli.py`` and its configs in ``configs/``.
+  (``callbacks/``), models in ``models/`` (distillation's LightningModule: :class:`DistillationModule`,
+  ``models/distill.py``), data in ``data/``, the CLI in ``cli.py`` and its configs in ``configs/``.
 """
 
 from __future__ import annotations

@@ -44,9 +44,14 @@ def _isolated(tmp_path, monkeypatch):
 
 
 def test_configs_present():
-    assert {"default.yaml", "hf_llama.yaml", "cuda_bf16.yaml", "compare_naive.yaml", "naive.yaml"} <= set(
-        CONFIGS
-    )
+    assert {
+        "default.yaml",
+        "distill.yaml",
+        "hf_llama.yaml",
+        "cuda_bf16.yaml",
+        "compare_naive.yaml",
+        "naive.yaml",
+    } <= set(CONFIGS)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -68,7 +73,10 @@ def test_config_parses(name, capsys):
         assert config["data"]["init_args"]["label_format"] == "hf"
     else:
         assert config["data"]["init_args"]["label_format"] == "shifted"
-        assert config["model"]["init_args"]["max_seq_len"] >= config["data"]["init_args"]["seq_len"]
+        model_args = config["model"]["init_args"]
+        if config["model"]["class_path"].endswith("DistillationModule"):  # the student reads the batches
+            model_args = model_args["student"]["init_args"]
+        assert model_args["max_seq_len"] >= config["data"]["init_args"]["seq_len"]
 
 
 def test_vocab_size_linked_from_tokenizer(tmp_path):

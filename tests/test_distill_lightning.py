@@ -194,6 +194,34 @@ def test_loss_and_student_grads_equal_the_unfused_formula_in_float64(options, so
 
 
 @requires_op
+@pytest.mark.parametrize("hard_weight", [0.0, 0.25, 1.0])
+def test_temperature_squared_scales_the_divergence_term_only(hard_weight):
+    temperature = 2.5
+    module = DistillationModule(
+        student=tiny_student(),
+        teacher=tiny_teacher(),
+        divergence="forward_kl",
+        temperature=temperature,
+        temperature_squared=True,
+        hard_weight=hard_weight,
+    ).double()
+    batch = make_batch(4, n_ignored=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+    loss.backward()
+    fused = student_grads(module)
+    module.zero_grad()
+    divergence = reference_loss(module, batch, hard_weight=0.0)
+    ce = reference_loss(module, batch, hard_weight=1.0)
+    expected = temperature**2 * (1 - hard_weight) * divergence + hard_weight * ce
+    expected.backward()
+    torch.testing.assert_close(loss, expected, **TOL)
+    for name, grad in student_grads(module).items():
+        torch.testing.assert_close(fused[name], grad, **TOL, msg=name)
+
+
+@requires_op
 def test_trains_and_keeps_the_teacher_frozen_in_eval_mode():
     teacher = tiny_teacher()
     before = copy.deepcopy(teacher.state_dict())
@@ -233,6 +261,30 @@ def test_teacher_dtype_casts_the_teacher_only():
     assert {p.dtype for p in module.teacher.parameters()} == {torch.bfloat16}
     hidden = module.teacher_hidden_states(make_batch(0)["input_ids"])
     assert hidden.dtype == torch.bfloat16 and not hidden.requires_grad
+
+
+@requires_op
+def test_a_bfloat16_teacher_beside_a_float32_student():
+    module = DistillationModule(
+        student=tiny_student(), teacher=tiny_teacher(), teacher_dtype="bfloat16", divergence="forward_kl"
+    )
+    batch = make_batch(2, n_ignored=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+    student, teacher = module.student, module.teacher
+    teacher_hidden = module.teacher_hidden_states(batch["input_ids"])
+    expected = unfused_distillation(
+        student.hidden_states(batch["input_ids"]).double(),
+        student.lm_head.weight.double(),
+        teacher_hidden.double(),
+        teacher.lm_head.weight.double(),
+        batch["labels"],
+        divergence="forward_kl",
+    )
+    # the teacher's logits come from a bf16 GEMM (8 significant bits): the divergence to about 1%
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-2, atol=1e-4)
 
 
 @requires_op
@@ -471,3 +523,74 @@ def test_ddp_two_ranks_with_accumulation_equals_one_batch_of_all(tmp_path):
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     run_ddp(sys.argv[1])
+
+
+# ------------------------------------------------------------------ the `distill` config
+
+
+def test_distill_config_runs_a_few_steps_on_a_tiny_teacher(tmp_path, monkeypatch, caplog):
+    from lightning_flce.cli import CONFIG_DIR, main
+    from lightning_flce.data import PythonStdlibDataModule
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-flce"])
+    data_args = {"cache_dir": str(tmp_path / "cache"), "vocab_size": 512, "max_chars": 300000, "seq_len": 32}
+    vocab_size = PythonStdlibDataModule(**data_args).vocab_size  # the tokenizer's real size
+    teacher = tiny_teacher(vocab_size=vocab_size, max_seq_len=32)
+    teacher_path = save_module_checkpoint(teacher, tmp_path / "teacher.ckpt")
+    args = [
+        "fit",
+        "--config",
+        str(CONFIG_DIR / "distill.yaml"),
+        *(f"--data.init_args.{name}={value}" for name, value in data_args.items()),
+        "--data.init_args.batch_size=4",
+        f"--model.init_args.student.init_args.vocab_size={vocab_size}",
+        "--model.init_args.student.init_args.d_model=16",
+        f"--model.init_args.teacher_checkpoint={teacher_path}",
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3",
+        "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+    ]
+    if not _fused_available():
+        pytest.skip("fused_linear_distillation not merged yet")
+    main(args)
+    rows = (tmp_path / "lightning_logs/distill/distill/version_0/metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    for name in (
+        "train/loss_step",
+        "val/loss",
+        "val/divergence",
+        "val/student_ce",
+        "memory/unfused_head_mib",
+    ):
+        assert name in header, header
+    assert "Distillation val (epoch 0, step 3): loss" in caplog.text
+    checkpoint = torch.load(
+        tmp_path / "lightning_logs/distill/distillationmodule/checkpoints/last.ckpt", weights_only=False
+    )
+    assert checkpoint["global_step"] == 3
+    assert not any(name.startswith("teacher.") for name in checkpoint["state_dict"])
+    # resuming from it rebuilds the teacher from teacher_checkpoint and continues
+    main([*args[:-5], "--trainer.max_steps=4", "--trainer.enable_progress_bar=false", "--ckpt_path=last"])
+
+
+def test_distill_config_without_the_teacher_checkpoint_says_what_to_run(tmp_path, monkeypatch, capsys):
+    from lightning_flce.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-flce"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "fit",
+                "--config",
+                "distill",
+                f"--data.init_args.cache_dir={tmp_path}",
+                "--data.init_args.vocab_size=512",
+                "--data.init_args.max_chars=300000",
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert "lightning-flce fit --config default" in capsys.readouterr().err

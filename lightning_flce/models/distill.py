@@ -123,8 +123,9 @@ class DistillationModule(pl.LightningModule):
     Each token's loss is ``(1 - hard_weight) · divergence + hard_weight · CE``: the divergence between the
     teacher's and the student's softmaxes of their (softcapped, scaled) logits over ``temperature``, and the
     student's cross-entropy on the batch's labels (no temperature). Tokens whose label is the student's
-    ``flce_ignore_index`` (or whose ``attention_mask`` is 0) carry no loss. No ``T²`` factor is applied (the op's
-    convention; ``docs/distill.md`` says when Hinton's ``T²`` matters and how to apply it).
+    ``flce_ignore_index`` (or whose ``attention_mask`` is 0) carry no loss. ``temperature_squared=True``
+    multiplies the divergence term by ``T²`` (Hinton et al.: the soft term's gradients shrink as ``1 / T²``, so the
+    factor keeps its weight against the cross-entropy when the temperature changes); off by default, as in the op.
 
     Batches are the student's: ``{"input_ids", "labels"}`` with labels already shifted (TinyGPT, LitGPT; data
     ``label_format: shifted``), or in the Hugging Face convention (the student is an :class:`HFCausalLM` or a
@@ -167,6 +168,7 @@ class DistillationModule(pl.LightningModule):
             ``"jsd"`` (generalized Jensen-Shannon with ``beta``).
         beta: the teacher's weight in JSD's mixture (0: forward KL, 1: reverse KL).
         temperature: divides both models' logits before their softmaxes (not the cross-entropy's).
+        temperature_squared: multiply the divergence term by ``temperature ** 2``.
         hard_weight: weight of the student's cross-entropy on the labels, in [0, 1].
         top_k: the divergence over the teacher's ``top_k`` most likely tokens, both distributions renormalized
             there; None: the whole vocabulary.
@@ -200,6 +202,7 @@ class DistillationModule(pl.LightningModule):
         divergence: str = "jsd",
         beta: float = 0.5,
         temperature: float = 1.0,
+        temperature_squared: bool = False,
         hard_weight: float = 0.0,
         top_k: Optional[int] = None,
         chunk_size: Optional[int] = None,
@@ -300,7 +303,10 @@ class DistillationModule(pl.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         student_hidden, teacher_hidden, target = self._forward_both(batch)
-        loss_sum = self._loss_sum(student_hidden, teacher_hidden, target, self.hparams.hard_weight)
+        # d · D + w · CE as one call of the op, which mixes (1 - h) · D + h · CE: (d + w) times h = w / (d + w)
+        divergence_weight, ce_weight = self.loss_weights
+        total = divergence_weight + ce_weight
+        loss_sum = total * self._loss_sum(student_hidden, teacher_hidden, target, ce_weight / total)
         num_tokens = (target != self.ignore_index).sum()
         loss = loss_sum / num_tokens.clamp(min=1)  # 0 with the graph connected when no token counts
         self.log(
@@ -312,8 +318,8 @@ class DistillationModule(pl.LightningModule):
         student_hidden, teacher_hidden, target = self._forward_both(batch)
         divergence = self._loss_sum(student_hidden, teacher_hidden, target, 0.0)
         ce, correct = self._student_cross_entropy(student_hidden, target)
-        weight = float(self.hparams.hard_weight)
-        loss = (1.0 - weight) * divergence + weight * ce
+        divergence_weight, ce_weight = self.loss_weights
+        loss = divergence_weight * divergence + ce_weight * ce
         num_tokens = (target != self.ignore_index).sum()
         sums = torch.stack([value.double() for value in (loss, divergence, ce, correct, num_tokens)])
         self._val_sums = sums if self._val_sums is None else self._val_sums + sums
@@ -369,6 +375,16 @@ class DistillationModule(pl.LightningModule):
         return self.student(input_ids, *args, **kwargs)
 
     # --------------------------------------------------------------- helpers
+
+    @property
+    def loss_weights(self) -> tuple[float, float]:
+        """The weights of the divergence and of the cross-entropy in each token's loss: ``1 - hard_weight``
+        (times ``temperature ** 2`` with ``temperature_squared``) and ``hard_weight``."""
+        hp = self.hparams
+        divergence_weight = 1.0 - hp.hard_weight
+        if hp.temperature_squared:
+            divergence_weight *= hp.temperature**2
+        return divergence_weight, float(hp.hard_weight)
 
     def _forward_both(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
         """The student's and the teacher's hidden states of the batch, and the target of each position."""
