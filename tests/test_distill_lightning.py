@@ -449,6 +449,10 @@ def test_memory_callback_reports_the_teacher_during_fit(tmp_path):
     assert callback.head_estimate.teacher_bytes == 2 * SEQ * VOCAB * 8  # 32-true: fp32 logits and softmax
     student_only = callback.head_estimate.unfused_bytes - callback.head_estimate.teacher_bytes
     assert student_only == 2 * SEQ * VOCAB * 12
+    from lightning_flce.callbacks.memory_report import head_lines
+
+    lines = head_lines(callback.head_estimate)
+    assert "(12 + 8 bytes a logit)" in lines[1] and "of which the teacher's" in lines[2]
 
 
 def save_module_checkpoint(module: pl.LightningModule, path: Path) -> Path:

@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-DOCS = [ROOT / "docs" / "fabric.md", ROOT / "docs" / "rl.md"]
+DOCS = [ROOT / "docs" / "fabric.md", ROOT / "docs" / "rl.md", ROOT / "docs" / "distill.md"]
 
 
 def python_blocks(path: Path) -> list:

@@ -57,8 +57,14 @@ def head_lines(head: HeadMemoryEstimate) -> list[str]:
         f"LM head ([{head.num_tokens}, {head.vocab_size}] logits, {head.precision}):",
         _row("unfused head adds to the peak", head.unfused_bytes, f"({head.bytes_per_logit} bytes a logit)"),
     ]
-    if head.teacher_bytes:
-        lines.append(_row("of which the teacher's", head.teacher_bytes, "(its logits and softmax)"))
+    if head.teacher_bytes:  # distillation: the teacher's logits and softmax come on top of the student's
+        per_logit = head.teacher_bytes // max(head.num_tokens * head.vocab_size, 1)
+        lines[-1] = _row(
+            "unfused heads add to the peak",
+            head.unfused_bytes,
+            f"({head.bytes_per_logit} + {per_logit} bytes a logit)",
+        )
+        lines.append(_row("  of which the teacher's", head.teacher_bytes, "(its logits and softmax)"))
     if head.chunk_rows is not None:
         lines.append(_row("fused head's chunk buffer", head.chunk_bytes, f"({head.chunk_rows} rows x V)"))
         lines.append(_row("fused head's buffers in all", head.fused_bytes, "(chunk, dX, dW accumulator)"))
