@@ -10,6 +10,7 @@ float64 everywhere the values are compared, so the tolerances are rounding only.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import subprocess
 import sys
@@ -191,6 +192,61 @@ def test_loss_and_student_grads_equal_the_unfused_formula_in_float64(options, so
     for name, grad in fused.items():
         torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
     assert all(p.grad is None for p in module.teacher.parameters())
+
+
+@requires_op
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_hugging_face_student_and_teacher_with_padding_in_float64():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_flce.models import HFCausalLM
+
+    config = {
+        "vocab_size": VOCAB,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 32,
+    }
+    torch.manual_seed(0)
+    student = HFCausalLM(config={"model_type": "llama", **config})
+    teacher_config = AutoConfig.for_model("llama", **{**config, "hidden_size": 32, "intermediate_size": 64})
+    teacher = AutoModelForCausalLM.from_config(teacher_config)  # a plain Hugging Face model as the teacher
+    module = DistillationModule(student=student, teacher=teacher, divergence="jsd", hard_weight=0.3).double()
+    assert module.label_format == "hf"
+    input_ids = make_batch(7)["input_ids"]
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -4:] = 0  # right padding: those positions carry no loss
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids.clone()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+    loss.backward()
+    fused = student_grads(module)
+    module.zero_grad()
+    # the Hugging Face convention: position t predicts token t + 1; padded and last positions are ignored
+    target = torch.nn.functional.pad(
+        input_ids.masked_fill(attention_mask == 0, -100)[:, 1:], (0, 1), value=-100
+    )
+    with torch.no_grad():
+        teacher_hidden = teacher.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    expected = unfused_distillation(
+        student.model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state,
+        student.model.lm_head.weight,
+        teacher_hidden,
+        teacher.lm_head.weight,
+        target,
+        divergence="jsd",
+        hard_weight=0.3,
+    )
+    expected.backward()
+    torch.testing.assert_close(loss, expected, **TOL)
+    unfused = student_grads(module)
+    assert fused.keys() == unfused.keys() and fused
+    for name, grad in fused.items():
+        torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
 
 
 @requires_op
