@@ -42,6 +42,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
 
 from lightning_flce.callbacks.checkpoint_identity import IDENTITY_KEY
+from lightning_flce.callbacks.memory_model import head_compute_dtype
 from lightning_flce.console import rank_zero_info_line
 from lightning_flce.data.dataset import check_label_format
 from lightning_flce.head import unwrap_head
@@ -163,7 +164,8 @@ class DistillationModule(pl.LightningModule):
             ``last.ckpt``); its class is the one ``LastStepCheckpoint`` recorded, else TinyGPT. Exactly one of
             the two.
         teacher_dtype: ``"bfloat16"``, ``"float32"``, ... (a ``torch`` dtype's name): the teacher's parameters
-            in that dtype and its forward outside autocast. None: the teacher follows the Trainer's precision.
+            in that dtype and its body run outside autocast. None: the teacher follows the Trainer's precision.
+            (Under mixed precision the loss's two head GEMMs run in the autocast dtype, as ``nn.Linear``'s would.)
         divergence: ``"forward_kl"`` (KL(teacher ‖ student)), ``"reverse_kl"`` (KL(student ‖ teacher)) or
             ``"jsd"`` (generalized Jensen-Shannon with ``beta``).
         beta: the teacher's weight in JSD's mixture (0: forward KL, 1: reverse KL).
@@ -172,7 +174,8 @@ class DistillationModule(pl.LightningModule):
         hard_weight: weight of the student's cross-entropy on the labels, in [0, 1].
         top_k: the divergence over the teacher's ``top_k`` most likely tokens, both distributions renormalized
             there; None: the whole vocabulary.
-        chunk_size: tokens per chunk of the fused loss; None: the op chooses.
+        chunk_size: tokens per chunk of the fused loss; None: the op chooses. (The student's own ``flce_*`` loss
+            options are not used, but for ``flce_head``, ``flce_softcap`` and ``flce_ignore_index``.)
         logits_precision: the precision of both heads' chunk logits (``"input"``, ``"fp32"``, ...).
         vocab_size: the data's vocabulary (``lightning-flce`` links the tokenizer's size to it): checked against
             both heads. None: not checked against the data (the two heads are always checked).
@@ -415,7 +418,9 @@ class DistillationModule(pl.LightningModule):
         self.flce_last_logits_shape = (target.numel(), vocab_size)
         self.flce_last_logits_bytes = target.numel() * vocab_size * 4
         self.flce_last_teacher_logits_shape = (target.numel(), teacher.weight.shape[0])
-        self.flce_teacher_compute_dtype = teacher_hidden.dtype
+        # the teacher head's GEMM dtype: the autocast dtype under mixed precision (the op's rule), else its own
+        precision = getattr(self._trainer, "precision", None)
+        self.flce_teacher_compute_dtype = head_compute_dtype(precision, teacher.weight.dtype)
         return _fused_distillation(
             student_hidden,
             student.weight,
