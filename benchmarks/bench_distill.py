@@ -32,6 +32,7 @@ columns and the caveats.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import time
@@ -130,16 +131,24 @@ def _build_liger_fused_linear_jsd(
     def fn(xs, ws, xt, wt, target):
         return loss_fn(xs, ws, xt, wt, target)
 
+    try:  # 0.8.5 dispatches its per-chunk kernel (Triton, or CuTe DSL where installed): say which one runs
+        from liger_kernel.backends.dispatch import resolve_impl
+
+        fn.note = "per-chunk kernel " + resolve_impl("jsd_loss_and_grad", device=device).impl_name
+    except Exception as exc:  # noqa: BLE001 - the note only
+        fn.note = "per-chunk kernel unknown: " + C.short_error(exc, 200)
     return fn
 
 
 def _build_flce(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
     from lightning_flce import fused_linear_distillation
 
+    options = dict(divergence=divergence, temperature=temperature, hard_weight=0.0)
+    if divergence == "jsd":  # beta is JSD's alone
+        options["beta"] = beta
+
     def fn(xs, ws, xt, wt, target):
-        return fused_linear_distillation(
-            xs, ws, xt, wt, target, divergence=divergence, beta=beta, temperature=temperature, hard_weight=0.0
-        )
+        return fused_linear_distillation(xs, ws, xt, wt, target, **options)
 
     return fn
 
@@ -300,6 +309,13 @@ def gemm_floor(xs, ws, xt, wt, device: torch.device, reps: int = 10, warmup: int
 
 
 # ------------------------------------------------------------------------------------------- one config
+def _release(device: torch.device) -> None:
+    """Hand the freed blocks back between phases on a GPU (a garbage collection costs ~0.2 s: not on the CPU,
+    where there is no allocator cache and no peak to measure)."""
+    if device.type == "cuda":
+        C.free_memory(device)
+
+
 def _clear_grads(*leaves: torch.Tensor) -> None:
     for leaf in leaves:
         leaf.grad = None
@@ -345,6 +361,8 @@ def run_config(
         for name, (_, error) in built.items()
     }
     runnable = {name: fn for name, (fn, _) in built.items() if fn is not None}
+    for name, fn in runnable.items():
+        records[name]["note"] = getattr(fn, "note", None)
 
     xs, ws, xt, wt, target = make_inputs(shape, device, args.seed, args.ignore_fraction)
     ref_loss, ref_dx, ref_dw = reference(
@@ -384,9 +402,9 @@ def run_config(
             del runnable[name]
         finally:
             _clear_grads(xs, ws)
-            C.free_memory(device)
+            _release(device)
     del ref_dx, ref_dw
-    C.free_memory(device)
+    _release(device)
 
     # 2. peak memory, one provider at a time, over the inputs (x_s, W_s, x_t, W_t, targets).
     for name, fn in list(runnable.items()):
@@ -398,11 +416,11 @@ def run_config(
             del runnable[name]
         finally:
             _clear_grads(xs, ws)
-            C.free_memory(device)
+            _release(device)
 
     # 3. the floor's GEMMs at this shape, then the providers, round-robin with a rotating first.
     floor = gemm_floor(xs, ws, xt, wt, device)
-    C.free_memory(device)
+    _release(device)
     order = list(runnable)
     timers: Dict[str, List[C.Timer]] = {name: [] for name in order}
     for round_index in range(args.warmup + args.repeats):
@@ -419,7 +437,7 @@ def run_config(
             except Exception as exc:  # noqa: BLE001
                 records[name]["status"], records[name]["error"] = "error", _error_text(exc)
                 del runnable[name]
-                C.free_memory(device)
+                _release(device)
                 continue
             if round_index >= args.warmup:
                 timers[name].append(timer)
@@ -616,39 +634,40 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
                     # divergence compile in training (dynamo would otherwise recompile later shapes dynamic).
                     torch._dynamo.reset()
                 new = run_config(shape, divergence, names, args, device)
-                C.free_memory(device)  # the config's inputs went with its frame
+                _release(device)  # the config's inputs went with its frame
                 last = (time.perf_counter() - config_started, floor_flops(shape))
             with jsonl_path.open("a") as handle:
                 for record in new:
                     handle.write(json.dumps({**record, "env": env}, default=str) + "\n")
             records += new
             print("\n".join(table_lines(new)), flush=True)
-    lines = [
-        "# Distillation, forward + backward of the student (issue 37)",
-        "",
-        *C.header_lines(env),
-        f"- lightning_flce imported from {env['lightning_flce_file']}",
-        f"- loss: divergence(teacher, student) at temperature {args.temperature}, mean over non-ignored targets "
-        f"({args.ignore_fraction:.0%} ignored), no hard loss, no T^2; jsd beta {args.jsd_beta} "
-        "(M = beta teacher + (1 - beta) student); bf16 inputs",
-        f"- {args.repeats} timed rounds after {args.warmup} untimed (and the first and peak calls); floor = the "
-        "four GEMMs of 2 N V (3 H_s + H_t) as bf16 torch.mm at the shape, measured in this run",
-        "",
-        *table_lines(records),
-        "",
-        *goal_lines(records),
-    ]
-    md_path.write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines[len(C.header_lines(env)) + 2 :]))
+            md_path.write_text("\n".join(report_lines(records, env, args)) + "\n")  # a cut run keeps it
+    print("\n" + "\n".join(report_lines(records, env, args, header=False)))
     return records
 
 
+def report_lines(
+    records: List[Dict[str, Any]], env: Dict[str, Any], args: argparse.Namespace, header: bool = True
+) -> List[str]:
+    """distill.md: the run's environment and settings, the table, the providers' notes and the goals."""
+    settings = [
+        f"- lightning_flce imported from {env['lightning_flce_file']}",
+        f"- loss: the divergence of the student from the teacher at temperature {args.temperature}, the mean over "
+        f"non-ignored targets ({args.ignore_fraction:.0%} ignored), no hard loss, no T^2; jsd: beta "
+        f"{args.jsd_beta}, M = beta teacher + (1 - beta) student; bf16 inputs",
+        f"- {args.repeats} timed rounds after {args.warmup} untimed (and the first and the peak calls); floor: the "
+        "four GEMMs of 2 N V (3 H_s + H_t), each a bf16 torch.mm at the shape, measured in this run",
+    ]
+    notes = sorted({f"- {r['provider']}: {r['note']}" for r in records if r.get("note")})
+    lines = ["# Distillation, forward + backward of the student (issue 37)", ""] if header else []
+    lines += [*(C.header_lines(env) if header else []), *settings, *notes, ""]
+    return lines + [*table_lines(records), "", *goal_lines(records)]
+
+
 def _module_file(name: str) -> Optional[str]:
-    try:
-        module = __import__(name)
-    except Exception as exc:  # noqa: BLE001
-        return f"import failed: {C.short_error(exc)}"
-    return getattr(module, "__file__", None)
+    """Where ``import name`` would load from (without importing it)."""
+    spec = importlib.util.find_spec(name)
+    return spec.origin if spec is not None else None
 
 
 if __name__ == "__main__":
