@@ -465,7 +465,10 @@ def run_config(
     return list(records.values())
 
 
-def skipped_records(shape, divergence: str, names: Sequence[str], args, reason: str) -> List[Dict[str, Any]]:
+def config_failed_records(
+    shape, divergence: str, names: Sequence[str], args, status: str, reason: str
+) -> List[Dict[str, Any]]:
+    """The lines of a config that did not run (skipped for time, or its data, reference or floor failed)."""
     n, h_student, h_teacher, v = shape
     return [
         {
@@ -473,7 +476,7 @@ def skipped_records(shape, divergence: str, names: Sequence[str], args, reason: 
             "shape": f"{n}x{h_student}x{h_teacher}x{v}",
             "divergence": divergence,
             "beta": beta_of(divergence, args.jsd_beta),
-            "status": "skipped",
+            "status": status,
             "error": reason,
         }
         for name in names
@@ -629,16 +632,19 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
             elapsed = time.perf_counter() - started
             predicted = 0.0 if last is None else last[0] * floor_flops(shape) / last[1]
             if args.budget_s is not None and last is not None and elapsed + predicted > args.budget_s:
-                new = skipped_records(shape, divergence, names, args, "skipped: time budget")
+                new = config_failed_records(shape, divergence, names, args, "skipped", "skipped: time budget")
             else:
                 config_started = time.perf_counter()
                 if device.type == "cuda":
                     # Liger's compiled chunk function: a fresh static graph per config, as one shape and
                     # divergence compile in training (dynamo would otherwise recompile later shapes dynamic).
                     torch._dynamo.reset()
-                new = run_config(shape, divergence, names, args, device)
+                try:
+                    new = run_config(shape, divergence, names, args, device)
+                    last = (time.perf_counter() - config_started, floor_flops(shape))
+                except Exception as exc:  # noqa: BLE001 - the inputs, the reference or the floor: the run goes on
+                    new = config_failed_records(shape, divergence, names, args, "error", _error_text(exc))
                 _release(device)  # the config's inputs went with its frame
-                last = (time.perf_counter() - config_started, floor_flops(shape))
             with jsonl_path.open("a") as handle:
                 for record in new:
                     handle.write(json.dumps({**record, "env": env}, default=str) + "\n")
