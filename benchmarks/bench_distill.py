@@ -19,14 +19,14 @@ with M = beta q + (1 - beta) p (beta = 0 is "forward_kl"), the convention of TRL
 | liger_fused_linear_jsd | Liger-Kernel ``transformers.LigerFusedLinearJSD(jsd_beta=beta, temperature)`` (``ops.fused_linear_jsd``: a Triton kernel, CUDA only) |
 | flce | ``lightning_flce.fused_linear_distillation(..., divergence, beta, temperature)``, imported when the row is built: a tree without it reports the row unavailable |
 
-Method, per shape x divergence: the float64 loss, dX and dW at the same shape (all N rows, ``--ref-rows`` at a
-time); one fwd+bwd per provider (its compilation; the errors: relative for the loss, relative L2 for dX and
-dW); one more for the peak (the increase of ``max_memory_allocated`` over the inputs, the returned dX and dW
-included); the four GEMMs of the floor as bf16 ``torch.mm`` at the shape's sizes (median of 10); then
-``--warmup`` untimed and ``--repeats`` timed rounds over the providers in a rotating order, CUDA events, the
-median. Writes one JSON line per provider x shape x divergence to ``$OUT/distill<TAG>.jsonl`` (``./bench_out``
-without $OUT) and a markdown table to ``$OUT/distill<TAG>.md``, printed last. benchmarks/README.md has the
-columns and the caveats.
+Method, per shape x divergence: the float64 loss, dX and dW at the same shape (all N rows, ``--ref-chunk-mib``
+of float64 logits at a time); one fwd+bwd per provider (its compilation; the errors: relative for the loss,
+relative L2 for dX and dW); one more for the peak (the increase of ``max_memory_allocated`` over the inputs, the
+returned dX and dW included); the four GEMMs of the floor as bf16 ``torch.mm`` at the shape's sizes (median of
+10); then ``--warmup`` untimed and ``--repeats`` timed rounds over the providers in a rotating order, CUDA
+events, the median. Writes one JSON line per provider x shape x divergence to ``$OUT/distill<TAG>.jsonl``
+(``./bench_out`` without $OUT) and a markdown table to ``$OUT/distill<TAG>.md``, printed last.
+benchmarks/README.md has the columns and the caveats.
 """
 
 from __future__ import annotations
@@ -279,13 +279,12 @@ def gemm_floor(xs, ws, xt, wt, device: torch.device, reps: int = 10, warmup: int
     xs, ws = xs.detach(), ws.detach()
     n, v = xs.shape[0], ws.shape[0]
     gen = torch.Generator(device=device).manual_seed(4321)
-    buffers = {
-        "grad": torch.randn(n, v, device=device, generator=gen).to(xs.dtype),
-        "logits": torch.empty(n, v, device=device, dtype=xs.dtype),
-        "dx": torch.empty_like(xs),
-        "dw": torch.empty_like(ws),
-    }
-    grad, logits, dx, dw = buffers.values()
+    grad = torch.randn(n, v, device=device, generator=gen).to(xs.dtype)
+    logits, dx, dw = (
+        torch.empty(n, v, device=device, dtype=xs.dtype),
+        torch.empty_like(xs),
+        torch.empty_like(ws),
+    )
     gemms = {
         "student_logits": (lambda: torch.mm(xs, ws.t(), out=logits), 2.0 * n * v * xs.shape[1]),
         "teacher_logits": (lambda: torch.mm(xt, wt.t(), out=logits), 2.0 * n * v * xt.shape[1]),
