@@ -12,12 +12,11 @@ the teacher's q = softmax(z_t / T) (z = x @ W.T), averaged over the tokens whose
 with M = beta q + (1 - beta) p (beta = 0 is "forward_kl"), the convention of TRL, of both Liger calls and of
 ``lightning_flce.fused_linear_distillation``.
 
-| provider | call |
-| --- | --- |
-| unfused | both [N, V] logits, ``log_softmax`` in fp32, the divergence written as TRL's ``generalized_jsd_loss``; the teacher's logits under ``no_grad`` |
-| liger_jsd_loss | Liger-Kernel ``chunked_loss.LigerFusedLinearJSDLoss(weight_hard_loss=0, weight_soft_loss=1, beta, temperature)``, compiled on CUDA, its default ``chunk_size=1024`` |
-| liger_fused_linear_jsd | Liger-Kernel ``transformers.LigerFusedLinearJSD(jsd_beta=beta, temperature)`` (``ops.fused_linear_jsd``: a Triton kernel, CUDA only) |
-| flce | ``lightning_flce.fused_linear_distillation(..., divergence, beta, temperature)``, imported when the row is built: a tree without it reports the row unavailable |
+Providers (``PROVIDERS``; benchmarks/README.md says how each is configured): ``unfused`` (both [N, V] logits,
+``log_softmax`` in fp32, TRL's ``generalized_jsd_loss`` formula, the teacher under ``no_grad``), Liger-Kernel's
+``liger_jsd_loss`` (``chunked_loss.LigerFusedLinearJSDLoss``, compiled on CUDA) and ``liger_fused_linear_jsd``
+(``transformers.LigerFusedLinearJSD``, CUDA only), and ``flce`` (``lightning_flce.fused_linear_distillation``,
+imported when its row is built: a tree without it reports the row unavailable).
 
 Method, per shape x divergence: the float64 loss, dX and dW at the same shape (all N rows, ``--ref-chunk-mib``
 of float64 logits at a time); one fwd+bwd per provider (its compilation; the errors: relative for the loss,
