@@ -34,6 +34,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -618,6 +619,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
 
     env = C.environment(device)
     env["lightning_flce_file"] = _module_file("lightning_flce")
+    # The device's copy of .git can lag behind the tree that was sent: the caller may state the commit it sent.
+    env["commit_stated"] = os.environ.get("FLCE_COMMIT")
     print("\n".join(C.header_lines(env)), flush=True)
     out = C.out_dir()
     jsonl_path, md_path = out / f"distill{args.tag}.jsonl", out / f"distill{args.tag}.md"
@@ -658,7 +661,8 @@ def report_lines(
 ) -> List[str]:
     """distill.md: the run's environment and settings, the table, the providers' notes and the goals."""
     settings = [
-        f"- lightning_flce imported from {env['lightning_flce_file']}",
+        f"- lightning_flce imported from {env['lightning_flce_file']}; commit stated by the caller (FLCE_COMMIT): "
+        f"{env.get('commit_stated') or '-'}",
         f"- loss: the divergence of the student from the teacher at temperature {args.temperature}, the mean over "
         f"non-ignored targets ({args.ignore_fraction:.0%} ignored), no hard loss, no T^2; jsd: beta "
         f"{args.jsd_beta}, M = beta teacher + (1 - beta) student; bf16 inputs",

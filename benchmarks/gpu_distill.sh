@@ -3,8 +3,9 @@
 # bench_distill.py (unfused, Liger's LigerFusedLinearJSDLoss and LigerFusedLinearJSD, this package's
 # fused_linear_distillation) at the three shapes, forward KL and JSD, in one process.
 #
-#   device call: carry [".whl", ".baseline"], command `bash benchmarks/gpu_distill.sh` (arguments go to
-#   bench_distill.py, e.g. `--shapes 0 --divergences jsd --repeats 20`)
+#   device call: carry [".whl", ".baseline"], command `FLCE_COMMIT=<the commit sent> bash benchmarks/gpu_distill.sh`
+#   (arguments go to bench_distill.py, e.g. `--shapes 0 --divergences jsd --repeats 20`; FLCE_COMMIT is recorded
+#   in every JSON line, since the device's copy of .git can lag behind the tree that was sent)
 #
 # Time: the whole script ends within GPU_DISTILL_TOTAL_S (default 540 s = 9 min): the tests get at most
 # TEST_TIMEOUT_S (150), the benchmark the rest as --budget-s (it skips a config predicted not to fit, and writes
