@@ -237,7 +237,8 @@ def _strip_debug(ptx: str) -> str:
             if stripped == "}":
                 in_debug_section = False
             continue
-        if stripped.startswith((".loc", ".file", "//")) or not stripped:
+        # $L__tmp labels mark source lines for the debug information (a label moves with its line, not code)
+        if stripped.startswith((".loc", ".file", "//", "$L__tmp")) or not stripped:
             continue
         kept.append(re.sub(r"\s+//.*$", "", line))
     return "\n".join(kept)
