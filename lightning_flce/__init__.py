@@ -14,7 +14,8 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 - the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);
   FSDP2 helpers: ``fsdp.py``; PEFT LoRA heads: ``adapters.py``;
 - the loss inside the head module's own forward call (plain PyTorch, Fabric): :class:`FLCEHeadLoss` (``head.py``);
-- Lightning: :class:`FLCEMixin` (``mixin.py``, with ``normalization.py``, ``head_discovery.py``,
+- Lightning: :class:`FLCEMixin` (``mixin.py`` and its parts ``mixin_step.py``, ``mixin_eval.py``, ``mixin_rl.py``,
+  ``mixin_checks.py``; with ``normalization.py``, ``head_discovery.py``,
   ``eval_metrics.py``), :class:`FLCEMemoryCallback`
   (``callbacks/``), models in ``models/``, data in ``data/``, the CLI in ``cli.py`` and its configs in ``configs/``.
 """
