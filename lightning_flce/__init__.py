@@ -4,8 +4,8 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 [N, V] logits never exist. Where things live:
 
 - the op: :func:`fused_linear_cross_entropy`, :func:`fused_linear_cross_entropy_with_stats`
-  (``functional.py``: the API; ``options.py``: the options record; ``validation.py``: input checks;
-  ``op.py``: the custom ops; ``engine.py``: the chunk engine);
+  (``functional.py``: the API; ``options.py``: the options record; ``per_token.py``: the per-token inputs;
+  ``validation.py``: input checks; ``op.py``: the custom ops; ``engine.py``: the chunk engine);
 - the chunk losses (plug-ins of the engine; interface in ``chunk_loss.py``): ``losses/``;
 - reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` and its module
   :class:`FusedLinearPolicyLoss` (``rl/``: the APIs and their custom ops);

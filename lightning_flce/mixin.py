@@ -33,6 +33,7 @@ from lightning_flce.mixin_step import StepNormalization
 from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch
 from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.outputs import FLCEOutput
+from lightning_flce.per_token import check_per_token, shift_per_token
 from lightning_flce.rl.head_calls import policy_loss_module
 
 __all__ = ["NARROW_INT_DTYPES", "FLCEMixin"]
@@ -336,19 +337,13 @@ class FLCEMixin(PolicyCalls, EvalMetricsLogging, StepNormalization, metaclass=Ch
             )
         if token_weight is not None:
             # checked before the shift, which would keep a wrong shape but hide whose shape it was
-            if not isinstance(token_weight, Tensor):
-                raise TypeError(f"token_weight must be a tensor or None, got {type(token_weight).__name__}")
-            if token_weight.shape != target.shape:
-                raise ValueError(
-                    f"token_weight must have the target's shape {tuple(target.shape)}, got {tuple(token_weight.shape)}"
-                )
+            check_per_token("token_weight", token_weight, target, device=hidden.device)
         if target.dtype in NARROW_INT_DTYPES:
             target = target.long()
         if shift:
             # shift the labels rather than the hidden states: no copy of the [B, T, H] activations
             target = F.pad(target[..., 1:], (0, 1), value=self.flce_ignore_index)
-            if token_weight is not None:
-                token_weight = F.pad(token_weight[..., 1:], (0, 1), value=0)
+            token_weight = shift_per_token("token_weight", token_weight)
         stage = self._flce_stage()
         head = resolve_head(self, self.flce_head, self.flce_softcap)
         evaluating = stage in ("val", "test")

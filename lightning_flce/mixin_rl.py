@@ -10,7 +10,7 @@ back-propagated.
 
 from __future__ import annotations
 
-from typing import Optional, Union, cast
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +19,9 @@ from torch import Tensor
 from lightning_flce.head import FLCEHeadLoss
 from lightning_flce.head_discovery import ResolvedHead, resolve_head
 from lightning_flce.mixin_step import StepNormalization
+from lightning_flce.per_token import shift_per_token, shift_per_token_inputs
 from lightning_flce.rl import FusedLinearPolicyLoss, LogProbsOutput, PolicyLossOutput, policy_normalizer
-from lightning_flce.rl.head_calls import head_logprobs, head_policy_loss, shift_per_token
+from lightning_flce.rl.head_calls import head_logprobs, head_policy_loss
 
 __all__ = ["NARROW_INT_DTYPES", "PolicyCalls", "policy_step_count"]
 
@@ -84,7 +85,7 @@ class PolicyCalls(StepNormalization):
         """
         target = self._flce_rl_target(hidden, target, shift)
         if shift and isinstance(temperature, Tensor):
-            temperature = shift_per_token(temperature, 1.0)
+            temperature = shift_per_token("temperature", temperature)
         policy = self.flce_policy.options
         return head_logprobs(
             self._flce_rl_head(),
@@ -141,29 +142,23 @@ class PolicyCalls(StepNormalization):
             loss; in training under ``"step"`` its gradient is the micro-batch's share of the step's loss (the
             mixin rescales the gradients at the optimizer step).
         """
-        target = self._flce_rl_target(hidden, target, shift)
-        if shift:
-            advantages = cast(Tensor, shift_per_token(advantages, 0.0))
-            old_logprobs, ref_logprobs, token_weight = (
-                shift_per_token(value, 0.0) for value in (old_logprobs, ref_logprobs, token_weight)
-            )
-            temperature = shift_per_token(temperature, 1.0)
-            if mask is None:
-                mask = torch.ones_like(target, dtype=torch.bool)
-            mask = shift_per_token(mask, 0)
-        output = head_policy_loss(
-            self._flce_rl_head(),
-            hidden,
-            target,
-            self.flce_policy,
-            temperature=temperature,
-            return_entropy=return_entropy,
+        per_token = dict(
             advantages=advantages,
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             mask=mask,
             token_weight=token_weight,
+            temperature=temperature,
         )
+        target = self._flce_rl_target(hidden, target, shift)
+        if shift:
+            if mask is None:  # the last position leaves the mask
+                per_token["mask"] = torch.ones_like(target, dtype=torch.bool)
+            per_token = shift_per_token_inputs(per_token)
+        output = head_policy_loss(
+            self._flce_rl_head(), hidden, target, self.flce_policy, return_entropy=return_entropy, **per_token
+        )
+        mask = per_token["mask"]
         if self._flce_stage() != "train":
             return output
         count, unit, capacity = policy_step_count(self.flce_policy, target, mask, output.loss.dtype)
