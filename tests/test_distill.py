@@ -262,6 +262,27 @@ def test_16bit_no_worse_than_unfused(dtype, divergence, precision):
         assert relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(dtype).eps / 2
 
 
+@pytest.mark.parametrize("option", ["top_k", "top_k_hard"])
+@pytest.mark.parametrize("precision", ["input", "fp32"])
+def test_16bit_top_k_no_worse_than_unfused(precision, option):
+    """bf16 top-k: the divergence's gradient added at the teacher's top-k columns of the 16-bit gradient (with
+    ``"fp32"``: the gradient in the fp32 logits' rows), within the unfused bf16 loss's error."""
+    student, teacher, target, extras = make_problem(dtype=torch.bfloat16, hs=64, ht=48, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, option, "jsd_0.5")
+    kwargs.update(student_bias=student[2], temperature=extras["temperature"])
+    got = fused_linear_distillation(*args, chunk_size=4, logits_precision=precision, impl="torch", **kwargs)
+    want = reference_loss(*args, **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1]),
+    )
+    unfused = reference_loss(*args, **kwargs, **logits)
+    assert abs(got.double() - want).item() <= 1.5 * abs(unfused - want).item() + 1e-6
+    tensors = (student[0], student[1], student[2])
+    for g, ref, plain in zip(grads(got, tensors), grads(want, tensors), grads(unfused, tensors)):
+        assert relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + 2**-9
+
+
 def test_autocast_runs_both_heads_in_the_autocast_dtype():
     """Under bf16 autocast the loss is the one of bf16 GEMMs on both heads (fp32 inputs), and the fp32 student
     parameters get fp32 gradients."""
