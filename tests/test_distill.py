@@ -505,3 +505,47 @@ def test_module_takes_the_functions_options_under_their_names_and_defaults():
         function_options.pop(name)
     assert keywords(FusedLinearDistillationLoss.__init__) == function_options
     assert set(keywords(FusedLinearDistillationLoss.forward)) == set(FusedLinearDistillationLoss.PER_CALL)
+
+
+def test_chunk_rule_counts_the_teacher_buffer():
+    """At N 8192, H 4096, V 128256 (bf16, the GPU rule) the student's buffer alone gets 4096 rows; with the teacher's
+    beside it both buffers stay within the memory floor (dX + dW), in fewer rows."""
+    from lightning_flce.engine import chunk_rows
+
+    n, h, v = 8192, 4096, 128256
+    alone = chunk_rows(None, n, n, v, h, torch.bfloat16, True)
+    both = chunk_rows(None, n, n, v, h, torch.bfloat16, True, auxiliary_dtype=torch.bfloat16)
+    assert alone == 4096
+    assert both < alone and both * 2 * v * 2 <= (n + v) * h * 2
+    # the PyTorch path: the twin's workspace copies plus the teacher's buffer
+    alone = chunk_rows(None, n, n, v, h, torch.float32, False, distill_torch.WORKSPACE_COPIES)
+    both = chunk_rows(
+        None, n, n, v, h, torch.float32, False, distill_torch.WORKSPACE_COPIES, auxiliary_dtype=torch.float32
+    )
+    assert both < alone
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd_0.5"])
+def test_fp16_per_token_no_worse_than_unfused(divergence):
+    """fp16 "none": backward recomputes with the per-token grad_output as the token scale (the fp16 factor from its
+    per-token bound); gradients within the unfused fp16 loss's error."""
+    student, teacher, target, extras = make_problem(dtype=torch.float16, hs=64, ht=48, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    upstream = extras["grad_output"]
+    got = fused_linear_distillation(*args, reduction="none", chunk_size=4, impl="torch", **kwargs)
+    want = reference_loss(*args, reduction="none", **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
+    )
+    unfused = reference_loss(*args, reduction="none", **kwargs, **logits)
+    assert relative_error(got, want) <= 1.5 * relative_error(unfused, want) + 1e-6
+    tensors = (student[0], student[1], student[2])
+    pairs = zip(
+        grads((got * upstream).sum(), tensors),
+        grads((want * upstream).sum(), tensors),
+        grads((unfused * upstream).sum(), tensors),
+    )
+    for g, ref, plain in pairs:
+        assert g.dtype == torch.float16
+        assert relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(torch.float16).eps / 2
