@@ -336,6 +336,8 @@ def run_chunks(
     dtype; see :func:`saved_grad_weight_dtype`). ``triton_logits_gemm``: the chunk kernels are the "triton"
     backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`),
     and where ``loss.tile_stats_suffice()`` its tile statistics may replace the chunk kernel's first pass.
+    A ``loss.auxiliary_head()`` (a distillation teacher) gets its chunk logits computed beside the main head's, for
+    the same rows and with the same ``logits_precision``, without a gradient (:class:`_AuxiliaryLogits`).
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
