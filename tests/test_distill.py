@@ -549,3 +549,14 @@ def test_fp16_per_token_no_worse_than_unfused(divergence):
     for g, ref, plain in pairs:
         assert g.dtype == torch.float16
         assert relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(torch.float16).eps / 2
+
+
+def test_teacher_in_its_own_dtype():
+    """Outside autocast each head runs in its inputs' dtype: a bf16 teacher beside an fp32 student is the float64
+    formula of the bf16 teacher GEMM's logits (softmax in fp32)."""
+    student, teacher, target, extras = make_problem(dtype=torch.float32)
+    teacher = [t.bfloat16() for t in teacher]
+    args, kwargs = resolve(student, teacher, target, extras, "all", "jsd_0.5")
+    got = fused_linear_distillation(*args, chunk_size=4, **kwargs)
+    want = reference_loss(*args, teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]), **kwargs)
+    _check(got, want, student, student[2], FP32_TOL)
