@@ -18,11 +18,15 @@ needs to know of a loss it declares as data:
 - :attr:`ChunkLoss.workspace_copies`: the [C, V] copies (in the softmax dtype) its PyTorch twin works on, for
   the chunk-size rule of backends whose kernels do not work in place;
 - :meth:`ChunkLoss.tile_stats_suffice`: whether it can take each row's LSE and target logit from the
-  compensated logits GEMM's tile statistics instead of a first pass over the logits.
+  compensated logits GEMM's tile statistics instead of a first pass over the logits;
+- :meth:`ChunkLoss.auxiliary_head`: a second, frozen head (:class:`AuxiliaryHead`: a distillation teacher) whose
+  logits the engine computes per chunk for the same rows, without a gradient, into a second reused buffer, and
+  passes in ``side[name]``.
 
 The plug-ins so far: the cross-entropy (:mod:`lightning_flce.losses.cross_entropy`), the per-token
 log-probabilities and entropy (:mod:`lightning_flce.losses.logprobs`) and the policy losses built on them
-(:mod:`lightning_flce.losses.policy`).
+(:mod:`lightning_flce.losses.policy`) and the distillation losses with their teacher head
+(:mod:`lightning_flce.losses.distillation`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,23 @@ class OutputSpec(NamedTuple):
     dtype: Optional[torch.dtype] = None
     active: bool = True
     gradient_scaled: bool = False
+
+
+class AuxiliaryHead(NamedTuple):
+    """A head the engine runs on the chunk's rows beside the main one, without a gradient (a distillation
+    teacher's): ``logits = input[rows] @ weight.T (+ bias)`` in ``compute_dtype``, with the call's
+    ``logits_precision`` (the wide precisions write fp32 logits, as the main head's; never its 16-bit relative
+    logits or tile statistics), passed to the loss as ``side[name]`` ([C, V], read only).
+
+    ``input`` is [N, H_aux] (the call's N rows), ``weight`` [V, H_aux] with the main head's V, ``bias`` [V] or
+    None. The chunk-size rule counts its buffer (:func:`lightning_flce.engine.chunk_rows`'s
+    ``auxiliary_dtype``)."""
+
+    name: str
+    input: Tensor
+    weight: Tensor
+    bias: Optional[Tensor]
+    compute_dtype: torch.dtype
 
 
 class ChunkLoss:
@@ -92,6 +113,10 @@ class ChunkLoss:
         """Whether the per-chunk call takes ``tile_lse=`` (the compensated logits GEMM's LSE partials and target
         logits) and needs nothing else of a first pass over the logits."""
         return False
+
+    def auxiliary_head(self) -> Optional[AuxiliaryHead]:
+        """A frozen second head whose chunk logits the loss reads in ``side[head.name]`` (None: none)."""
+        return None
 
     @property
     def softcap(self) -> float:

@@ -7,13 +7,15 @@ backward of the gradients computed in forward.
 Per chunk of C tokens, :func:`run_chunks` runs::
 
     logits = x_c @ W.T (+ b)                      # [C, V] in the compute dtype, one reused buffer
+    aux = a_c @ W_aux.T (+ b_aux)                 # only with an auxiliary head (a teacher): a second buffer
     loss(logits, target_c, rows_c, side_c) -> per-row outputs; logits := d loss / d logits
     dX_c = logits @ W                              # written into grad_input
     dW (+)= logits.T @ x_c                         # lightning_flce.accumulate, no [V, H] temporary
     db += logits.sum(0)
 
 where ``loss`` is a :class:`~lightning_flce.chunk_loss.ChunkLoss` (the plug-in interface: its per-token side
-inputs ``side_c`` gathered for the chunk's rows, its named per-token outputs, its workspace and fp16 bound);
+inputs ``side_c`` gathered for the chunk's rows (and its auxiliary head's logits, no gradient), its named per-token
+outputs, its workspace and fp16 bound);
 :mod:`lightning_flce.losses` has the cross-entropy (a backend's chunk kernel on the whole vocabulary, or the
 vocab-parallel softmax around its all-reduces), the log-probabilities and the policy losses. The cross-entropy's
 row loss is
@@ -33,7 +35,7 @@ from torch import Tensor
 
 from lightning_flce._compat import TORCH_VERSION, resolved_annotations, triton_usable
 from lightning_flce.accumulate import accumulate_grad_weight, choose_path
-from lightning_flce.chunk_loss import DEFAULT_WORKSPACE_COPIES, ChunkLoss, gather_side_inputs
+from lightning_flce.chunk_loss import DEFAULT_WORKSPACE_COPIES, AuxiliaryHead, ChunkLoss, gather_side_inputs
 from lightning_flce.kernels import LOW_PRECISION, gradient_in_logits_rows, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
 from lightning_flce.options import WIDE_LOGITS_PRECISIONS
@@ -115,6 +117,7 @@ def default_chunk_size(
     itemsize: int,
     large_chunks: bool,
     workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
+    auxiliary_itemsize: int = 0,
 ) -> int:
     """Tokens per chunk.
 
@@ -122,12 +125,15 @@ def default_chunk_size(
     softmax works in place, on the GPU) a chunk gets at least ``_MIN_TRITON_CHUNK_ROWS`` rows as long as its logits stay within the floor itself, so the per-chunk
     dW accumulator traffic stays small next to the GEMMs; peak extra memory is then at most about the
     floor for the logits plus the accumulator (see ``accum_dtype``). Otherwise a row costs the chunk loss's
-    ``workspace_copies`` of the logits in the softmax dtype (its PyTorch twin's workspace).
+    ``workspace_copies`` of the logits in the softmax dtype (its PyTorch twin's workspace). A chunk loss with an
+    :class:`~lightning_flce.chunk_loss.AuxiliaryHead` adds its logits buffer, ``auxiliary_itemsize`` bytes a
+    logit, to every row's cost (its softmax-dtype copies are part of the twin's ``workspace_copies``).
     """
     floor_bytes = (n_rows + vocab) * hidden * itemsize
     min_bytes = _MIN_CHUNK_BYTES if large_chunks else _TORCH_PATH_MIN_CHUNK_BYTES
     budget = max(floor_bytes // 4, min_bytes)
     bytes_per_row = vocab * (itemsize if large_chunks else workspace_copies * max(itemsize, 4))
+    bytes_per_row += vocab * auxiliary_itemsize
     align = _CHUNK_ALIGN
     wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row
     if large_chunks and wanted > budget:
@@ -151,17 +157,25 @@ def chunk_rows(
     compute_dtype: torch.dtype,
     large_chunks: bool,
     workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
+    auxiliary_dtype: Optional[torch.dtype] = None,
 ) -> int:
     """Rows per chunk: a user's ``chunk_size`` as given; else :func:`default_chunk_size` of the call's shape
     (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
     ``n_valid`` rows that run (:func:`balanced_chunk_rows`). The wide-logits precisions take the same rows: their
     fp32 buffer holds the 16-bit gradient in its own rows (:func:`~lightning_flce.kernels.gradient_in_logits_rows`),
     so it is exactly one default chunk buffer more (and :data:`RELATIVE_16BIT_LOGITS`'s 16-bit buffer is the
-    default's)."""
+    default's). ``auxiliary_dtype``: the compute dtype of the chunk loss's
+    :class:`~lightning_flce.chunk_loss.AuxiliaryHead` (None: none), whose buffer every row then also costs
+    (counted as the main head's: in its compute dtype)."""
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
-    max_rows = default_chunk_size(n_rows, vocab, hidden, itemsize, large_chunks, workspace_copies)
+    auxiliary_itemsize = (
+        0 if auxiliary_dtype is None else torch.empty((), dtype=auxiliary_dtype).element_size()
+    )
+    max_rows = default_chunk_size(
+        n_rows, vocab, hidden, itemsize, large_chunks, workspace_copies, auxiliary_itemsize
+    )
     align = _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN
     return balanced_chunk_rows(n_valid, max_rows, align)
 
@@ -322,6 +336,8 @@ def run_chunks(
     dtype; see :func:`saved_grad_weight_dtype`). ``triton_logits_gemm``: the chunk kernels are the "triton"
     backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`),
     and where ``loss.tile_stats_suffice()`` its tile statistics may replace the chunk kernel's first pass.
+    A ``loss.auxiliary_head()`` (a distillation teacher) gets its chunk logits computed beside the main head's, for
+    the same rows and with the same ``logits_precision``, without a gradient (:class:`_AuxiliaryLogits`).
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -356,6 +372,15 @@ def run_chunks(
         tile_lse = logits_gemm.empty_tile_lse(
             min(chunk_size, n_valid), vocab, softcap=loss.softcap, with_target_logit=relative_logits
         )
+
+    auxiliary = loss.auxiliary_head()
+    auxiliary_logits = (
+        _AuxiliaryLogits(
+            auxiliary, logits_precision=logits_precision, triton_logits_gemm=triton_logits_gemm, vocab=vocab
+        )
+        if auxiliary is not None
+        else None
+    )
 
     loss_dtype = softmax_dtype(compute_dtype)
     specs = loss.outputs()
@@ -430,11 +455,14 @@ def run_chunks(
         grad_logits = logits
         if logits_dtype != compute_dtype and (need_grad_input or need_grad_weight):
             grad_logits = gradient_in_logits_rows(logits, compute_dtype)
+        side_c = gather_side_inputs(side, per_token_inputs, chunk_rows_)
+        if auxiliary_logits is not None:
+            side_c = {**side_c, auxiliary_logits.name: auxiliary_logits(chunk_rows_, end - start)}
         out = loss(
             logits,
             t_c,
             chunk_rows_,
-            gather_side_inputs(side, per_token_inputs, chunk_rows_),
+            side_c,
             compute_grad=compute_grad,
             grad_out=grad_logits if grad_logits is not logits else None,
             tile_lse=tile_lse_c,
@@ -456,11 +484,12 @@ def run_chunks(
             )
         if need_grad_bias:
             grad_bias.add_(grad_logits.sum(dim=0, dtype=loss_dtype), alpha=scales.grad_bias / scales.logits)
-        x_c = None  # before the next chunk's row gather (and its cast) allocates
+        x_c = side_c = None  # before the next chunk's row gather (and its cast) allocates
 
     # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
     # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
     logits_buffer = logits = grad_logits = x_c = weight_c = weight_for_grad_input = bias_c = None
+    auxiliary_logits = None
     tile_lse = tile_lse_c = None
     logits_gemm = None
     if need_grad_weight:
@@ -471,6 +500,51 @@ def run_chunks(
     if need_grad_bias:
         grad_bias = grad_bias.to(bias.dtype)
     return (*outputs, grad_input, grad_weight, grad_bias, scales)
+
+
+class _AuxiliaryLogits:
+    """The logits of a chunk loss's :class:`~lightning_flce.chunk_loss.AuxiliaryHead` for a chunk's rows, without a
+    gradient, in one reused buffer: ``input[rows] @ W.T (+ b)`` in the head's compute dtype, or with the wide
+    precisions (``logits_precision`` "fp32" / "fp32_compensated" and a 16-bit compute dtype) written in fp32 by
+    :class:`WideLogitsGemm`, as the main head's (the bias then added in fp32). Never the main head's 16-bit
+    relative logits or tile statistics: the loss reads every logit of this head."""
+
+    def __init__(
+        self, head: AuxiliaryHead, *, logits_precision: str, triton_logits_gemm: bool, vocab: int
+    ) -> None:
+        self.name = head.name
+        self.input = head.input.reshape(-1, head.input.shape[-1])
+        self.compute_dtype = head.compute_dtype
+        self.weight = head.weight.to(head.compute_dtype)
+        wide = logits_precision in WIDE_LOGITS_PRECISIONS and head.compute_dtype in LOW_PRECISION
+        self.bias = (
+            head.bias.to(torch.float32 if wide else head.compute_dtype) if head.bias is not None else None
+        )
+        self.gemm = (
+            WideLogitsGemm(
+                self.weight, compensated=logits_precision == "fp32_compensated", triton=triton_logits_gemm
+            )
+            if wide
+            else None
+        )
+        self.logits_dtype = torch.float32 if wide else head.compute_dtype
+        self.vocab = vocab
+        self.buffer: Optional[Tensor] = None
+
+    def __call__(self, rows, n_rows: int) -> Tensor:
+        """The [n_rows, V] logits of the chunk's ``rows`` (a slice or an index tensor), valid until the next call."""
+        x_c = self.input[rows] if isinstance(rows, slice) else self.input.index_select(0, rows)
+        x_c = x_c.to(self.compute_dtype)
+        if self.buffer is None:  # the first chunk is the largest
+            self.buffer = torch.empty(n_rows, self.vocab, dtype=self.logits_dtype, device=x_c.device)
+        logits = self.buffer[:n_rows]
+        if self.gemm is not None:
+            self.gemm(x_c, self.bias, out=logits)
+        elif self.bias is not None:
+            torch.addmm(self.bias, x_c, self.weight.t(), out=logits)
+        else:
+            torch.mm(x_c, self.weight.t(), out=logits)
+        return logits
 
 
 def _scaled_mm(a: Tensor, b: Tensor, alpha: float, out: Optional[Tensor] = None) -> Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from lightning_flce.kernels import cross_entropy_shard_torch as _shard_kernels
 from lightning_flce.kernels import cross_entropy_torch as _chunk_kernel
+from lightning_flce.kernels import distill_torch as _distill_kernel
 from lightning_flce.kernels import logprobs_torch as _logprob_kernels
 
 
@@ -35,3 +36,8 @@ def logprob_row_stats(logits, target, **kwargs):
 def logprob_grad(logits, target, **kwargs):
     """See :func:`lightning_flce.kernels.logprobs_torch.logprob_grad_torch`."""
     _logprob_kernels.logprob_grad_torch(logits, target, **kwargs)
+
+
+def distill_chunk(student_logits, teacher_logits, target, **kwargs):
+    """See :func:`lightning_flce.kernels.distill_torch.distill_chunk`."""
+    return _distill_kernel.distill_chunk(student_logits, teacher_logits, target, **kwargs)

@@ -1,9 +1,12 @@
-"""The ``triton`` backend: the Triton chunk kernel and the vocab-parallel shard kernels.
+"""The ``triton`` backend: the Triton chunk kernel, the vocab-parallel shard kernels, the log-probability kernels
+and the distillation kernel.
 
 The kernels are looked up in their modules at each call, so a test can replace one there.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from lightning_flce.kernels import cross_entropy as _chunk_kernel
 from lightning_flce.kernels import cross_entropy_shard as _shard_kernels
@@ -35,3 +38,17 @@ def logprob_row_stats(logits, target, **kwargs):
 def logprob_grad(logits, target, **kwargs):
     """See :func:`lightning_flce.kernels.logprobs.logprob_grad_triton`."""
     _logprob_kernels.logprob_grad_triton(logits, target, **kwargs)
+
+
+def distill_chunk(student_logits, teacher_logits, target, **kwargs):
+    """See :func:`lightning_flce.kernels.distill.distill_chunk` (the contract of
+    :func:`lightning_flce.kernels.distill_torch.distill_chunk`). Its module is imported on first use."""
+    try:
+        kernel = importlib.import_module("lightning_flce.kernels.distill")
+    except ModuleNotFoundError as error:
+        if error.name != "lightning_flce.kernels.distill":
+            raise
+        raise NotImplementedError(
+            "the Triton distillation kernel (lightning_flce.kernels.distill) is not in this build; use impl='torch'"
+        ) from None
+    return kernel.distill_chunk(student_logits, teacher_logits, target, **kwargs)

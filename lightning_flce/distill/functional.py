@@ -1,0 +1,359 @@
+"""Logit distillation on the fused heads: :func:`fused_linear_distillation` and its module
+:class:`FusedLinearDistillationLoss`.
+
+The teacher's and the student's distributions over the vocabulary exist one chunk of tokens at a time (both heads'
+logits GEMMs into reused buffers, :mod:`lightning_flce.distill.op`); the student's gradients come out of the
+forward pass ("mean"/"sum"); the teacher gets none.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lightning_flce.distill.op import flce_distill, flce_distill_per_token
+from lightning_flce.functional import checked_call
+from lightning_flce.kernels import LOW_PRECISION, softmax_dtype
+from lightning_flce.losses.distillation import DIVERGENCES, Divergence
+from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision, Reduction
+from lightning_flce.rl.logprobs import inverse_temperature
+from lightning_flce.validation import check_inputs, class_indices
+
+__all__ = ["Divergence", "FusedLinearDistillationLoss", "fused_linear_distillation"]
+
+
+def fused_linear_distillation(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    student_bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    divergence: Divergence = "jsd",
+    beta: float = 0.5,
+    temperature: Union[float, Tensor] = 1.0,
+    hard_weight: float = 0.0,
+    top_k: Optional[int] = None,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    token_weight: Optional[Tensor] = None,
+    student_softcap: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logits_precision: LogitsPrecision = "input",
+    chunk_size: Optional[int] = None,
+    impl: ImplName = "auto",
+) -> Tensor:
+    """The divergence between a frozen teacher's and the student's distributions over the vocabulary (plus an
+    optional hard-label cross-entropy), computed in chunks of tokens: neither head's [N, V] logits exist.
+
+    Each side's logits ``z = softcap(logit_scale * (input @ weight.T + bias)) / temperature``; ``p = softmax(z_s)``
+    (the student), ``q = softmax(z_t)`` (the teacher), in fp32 (fp64 for fp64 inputs). Per token
+    ``(1 - hard_weight) * D + hard_weight * CE`` times ``token_weight``, where ``D`` is
+
+    - ``"forward_kl"``: ``KL(q || p)``;
+    - ``"reverse_kl"``: ``KL(p || q)``;
+    - ``"jsd"``: ``beta KL(q || M) + (1 - beta) KL(p || M)``, ``M = beta q + (1 - beta) p`` (the generalized JSD of
+      TRL's ``GKDTrainer`` and Liger's fused JSD; ``beta=0`` is ``"forward_kl"``, ``beta=1`` ``"reverse_kl"``);
+
+    and ``CE`` the student's cross-entropy on ``target`` without the temperature (with its softcap and logit
+    scale). No ``T**2`` factor is applied: multiply the loss by ``temperature**2`` for Hinton's scaling.
+
+    Args:
+        student_input: [..., H_s] the student's hidden states.
+        student_weight: [V, H_s] the student's head weight.
+        teacher_input: [..., H_t] the teacher's hidden states, with the student's leading shape (no gradient: run
+            the teacher under ``torch.no_grad()``, or pass ``.detach()``).
+        teacher_weight: [V, H_t] the teacher's head weight, with the student's vocabulary V (no gradient: freeze
+            it with ``requires_grad_(False)`` or pass ``.detach()``).
+        target: [...] token ids (the leading shape): tokens whose target is ``ignore_index`` carry no loss, and
+            ``hard_weight`` needs it. None: every token carries a loss.
+        student_bias, teacher_bias: optional [V] head biases (the teacher's gets no gradient).
+        divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
+        beta: JSD's teacher weight in [0, 1] (only ``"jsd"`` reads it).
+        temperature: a positive float, or a positive tensor in the leading shape (one per token); divides both
+            sides' logits before their softmaxes (not the cross-entropy's).
+        hard_weight: the cross-entropy's weight in [0, 1] (> 0 needs ``target``).
+        top_k: the divergence over the teacher's ``top_k`` largest logits of each token, both distributions
+            renormalized over them (in [1, V]; None: the whole vocabulary). The cross-entropy stays over V.
+        ignore_index: targets equal to it carry no loss and no gradient.
+        reduction: ``"mean"`` (over the tokens that carry a loss; ``token_weight`` does not change the count),
+            ``"sum"``, or ``"none"`` (per token in the leading shape, 0 where ignored).
+        token_weight: optional float weights in the leading shape multiplying each token's loss (no gradient).
+        student_softcap, teacher_softcap: if set, that side's logits become ``c tanh(logits / c)`` (after the
+            logit scale, before the temperature).
+        student_logit_scale, teacher_logit_scale: positive factors of each side's logits (before the softcap).
+        logits_precision: both heads' logits GEMMs, as :func:`~lightning_flce.fused_linear_cross_entropy`'s
+            (``"input"``, ``"fp32"``, ``"fp32_head"``, ``"fp32_compensated"``).
+        chunk_size: tokens per chunk (None: from a memory budget that counts both heads' chunk buffers).
+        impl: ``"triton"``, ``"torch"`` or ``"auto"`` (the top-k divergence runs in PyTorch on either).
+
+    Returns:
+        The loss in fp32 (fp64 for fp64 student inputs): 0-d, or per token for ``reduction="none"``.
+
+    Under ``torch.autocast`` both heads' GEMMs run in the autocast dtype (as ``nn.Linear``'s; fp64 tensors are left
+    alone), and the student's fp32 parameters get fp32 gradients. Outside autocast each head runs in its own
+    inputs' dtype (a bf16 teacher beside an fp32 student is fine). "mean"/"sum" compute the student's gradients in
+    forward (backward scales them once); "none" recomputes the chunks in backward (about twice the GEMMs).
+    """
+    _check_options(divergence, beta, hard_weight, target, top_k, student_weight)
+    if divergence == "jsd" and beta == 0.0:  # the limits of the generalized JSD, as TRL and Liger map them
+        divergence = "forward_kl"
+    elif divergence == "jsd" and beta == 1.0:
+        divergence = "reverse_kl"
+    scales = {}
+    for name, value in (
+        ("student_logit_scale", student_logit_scale),
+        ("teacher_logit_scale", teacher_logit_scale),
+    ):
+        scales[name] = _positive_float(name, value)
+    softcaps = {}
+    for name, value in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        softcaps[name] = 0.0 if value is None else _positive_float(name, value)
+    _check_teacher(student_input, student_weight, teacher_input, teacher_weight, teacher_bias)
+
+    given_target = target is not None
+    if target is None:
+        target = torch.zeros(student_input.shape[:-1], dtype=torch.int64, device=student_input.device)
+        ignore_index = -1  # no token is ignored
+    options = FLCEOptions.of(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        token_weight=token_weight,
+        logits_precision=logits_precision,
+        chunk_size=chunk_size,
+        impl=impl,
+    )
+    teacher_dtype = _teacher_compute_dtype(
+        teacher_input, teacher_weight, target, teacher_bias, logits_precision
+    )
+    options, compute_dtype, backend = checked_call(
+        student_input, student_weight, target, student_bias, options
+    )
+    dtype = softmax_dtype(compute_dtype)
+    target = class_indices(target)
+    inv_temperature = inverse_temperature(temperature, target, dtype)
+
+    if reduction == "mean" and given_target:  # 1 / the tokens that carry a loss, on the device (no sync)
+        counted = (target != ignore_index).sum().to(dtype)
+        token_scale = (1.0 / counted.clamp(min=1.0)).reshape(1)
+    elif reduction == "mean":
+        token_scale = torch.full((1,), 1.0 / max(target.numel(), 1), dtype=dtype, device=target.device)
+    else:
+        token_scale = torch.ones(1, dtype=dtype, device=target.device)
+    if token_weight is not None:
+        token_scale = token_scale * token_weight.detach().reshape(-1).to(dtype)
+
+    grad_enabled = torch.is_grad_enabled()
+    args = (
+        student_input,
+        student_weight,
+        student_bias,
+        teacher_input,
+        teacher_weight,
+        teacher_bias,
+        target,
+        token_scale,
+        inv_temperature,
+        divergence,
+        float(beta),
+        float(hard_weight),
+        top_k or 0,
+        ignore_index,
+        softcaps["student_softcap"],
+        softcaps["teacher_softcap"],
+        scales["student_logit_scale"],
+        scales["teacher_logit_scale"],
+        options.logits_precision,
+        compute_dtype,
+        teacher_dtype,
+        options.chunk_size or 0,
+        backend.name,
+        grad_enabled and student_input.requires_grad,
+        grad_enabled and student_weight.requires_grad,
+        grad_enabled and student_bias is not None and student_bias.requires_grad,
+    )
+    if reduction == "none":
+        return flce_distill_per_token(*args)[0].view(target.shape)
+    return flce_distill(*args)[0]
+
+
+def _positive_float(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
+    return float(value)
+
+
+def _check_options(
+    divergence: str,
+    beta: float,
+    hard_weight: float,
+    target: Optional[Tensor],
+    top_k: Optional[int],
+    student_weight: Tensor,
+) -> None:
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    for name, value in (("beta", beta), ("hard_weight", hard_weight)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1], got {value!r}")
+    if hard_weight > 0 and target is None:
+        raise ValueError(f"hard_weight={hard_weight} mixes in the cross-entropy on target: pass target")
+    if top_k is not None:
+        vocab = student_weight.shape[0] if student_weight.dim() == 2 else None
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (vocab and top_k > vocab):
+            raise ValueError(f"top_k must be None or an int in [1, V={vocab}], got {top_k!r}")
+
+
+def _check_teacher(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    teacher_bias: Optional[Tensor],
+) -> None:
+    """The teacher's shapes and devices against the student's, and no gradient to it."""
+    if torch.is_grad_enabled():
+        for name, tensor in (
+            ("teacher_input", teacher_input),
+            ("teacher_weight", teacher_weight),
+            ("teacher_bias", teacher_bias),
+        ):
+            if tensor is not None and tensor.requires_grad:
+                raise ValueError(
+                    f"{name} requires grad, but the teacher gets no gradient from the distillation loss: run the"
+                    " teacher under torch.no_grad() (and freeze its head with requires_grad_(False)), or pass"
+                    f" {name}.detach()"
+                )
+    if teacher_weight.dim() != 2 or student_weight.dim() != 2:
+        raise ValueError(
+            f"expected head weights [V, H], got student {tuple(student_weight.shape)} and teacher"
+            f" {tuple(teacher_weight.shape)}"
+        )
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(
+            f"vocabulary mismatch: the student's head has V={student_weight.shape[0]}, the teacher's"
+            f" V={teacher_weight.shape[0]} (distillation needs the same vocabulary on both sides)"
+        )
+    if teacher_input.dim() < 1 or teacher_input.shape[:-1] != student_input.shape[:-1]:
+        raise ValueError(
+            f"teacher_input's leading shape {tuple(teacher_input.shape[:-1])} does not match student_input's"
+            f" {tuple(student_input.shape[:-1])} (one teacher hidden state per student token)"
+        )
+    if teacher_input.shape[-1] != teacher_weight.shape[1]:
+        raise ValueError(
+            f"hidden size mismatch: teacher_input has H={teacher_input.shape[-1]}, teacher_weight is"
+            f" {tuple(teacher_weight.shape)}"
+        )
+    for name, tensor in (
+        ("teacher_input", teacher_input),
+        ("teacher_weight", teacher_weight),
+        ("teacher_bias", teacher_bias),
+    ):
+        if tensor is not None and tensor.device != student_input.device:
+            raise ValueError(f"{name} is on {tensor.device} but student_input is on {student_input.device}")
+
+
+def _teacher_compute_dtype(
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    target: Tensor,
+    teacher_bias: Optional[Tensor],
+    logits_precision: str,
+) -> torch.dtype:
+    """The teacher GEMM's dtype: the autocast dtype under autocast, else its inputs' (checked as the student's);
+    fp32 for ``logits_precision="fp32_head"`` with 16-bit operands."""
+    try:
+        dtype = check_inputs(teacher_input, teacher_weight, target, teacher_bias, FLCEOptions())
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"teacher head: {error}") from None
+    if logits_precision == "fp32_head" and dtype in LOW_PRECISION:
+        return torch.float32
+    return dtype
+
+
+class FusedLinearDistillationLoss(torch.nn.Module):
+    """:func:`fused_linear_distillation` as a module: the loss's options (``divergence``, ``beta``, ``temperature``,
+    ``hard_weight``, ``top_k``, each side's softcap and logit scale, ``logits_precision``, ...) set once;
+    ``forward(student_input, student_weight, teacher_input, teacher_weight, target=None, *, student_bias=None,
+    teacher_bias=None, token_weight=None)`` returns the loss."""
+
+    #: the arguments of :func:`fused_linear_distillation` given per call (``forward``), not to the constructor
+    PER_CALL = ("student_bias", "teacher_bias", "token_weight")
+
+    def __init__(
+        self,
+        *,
+        divergence: Divergence = "jsd",
+        beta: float = 0.5,
+        temperature: Union[float, Tensor] = 1.0,
+        hard_weight: float = 0.0,
+        top_k: Optional[int] = None,
+        ignore_index: int = -100,
+        reduction: Reduction = "mean",
+        student_softcap: Optional[float] = None,
+        teacher_softcap: Optional[float] = None,
+        student_logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        logits_precision: LogitsPrecision = "input",
+        chunk_size: Optional[int] = None,
+        impl: ImplName = "auto",
+    ) -> None:
+        # the function's keyword options less PER_CALL, under the same names and defaults
+        # (tests/test_distill.py checks the two signatures agree)
+        super().__init__()
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+        self.options: Dict[str, Any] = dict(
+            divergence=divergence,
+            beta=beta,
+            temperature=temperature,
+            hard_weight=hard_weight,
+            top_k=top_k,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            student_softcap=student_softcap,
+            teacher_softcap=teacher_softcap,
+            student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale,
+            logits_precision=logits_precision,
+            chunk_size=chunk_size,
+            impl=impl,
+        )
+
+    def forward(
+        self,
+        student_input: Tensor,
+        student_weight: Tensor,
+        teacher_input: Tensor,
+        teacher_weight: Tensor,
+        target: Optional[Tensor] = None,
+        *,
+        student_bias: Optional[Tensor] = None,
+        teacher_bias: Optional[Tensor] = None,
+        token_weight: Optional[Tensor] = None,
+    ) -> Tensor:
+        return fused_linear_distillation(
+            student_input,
+            student_weight,
+            teacher_input,
+            teacher_weight,
+            target,
+            student_bias=student_bias,
+            teacher_bias=teacher_bias,
+            token_weight=token_weight,
+            **self.options,
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{name}={value!r}" for name, value in self.options.items())

@@ -1,0 +1,358 @@
+"""The distillation ops: :class:`~lightning_flce.losses.distillation.DistillationChunkLoss` on the chunk engine (the
+teacher its auxiliary head), registered as ``torch.library`` custom ops (one opaque node under ``torch.compile``).
+
+- ``lightning_flce::flce_distill`` ("mean"/"sum"): the 0-d loss, with the student's gradients computed in forward
+  (as the cross-entropy's and :mod:`lightning_flce.rl.policy_op`'s); backward only multiplies them by grad_output
+  (:func:`lightning_flce.engine.finish_saved_grads`).
+- ``lightning_flce::flce_distill_per_token`` ("none"): each token's loss without gradients; its backward
+  (``lightning_flce::flce_distill_backward``) recomputes the chunks with the per-token grad_output folded into the
+  token scale, as :mod:`lightning_flce.rl.logprobs_op` does.
+
+Both also return each token's divergence and cross-entropy (no gradient). Targets and a per-token temperature
+are validated with one host sync per call (the fp16 bounds read in it), before any kernel runs. The teacher gets
+no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from lightning_flce.chunk_loss import AuxiliaryHead
+from lightning_flce.engine import (
+    check_targets,
+    chunk_rows,
+    finish_saved_grads,
+    fp16_bound_stats,
+    inverse_scales,
+    run_chunks,
+    saved_grad_input_dtype,
+    saved_grad_weight_dtype,
+    valid_rows,
+)
+from lightning_flce.kernels import BACKENDS, softmax_dtype
+from lightning_flce.losses.distillation import TEACHER_LOGITS, DistillationChunkLoss
+from lightning_flce.rl.logprobs_op import bad_temperatures, gemm_flops, register_flops, temperature_error
+
+_ARGS = (
+    "Tensor x, Tensor weight, Tensor? bias, Tensor teacher_x, Tensor teacher_weight, Tensor? teacher_bias,"
+    " Tensor target, Tensor token_scale, Tensor inv_temperature, str divergence, float beta, float hard_weight,"
+    " int top_k, int ignore_index, float student_softcap, float teacher_softcap, float student_logit_scale,"
+    " float teacher_logit_scale, str logits_precision, ScalarType compute_dtype, ScalarType teacher_compute_dtype,"
+    " int chunk_size, str backend, bool need_grad_input, bool need_grad_weight, bool need_grad_bias"
+)
+_NAMES = [part.split()[-1] for part in _ARGS.split(",")]
+_N_TENSORS = 9  # x ... inv_temperature: saved for the recompute of "none"'s backward
+
+
+def _n_rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _needs(a) -> Tuple[bool, bool, bool]:
+    return a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"]
+
+
+def _saved_dtypes(a) -> Tuple[torch.dtype, torch.dtype]:
+    large = BACKENDS[a["backend"]].large_chunks
+    weight_dtype = saved_grad_weight_dtype(
+        a["x"], a["weight"], a["compute_dtype"], None, a["chunk_size"], large
+    )
+    return saved_grad_input_dtype(a["x"], a["compute_dtype"], weight_dtype), weight_dtype
+
+
+def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
+    """Validate targets and temperatures (one host sync), drop ignored rows, run the chunks. Returns the
+    per-token (loss, divergence, ce) and (dX, dW, d bias, :class:`~lightning_flce.engine.GradScales`); with
+    ``keep_scaled`` the saved gradients' dtypes of "mean"/"sum" (dW in its accumulator's dtype, fp16 ones scaled),
+    else the inputs' dtypes."""
+    x, weight, compute_dtype = a["x"], a["weight"], a["compute_dtype"]
+    vocab, hidden = weight.shape
+    target = a["target"].reshape(-1)
+    valid = target != a["ignore_index"]
+    needs = _needs(a)
+    dtype = softmax_dtype(compute_dtype)
+    inv_t = a["inv_temperature"].to(dtype)
+    backend = BACKENDS[a["backend"]]
+    loss = DistillationChunkLoss(
+        backend.kernels(),
+        teacher=AuxiliaryHead(
+            TEACHER_LOGITS, a["teacher_x"], a["teacher_weight"], a["teacher_bias"], a["teacher_compute_dtype"]
+        ),
+        divergence=a["divergence"],
+        beta=a["beta"],
+        hard_weight=a["hard_weight"],
+        top_k=a["top_k"] or None,
+        student_softcap=a["student_softcap"] / a["student_logit_scale"],
+        teacher_softcap=a["teacher_softcap"] / a["teacher_logit_scale"],
+        vocab=vocab,
+        token_scale=a["token_scale"].to(dtype),
+        student_inv_temperature=inv_t * a["student_logit_scale"],
+        teacher_inv_temperature=inv_t * a["teacher_logit_scale"],
+        ce_inv_temperature=torch.full((1,), a["student_logit_scale"], dtype=dtype, device=x.device),
+    )
+    extra = [bad_temperatures(inv_t, valid).sum()]
+    if any(needs) and compute_dtype == torch.float16:
+        extra += fp16_bound_stats(
+            x.reshape(-1, hidden), loss, keep_scaled=keep_scaled, weight_dtype=weight.dtype
+        )
+    n_valid, (n_bad_temperature, *fp16_bounds) = check_targets(target, valid, vocab, a["ignore_index"], extra)
+    if n_bad_temperature:
+        raise temperature_error(inv_t, valid)
+    rows = chunk_rows(
+        a["chunk_size"],
+        _n_rows(x),
+        n_valid,
+        vocab,
+        hidden,
+        compute_dtype,
+        backend.large_chunks,
+        loss.workspace_copies,
+        auxiliary_dtype=a["teacher_compute_dtype"],
+    )
+    grad_input_dtype, grad_weight_dtype = _saved_dtypes(a) if keep_scaled else (x.dtype, None)
+    return run_chunks(
+        x,
+        weight,
+        target,
+        a["bias"],
+        loss,
+        rows=valid_rows(valid, n_valid),
+        n_valid=n_valid,
+        chunk_size=rows,
+        compute_dtype=compute_dtype,
+        logits_precision=a["logits_precision"],
+        triton_logits_gemm=a["backend"] == "triton",
+        need_grad_input=needs[0],
+        need_grad_weight=needs[1],
+        need_grad_bias=needs[2],
+        accum_dtype=None,
+        grad_input_dtype=grad_input_dtype,
+        keep_scaled=keep_scaled,
+        fp16_bounds=fp16_bounds if fp16_bounds else None,
+        grad_weight_dtype=grad_weight_dtype,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# "mean" / "sum": the gradients computed in forward
+# ----------------------------------------------------------------------------------------------
+
+
+def _forward(*values) -> Tuple[Tensor, ...]:
+    """(loss 0-d, divergence [N], ce [N] or empty, dX, dW, d bias, inverse_scales); unused ones empty."""
+    a = dict(zip(_NAMES, values))
+    x = a["x"]
+    with torch.autocast(x.device.type, enabled=False):
+        per_token_loss, divergence, ce, gx, gw, gb, scales = _run(a, keep_scaled=True)
+    needs = _needs(a)
+    inverse = (
+        inverse_scales(scales, a["compute_dtype"], x.device)
+        if any(needs)
+        else x.new_empty(0, dtype=torch.float32)
+    )
+    if gx is not None:
+        gx = gx.view(x.shape)
+    grads = [g if g is not None else x.new_empty(0) for g in (gx, gw, gb)]
+    return (per_token_loss.sum(), divergence, ce, *grads, inverse)
+
+
+def _forward_fake(*values) -> Tuple[Tensor, ...]:
+    a = dict(zip(_NAMES, values))
+    x, weight, bias = a["x"], a["weight"], a["bias"]
+    dtype = softmax_dtype(a["compute_dtype"])
+    n_rows = _n_rows(x)
+    needs = _needs(a)
+    grad_input_dtype, grad_weight_dtype = _saved_dtypes(a)
+    scaled = a["compute_dtype"] == torch.float16 and any(needs)
+    return (
+        x.new_empty((), dtype=dtype),
+        x.new_empty(n_rows, dtype=dtype),
+        x.new_empty(n_rows if a["hard_weight"] != 0.0 else 0, dtype=dtype),
+        x.new_empty(x.shape, dtype=grad_input_dtype) if needs[0] else x.new_empty(0),
+        weight.new_empty(weight.shape, dtype=grad_weight_dtype) if needs[1] else x.new_empty(0),
+        bias.new_empty(bias.shape) if needs[2] else x.new_empty(0),
+        x.new_empty(3 if scaled else 0, dtype=torch.float32),
+    )
+
+
+flce_distill = torch.library.custom_op(
+    "lightning_flce::flce_distill",
+    _forward,
+    mutates_args=(),
+    schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+flce_distill.register_fake(_forward_fake)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a = dict(zip(_NAMES, inputs))
+    ctx.needs = _needs(a)
+    ctx.final_dtypes = (a["x"].dtype, a["weight"].dtype, None if a["bias"] is None else a["bias"].dtype)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*output[3:])
+
+
+def _backward(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
+    grads = dict.fromkeys(_NAMES)
+    if grad_loss is not None:
+        _check_single_backward(ctx)
+        *saved, inverse = ctx.saved_tensors
+        gx, gw, gb = finish_saved_grads(saved, ctx.final_dtypes, grad_loss, inverse)
+        grads["x"] = gx if ctx.needs[0] else None
+        grads["weight"] = gw if ctx.needs[1] else None
+        grads["bias"] = gb if ctx.needs[2] else None
+    return tuple(grads.values())
+
+
+def _check_single_backward(ctx) -> None:
+    """The gradients computed in forward are scaled in place and handed out once, and carry no graph."""
+    if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
+        raise RuntimeError(
+            "fused_linear_distillation does not support double backward (create_graph=True): with reduction"
+            " 'mean'/'sum' its gradients are computed in forward, without a graph"
+        )
+    if getattr(ctx, "grads_handed_out", False):
+        raise RuntimeError(
+            "backward ran twice through the same fused_linear_distillation call: with reduction 'mean'/'sum' it"
+            " computes the gradients in forward and hands them out once (scaled in place). Use reduction='none'"
+            " (it recomputes in backward; take .sum()/.mean() of its output) for retain_graph or repeated"
+            " autograd.grad, or call the loss again"
+        )
+    ctx.grads_handed_out = True
+
+
+flce_distill.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# "none": per-token losses; backward recomputes the chunks with grad_output as the token scale
+# ----------------------------------------------------------------------------------------------
+
+
+def _no_grads(values) -> dict:
+    a = dict(zip(_NAMES, values))
+    a.update(need_grad_input=False, need_grad_weight=False, need_grad_bias=False)
+    return a
+
+
+def _forward_per_token(*values) -> Tuple[Tensor, Tensor, Tensor]:
+    """(loss [N], divergence [N], ce [N] or empty), without gradients."""
+    a = _no_grads(values)
+    with torch.autocast(a["x"].device.type, enabled=False):
+        per_token_loss, divergence, ce, *_ = _run(a, keep_scaled=False)
+    return per_token_loss, divergence, ce
+
+
+def _forward_per_token_fake(*values) -> Tuple[Tensor, Tensor, Tensor]:
+    a = dict(zip(_NAMES, values))
+    x = a["x"]
+    dtype = softmax_dtype(a["compute_dtype"])
+    n_rows = _n_rows(x)
+    return (
+        x.new_empty(n_rows, dtype=dtype),
+        x.new_empty(n_rows, dtype=dtype),
+        x.new_empty(n_rows if a["hard_weight"] != 0.0 else 0, dtype=dtype),
+    )
+
+
+def _backward_recompute(grad_loss, *values) -> Tuple[Tensor, Tensor, Tensor]:
+    """dX, dW, d bias (empty where not needed) for the per-token ``grad_loss``: the chunks recomputed with
+    ``grad_loss * token_scale`` as the token scale."""
+    a = dict(zip(_NAMES, values))
+    x = a["x"]
+    dtype = softmax_dtype(a["compute_dtype"])
+    a["token_scale"] = grad_loss.reshape(-1).to(dtype) * a["token_scale"].to(dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        *_, gx, gw, gb, _ = _run(a, keep_scaled=False)
+    if gx is not None:
+        gx = gx.view(x.shape)
+    return tuple(g if g is not None else x.new_empty(0) for g in (gx, gw, gb))
+
+
+def _backward_recompute_fake(grad_loss, *values) -> Tuple[Tensor, Tensor, Tensor]:
+    a = dict(zip(_NAMES, values))
+    x, weight, bias = a["x"], a["weight"], a["bias"]
+    needs = _needs(a)
+    return (
+        x.new_empty(x.shape) if needs[0] else x.new_empty(0),
+        weight.new_empty(weight.shape) if needs[1] else x.new_empty(0),
+        bias.new_empty(bias.shape) if needs[2] else x.new_empty(0),
+    )
+
+
+flce_distill_per_token = torch.library.custom_op(
+    "lightning_flce::flce_distill_per_token",
+    _forward_per_token,
+    mutates_args=(),
+    schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor)",
+)
+flce_distill_per_token.register_fake(_forward_per_token_fake)
+flce_distill_backward = torch.library.custom_op(
+    "lightning_flce::flce_distill_backward",
+    _backward_recompute,
+    mutates_args=(),
+    schema=f"(Tensor grad_loss, {_ARGS}) -> (Tensor, Tensor, Tensor)",
+)
+flce_distill_backward.register_fake(_backward_recompute_fake)
+
+
+def _setup_context_per_token(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(*inputs[:_N_TENSORS])
+    ctx.options = inputs[_N_TENSORS:]
+
+
+def _backward_per_token(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
+    grads = dict.fromkeys(_NAMES)
+    if grad_loss is None:
+        return tuple(grads.values())
+    inputs = (*ctx.saved_tensors, *ctx.options)
+    gx, gw, gb = flce_distill_backward(grad_loss, *inputs)
+    a = dict(zip(_NAMES, inputs))
+    grads["x"] = gx if a["need_grad_input"] else None
+    grads["weight"] = gw if a["need_grad_weight"] else None
+    grads["bias"] = gb if a["need_grad_bias"] else None
+    return tuple(grads.values())
+
+
+flce_distill_per_token.register_autograd(_backward_per_token, setup_context=_setup_context_per_token)
+
+
+def _refuse_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "fused_linear_distillation does not support double backward (create_graph=True): its backward recomputes"
+        " the chunks without a graph"
+    )
+
+
+flce_distill_backward.register_autograd(
+    _refuse_double_backward, setup_context=lambda ctx, inputs, output: None
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# FLOP counts (model FLOPs: the recompute in "none"'s backward is not counted)
+# ----------------------------------------------------------------------------------------------
+
+_NEED_GRAD_INPUT = _NAMES.index("need_grad_input")
+
+
+def _logits_flops(args) -> int:
+    """2 N V (H_s + H_t): the two logits GEMMs."""
+    return gemm_flops(args[0], args[1]) + gemm_flops(args[3], args[4])
+
+
+def _grad_flops(args) -> int:
+    """2 N V H_s for each of dX and dW."""
+    need_grad_input, need_grad_weight = args[_NEED_GRAD_INPUT], args[_NEED_GRAD_INPUT + 1]
+    return gemm_flops(args[0], args[1]) * (int(need_grad_input) + int(need_grad_weight))
+
+
+register_flops(torch.ops.lightning_flce.flce_distill, lambda *args: _logits_flops(args) + _grad_flops(args))
+register_flops(torch.ops.lightning_flce.flce_distill_per_token, lambda *args: _logits_flops(args))
+register_flops(torch.ops.lightning_flce.flce_distill_backward, lambda grad_loss, *args: _grad_flops(args))
