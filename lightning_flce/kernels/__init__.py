@@ -24,6 +24,11 @@ A backend is one module with those six functions and one :class:`Backend` entry 
   :mod:`~lightning_flce.kernels.logprobs_torch`, :mod:`~lightning_flce.kernels.distill_torch`),
   for the CPU, devices without Triton, and fp64.
 
+Every implementation transforms the logits (``softcap(r) / T``) and takes that transform's derivative through one
+pair per language: :mod:`~lightning_flce.kernels.triton_math` (``load_transformed`` / ``transform_logits``,
+``transform_backward``) and :mod:`~lightning_flce.kernels.transform_torch` (``transformed_logits``,
+``transform_backward``).
+
 The softmax runs in :func:`softmax_dtype` of the logits: fp32, or fp64 for fp64 logits. The Triton kernels
 compute in fp32 only, so fp64 logits go to the PyTorch twins (:func:`backend_for`).
 """
