@@ -35,3 +35,10 @@ def logprob_row_stats(logits, target, **kwargs):
 def logprob_grad(logits, target, **kwargs):
     """See :func:`lightning_flce.kernels.logprobs.logprob_grad_triton`."""
     _logprob_kernels.logprob_grad_triton(logits, target, **kwargs)
+
+
+def distill_chunk(student_logits, teacher_logits, target, **kwargs):
+    """See :func:`lightning_flce.kernels.distill.distill_chunk`."""
+    from lightning_flce.kernels import distill
+
+    return distill.distill_chunk(student_logits, teacher_logits, target, **kwargs)
