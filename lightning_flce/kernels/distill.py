@@ -193,11 +193,12 @@ def _distill_kernel(
             divergence_coef = divergence_coef * (1.0 - beta)
         elif DIVERGENCE == 2:
             reverse_shift = lse_t - lse_s - divergence  # log p - log q - KL = z_s - z_t + this
-        # The 16-bit gradient in the fp32 rows must go last block first (its values land at or past the block
-        # being read); so does pass 2's successor, for L2. After pass 1 alone, first block first: no order
-        # reads the other pass's last blocks, and it is the order the hardware prefetches best.
+        # Against the previous pass's direction, so that the blocks it read last (the likeliest still in L2)
+        # come first: last block first after pass 1, first block first after JSD's pass 2, except that the
+        # 16-bit gradient in the fp32 rows always goes last block first (its values land at or past the
+        # block being read).
         for done in range(0, V, BLOCK_V):
-            start = LAST_BLOCK_START - done if GRAD_IN_ROW or DIVERGENCE == 3 else done
+            start = LAST_BLOCK_START - done if GRAD_IN_ROW or DIVERGENCE != 3 else done
             cols = start + offsets
             mask = cols < V
             capped_s = load_logits(student_row, cols, mask, student_softcap, STUDENT_SOFTCAP)
