@@ -292,6 +292,18 @@ def test_strided_rows_and_separate_grad_out():
     _check(got, reference_distill(student, teacher, target, **options), wide_grad[:, 7:])
 
 
+@pytest.mark.parametrize("own_ce", [False, True], ids=["ce-same-t", "ce-own-t"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_hard_weight_one(divergence, own_ce):
+    """hard_weight 1: the divergence rows still reported, the loss and the gradient the CE's alone."""
+    student, teacher, target, per_row_inputs = _problem(18, masked="both", per_row=True, own_ce=own_ce)
+    options = {**_options(divergence, 1.0), **per_row_inputs}
+    want = reference_distill(student, teacher, target, **options)
+    assert want[1].abs().min() > 1e-3  # a divergence that the loss visibly leaves out
+    grad = student.clone()
+    _check(_run(grad, teacher, target, **options), want, grad)
+
+
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd", None])
 def test_without_gradient(divergence):
     """compute_grad=False: the same rows, the logits untouched; target None without the CE."""
