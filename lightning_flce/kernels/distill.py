@@ -130,15 +130,19 @@ def _distill_kernel(
         mask = cols < V
         capped_s = load_logits(student_row, cols, mask, student_softcap, STUDENT_SOFTCAP)
         z_s = capped_s * inv_t_s
-        m_s_new, d_s, e_s, rescale_s, _ = online_lse_step(z_s, m_s, d_s, PRECISE)
         if DIVERGENCE != 0:
             z_t = load_logits(teacher_row, cols, mask, teacher_softcap, TEACHER_SOFTCAP) * inv_t_t
-            m_t_new, d_t, e_t, rescale_t, _ = online_lse_step(z_t, m_t, d_t, PRECISE)
-            if DIVERGENCE == 1:
-                kl_sum = kl_sum * rescale_t + tl.sum(tl.where(e_t > 0.0, e_t * (z_t - z_s), 0.0), 0)
-            elif DIVERGENCE == 2:
-                kl_sum = kl_sum * rescale_s + tl.sum(tl.where(e_s > 0.0, e_s * (z_s - z_t), 0.0), 0)
-            m_t = m_t_new
+        # The side whose exps weight the KL's terms steps last, so that they need not stay live (in registers)
+        # across the other side's step.
+        if DIVERGENCE == 2:
+            m_t, d_t, _, _, _ = online_lse_step(z_t, m_t, d_t, PRECISE)
+        m_s_new, d_s, e_s, rescale_s, _ = online_lse_step(z_s, m_s, d_s, PRECISE)
+        if DIVERGENCE == 1 or DIVERGENCE == 3:
+            m_t, d_t, e_t, rescale_t, _ = online_lse_step(z_t, m_t, d_t, PRECISE)
+        if DIVERGENCE == 1:
+            kl_sum = kl_sum * rescale_t + tl.sum(tl.where(e_t > 0.0, e_t * (z_t - z_s), 0.0), 0)
+        elif DIVERGENCE == 2:
+            kl_sum = kl_sum * rescale_s + tl.sum(tl.where(e_s > 0.0, e_s * (z_s - z_t), 0.0), 0)
         if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
             if own_ce_lse:
                 m_c, d_c, _, _, _ = online_lse_step(capped_s * ce_inv_t, m_c, d_c, PRECISE)
