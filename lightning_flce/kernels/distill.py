@@ -130,6 +130,9 @@ def _distill_kernel(
         mask = cols < V
         capped_s = load_logits(student_row, cols, mask, student_softcap, STUDENT_SOFTCAP)
         z_s = capped_s * inv_t_s
+        if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
+            if own_ce_lse:
+                m_c, d_c, _, _, _ = online_lse_step(capped_s * ce_inv_t, m_c, d_c, PRECISE)
         if DIVERGENCE != 0:
             z_t = load_logits(teacher_row, cols, mask, teacher_softcap, TEACHER_SOFTCAP) * inv_t_t
         # The side whose exps weight the KL's terms steps last, so that they need not stay live (in registers)
@@ -143,9 +146,6 @@ def _distill_kernel(
             kl_sum = kl_sum * rescale_t + tl.sum(tl.where(e_t > 0.0, e_t * (z_t - z_s), 0.0), 0)
         elif DIVERGENCE == 2:
             kl_sum = kl_sum * rescale_s + tl.sum(tl.where(e_s > 0.0, e_s * (z_s - z_t), 0.0), 0)
-        if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
-            if own_ce_lse:
-                m_c, d_c, _, _, _ = online_lse_step(capped_s * ce_inv_t, m_c, d_c, PRECISE)
         m_s = m_s_new
     lse_s = m_s + log(d_s, PRECISE)
     if DIVERGENCE != 0:
@@ -221,13 +221,7 @@ def _distill_kernel(
                     grad_z = tl.where((p > 0.0) & m_positive, p * (log_p - log_m + jsd_shift), 0.0)
                 grad = divergence_coef * grad_z
             if HAS_CE:
-                if DIVERGENCE_GRAD:
-                    if own_ce_lse:  # noqa: SIM108  (a runtime branch: one exp less where z_c is z_s)
-                        p_c = exp(capped_s * ce_inv_t - lse_c, PRECISE_GRAD)
-                    else:
-                        p_c = p
-                else:
-                    p_c = exp(capped_s * ce_inv_t - lse_c, PRECISE_GRAD)
+                p_c = exp(capped_s * ce_inv_t - lse_c, PRECISE_GRAD)
                 grad += token_scale * hard_weight * ce_inv_t * tl.where(cols == target, p_c - 1.0, p_c)
             grad = transform_backward(grad, capped_s, mask, student_softcap, 1.0, STUDENT_SOFTCAP)
             if GRAD_IN_ROW:
