@@ -11,10 +11,10 @@ Per row, with each side's transform ``z = inv_t * softcap(r)`` (``softcap(r) = c
     loss        token_scale ((1 - w) divergence + w ce)
     d/dr_s      token_scale ((1 - w) d/dz_s inv_t_s + w d/dz_c ce_inv_t) (1 - (softcap(r_s) / c)^2)
 
-One program per row, up to three passes over it (the contract: ``DISTILL_CONTRACT.md`` of issue 37):
+One program per row (the chunk holds only rows that carry a loss), up to three passes over it:
 
 1. both rows once: the online log-sum-exp of z_s and z_t (and of z_c where its inverse temperature differs
-   from the student's; a runtime branch per row, so a CE on the student's own scale costs nothing), and for
+   from the student's: a runtime branch per row, so a CE on the student's own scale reuses z_s's), and for
    the KLs the sum that gives the divergence without another pass: ``sum exp(z_t - m_t) (z_t - z_s)`` (forward)
    or ``sum exp(z_s - m_s) (z_s - z_t)`` (reverse), rescaled with the running maximum as the LSE's sum is;
 2. "jsd" only: ``log M`` needs both final LSEs, so a second read of both rows sums KL(q || M) and KL(p || M);
@@ -231,10 +231,12 @@ def _distill_kernel(
             tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-def _per_row(values: torch.Tensor, n_rows: int, name: str) -> Tuple[torch.Tensor, int]:
-    """``values`` as fp32 and its row stride (0 shared, 1 per row); raises unless [1] or [C]."""
+def _per_row(values: torch.Tensor, n_rows: int, device: torch.device, name: str) -> Tuple[torch.Tensor, int]:
+    """``values`` as fp32 and its row stride (0 shared, 1 per row); raises unless [1] or [C] on ``device``."""
     if values.dim() != 1 or values.numel() not in (1, n_rows):
         raise ValueError(f"{name} must have shape [1] or [{n_rows}], got {tuple(values.shape)}")
+    if values.device != device:
+        raise ValueError(f"{name} must be on the logits' device {device}, got {values.device}")
     return values.float().contiguous(), int(values.numel() > 1)
 
 
@@ -256,8 +258,8 @@ def distill_chunk(
     grad_out: Optional[torch.Tensor] = None,
     config: Optional[LaunchConfig] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The distillation loss of one [C, V] chunk (the contract of ``kernels/distill_torch.py``'s twin):
-    returns fp32 ``(loss_rows, divergence_rows, ce_rows)`` (``ce_rows`` None when ``hard_weight`` is 0) and,
+    """The distillation loss of one [C, V] chunk (the module's docstring; the PyTorch twin of this contract
+    is ``kernels/distill_torch.py``): returns fp32 ``(loss_rows, divergence_rows, ce_rows)`` (``ce_rows`` None when ``hard_weight`` is 0) and,
     with ``compute_grad``, writes d loss / d student logits over ``student_logits`` or into ``grad_out`` (a
     [C, V] tensor, or :func:`~lightning_flce.kernels.gradient_in_logits_rows` of the fp32 student logits).
     ``target`` is read only when ``hard_weight`` > 0 (and may be None otherwise); ``config`` overrides
@@ -284,16 +286,22 @@ def distill_chunk(
     n_rows, vocab = student_logits.shape
     if has_ce and (target is None or target.shape != (n_rows,)):
         raise ValueError(f"hard_weight > 0 needs a [{n_rows}] target, got {target}")
-    student_inv_t, student_stride = _per_row(student_inv_temperature, n_rows, "student_inv_temperature")
-    teacher_inv_t, teacher_stride = _per_row(teacher_inv_temperature, n_rows, "teacher_inv_temperature")
-    ce_inv_t, ce_stride = _per_row(ce_inv_temperature, n_rows, "ce_inv_temperature")
-    scale, scale_stride = _per_row(token_scale, n_rows, "token_scale")
+    device = student_logits.device
+    if teacher_logits.device != device or (has_ce and target.device != device):
+        raise ValueError(f"the teacher logits and the target must be on the student logits' device {device}")
+    student_inv_t, student_stride = _per_row(
+        student_inv_temperature, n_rows, device, "student_inv_temperature"
+    )
+    teacher_inv_t, teacher_stride = _per_row(
+        teacher_inv_temperature, n_rows, device, "teacher_inv_temperature"
+    )
+    ce_inv_t, ce_stride = _per_row(ce_inv_temperature, n_rows, device, "ce_inv_temperature")
+    scale, scale_stride = _per_row(token_scale, n_rows, device, "token_scale")
     grad = student_logits if grad_out is None else grad_out
     if compute_grad and (grad.shape != student_logits.shape or grad.stride(1) != 1):
         raise ValueError(f"grad_out must be [C, V] with unit column stride, got {tuple(grad.shape)}")
     grad_in_row = compute_grad and is_gradient_in_logits_rows(student_logits, grad)
 
-    device = student_logits.device
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     divergence_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     ce = torch.empty(n_rows if has_ce else 0, dtype=torch.float32, device=device)
