@@ -133,7 +133,9 @@ def _distill_kernel(
             if own_ce_lse:
                 m_c, d_c, _, _, _ = online_lse_step(capped_s * ce_inv_t, m_c, d_c, PRECISE)
         if DIVERGENCE != 0:
-            z_t, _ = load_transformed(teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP)
+            z_t, capped_t = load_transformed(
+                teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
+            )
         # The side whose exps weight the KL's terms steps last, so that they need not stay live (in registers)
         # across the other side's step.
         if DIVERGENCE == 2:
@@ -162,8 +164,12 @@ def _distill_kernel(
         for done in range(0, V, BLOCK_V):
             cols = LAST_BLOCK_START - done + offsets
             mask = cols < V
-            z_s, _ = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
-            z_t, _ = load_transformed(teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP)
+            z_s, capped_s = load_transformed(
+                student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP
+            )
+            z_t, capped_t = load_transformed(
+                teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
+            )
             log_p = z_s - lse_s
             log_q = z_t - lse_t
             p = exp(log_p, PRECISE)
@@ -180,7 +186,9 @@ def _distill_kernel(
     if HAS_CE:
         if own_ce_lse:
             lse_c = m_c + log(d_c, PRECISE)
-        z_target, _ = load_transformed(student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP)
+        z_target, capped_target = load_transformed(
+            student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
+        )
         ce = lse_c - z_target
         loss += hard_weight * ce
         tl.store(ce_ptr + row, ce)
@@ -213,7 +221,9 @@ def _distill_kernel(
             if DIVERGENCE_GRAD:
                 log_p = z_s - lse_s
                 p = exp(log_p, PRECISE_GRAD)
-                z_t, _ = load_transformed(teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP)
+                z_t, capped_t = load_transformed(
+                    teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
+                )
                 if DIVERGENCE == 1:
                     grad_z = p - exp(z_t - lse_t, PRECISE_GRAD)
                 elif DIVERGENCE == 2:
