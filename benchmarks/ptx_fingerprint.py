@@ -18,10 +18,12 @@ Run it on two commits and compare (``diff``)::
     diff /tmp/before.txt /tmp/after.txt
 
 The calls cover the cross-entropy (default options, softcap, label smoothing, z-loss, statistics, the wide-logits
-precisions), the vocab-parallel shard kernels' twins through their kernel functions, and the log-probability and
-policy kernels. Differences in argument specialization (Triton's divisibility-by-16 hints) are recorded as the
-interpreter saw them, so both sides of a comparison are made alike; the hashes are not those of a real GPU run's
-binaries, only comparable with each other.
+precisions), the vocab-parallel shard kernels through their kernel functions, the log-probability and policy
+kernels, and the distillation kernel. ``tests/test_gpu_compile.py`` runs it in CI: the interpreter runs a kernel
+that Triton's GPU compiler refuses (a variable whose type changes across loops, say), so the tests alone would
+not find it before a GPU run. Differences in argument specialization (Triton's divisibility-by-16 hints) are
+recorded as the interpreter saw them, so both sides of a comparison are made alike; the hashes are not those of a
+real GPU run's binaries, only comparable with each other.
 """
 
 from __future__ import annotations
@@ -147,7 +149,34 @@ def _run_calls(torch) -> None:
                 impl="triton",
             )
             policy.loss.backward()
+    _run_distillation(torch, flce, tensors, generator, n)
     _run_shard_kernels(torch, generator)
+
+
+def _run_distillation(torch, flce, tensors, generator, n) -> None:
+    """The distillation kernel: each divergence, with and without the hard-label term, softcaps, per-token
+    temperatures, and the bf16 gradient in fp32 rows."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for divergence in ("forward_kl", "reverse_kl", "jsd"):
+            for options in (
+                {},
+                {"hard_weight": 0.3, "temperature": torch.rand(n, generator=generator) + 0.5},
+            ):
+                x, weight, target = tensors(dtype)
+                teacher_x, teacher_weight, _ = tensors(dtype)
+                loss = flce.fused_linear_distillation(
+                    x, weight, teacher_x.detach(), teacher_weight.detach(), target,
+                    divergence=divergence, impl="triton", **options,
+                )  # fmt: skip
+                loss.backward()
+        x, weight, target = tensors(dtype)
+        teacher_x, teacher_weight, _ = tensors(dtype)
+        loss = flce.fused_linear_distillation(
+            x, weight, teacher_x.detach(), teacher_weight.detach(), target,
+            student_softcap=20.0, teacher_softcap=15.0, hard_weight=0.5, impl="triton",
+            logits_precision="fp32" if dtype == torch.bfloat16 else "input",
+        )  # fmt: skip
+        loss.backward()
 
 
 def _run_shard_kernels(torch, generator) -> None:
