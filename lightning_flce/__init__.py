@@ -4,8 +4,8 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 [N, V] logits never exist. Where things live:
 
 - the op: :func:`fused_linear_cross_entropy`, :func:`fused_linear_cross_entropy_with_stats`
-  (``functional.py``: the API; ``options.py``: the options record; ``validation.py``: input checks;
-  ``op.py``: the custom ops; ``engine.py``: the chunk engine);
+  (``functional.py``: the API; ``options.py``: the options record; ``per_token.py``: the per-token inputs;
+  ``validation.py``: input checks; ``op.py``: the custom ops; ``engine.py``: the chunk engine);
 - the chunk losses (plug-ins of the engine; interface in ``chunk_loss.py``): ``losses/``;
 - reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` and its module
   :class:`FusedLinearPolicyLoss` (``rl/``: the APIs and their custom ops);
@@ -16,7 +16,8 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 - the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);
   FSDP2 helpers: ``fsdp.py``; PEFT LoRA heads: ``adapters.py``;
 - the loss inside the head module's own forward call (plain PyTorch, Fabric): :class:`FLCEHeadLoss` (``head.py``);
-- Lightning: :class:`FLCEMixin` (``mixin.py``, with ``normalization.py``, ``head_discovery.py``,
+- Lightning: :class:`FLCEMixin` (``mixin.py`` and its parts ``mixin_step.py``, ``mixin_eval.py``, ``mixin_rl.py``,
+  ``mixin_checks.py``; with ``normalization.py``, ``head_discovery.py``,
   ``eval_metrics.py``), :class:`FLCEMemoryCallback`
   (``callbacks/``), models in ``models/`` (distillation's LightningModule: :class:`DistillationModule`,
   ``models/distill.py``), data in ``data/``, the CLI in ``cli.py`` and its configs in ``configs/``.

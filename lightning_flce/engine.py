@@ -336,6 +336,8 @@ def run_chunks(
     dtype; see :func:`saved_grad_weight_dtype`). ``triton_logits_gemm``: the chunk kernels are the "triton"
     backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`),
     and where ``loss.tile_stats_suffice()`` its tile statistics may replace the chunk kernel's first pass.
+    A ``loss.auxiliary_head()`` (a distillation teacher) gets its chunk logits computed beside the main head's, for
+    the same rows and with the same ``logits_precision``, without a gradient (:class:`_AuxiliaryLogits`).
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -703,31 +705,75 @@ def _(saved, scale, inverse_scales, index, dtype):
     return saved.new_empty(saved.shape, dtype=dtype)
 
 
-def double_backward_error(why: str) -> str:
-    return (
-        f"fused linear cross-entropy does not support double backward (create_graph=True): {why} without a"
-        " graph. Compute a gradient penalty on the unfused loss (F.cross_entropy(F.linear(x, W), t)) for the"
-        " steps that need it"
-    )
+def double_backward_error(
+    why: str, op: str = "fused linear cross-entropy", alternative: Optional[str] = None
+) -> str:
+    if alternative is None:
+        alternative = (
+            "Compute a gradient penalty on the unfused loss (F.cross_entropy(F.linear(x, W), t)) for the steps"
+            " that need it"
+        )
+    return f"{op} does not support double backward (create_graph=True): {why} without a graph. {alternative}"
 
 
-def check_single_backward(ctx) -> None:
-    """ "mean"/"sum" hand out the gradients computed in forward, scaled in place by grad_output: a second
+#: What a second backward through a "mean"/"sum" call of the cross-entropy should do instead.
+_CROSS_ENTROPY_REPEAT_HINT = (
+    "Use reduction='none' (it recomputes in backward; take .sum()/.mean() of its output) for retain_graph or"
+    " repeated autograd.grad, or call the loss again"
+)
+
+
+def check_single_backward(
+    ctx,
+    op: str = "fused linear cross-entropy",
+    repeat_hint: str = _CROSS_ENTROPY_REPEAT_HINT,
+    why: str = "with reduction 'mean'/'sum' its gradients are computed in forward",
+) -> None:
+    """A call whose forward computed the gradients hands them out scaled in place by grad_output: a second
     backward through the same graph (``retain_graph=True``, repeated ``autograd.grad``) cannot reuse them,
     and they carry no graph of their own, so ``create_graph=True`` (a gradient penalty) cannot differentiate
-    them (it would silently drop the penalty's term through the head)."""
+    them (it would silently drop the penalty's term through the head). ``op`` names the call in the errors,
+    ``repeat_hint`` says what to do instead of a second backward, ``why`` when its gradients are computed in
+    forward."""
     if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
-        raise RuntimeError(
-            double_backward_error("with reduction 'mean'/'sum' its gradients are computed in forward")
-        )
+        raise RuntimeError(double_backward_error(why, op))
     if getattr(ctx, "grads_handed_out", False):
         raise RuntimeError(
-            "backward ran twice through the same fused linear cross-entropy call: with reduction 'mean'/'sum' it"
-            " computes the gradients in forward and hands them out once (scaled in place). Use reduction='none'"
-            " (it recomputes in backward; take .sum()/.mean() of its output) for retain_graph or repeated"
-            " autograd.grad, or call the loss again"
+            f"backward ran twice through the same {op} call: {why} and handed out once (scaled in place)."
+            f" {repeat_hint}"
         )
     ctx.grads_handed_out = True
+
+
+def register_forward_grads_autograd(
+    op, names: Sequence[str], *, op_name: str, repeat_hint: str, why: str
+) -> None:
+    """The autograd of a custom op that computes its gradients in forward (the policy and distillation losses):
+    its inputs named ``names`` (``x``, ``weight``, ``bias`` and ``need_grad_input`` / ``_weight`` / ``_bias``
+    among them), its outputs ``(loss, *metrics, dX, dW, d bias, inverse scales)`` with the last four from
+    :func:`run_chunks` (empty where not computed). Backward multiplies the saved gradients by grad_output
+    (:func:`finish_saved_grads`) once, checked by :func:`check_single_backward`."""
+
+    def setup_context(ctx, inputs, output) -> None:
+        a = dict(zip(names, inputs))
+        ctx.needs = (a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"])
+        ctx.final_dtypes = (a["x"].dtype, a["weight"].dtype, None if a["bias"] is None else a["bias"].dtype)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.save_for_backward(*output[-4:])
+
+    def backward(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
+        grads = dict.fromkeys(names)
+        if grad_loss is not None:
+            check_single_backward(ctx, op_name, repeat_hint, why)
+            *saved, inverse = ctx.saved_tensors
+            gx, gw, gb = finish_saved_grads(saved, ctx.final_dtypes, grad_loss, inverse)
+            grads["x"] = gx if ctx.needs[0] else None
+            grads["weight"] = gw if ctx.needs[1] else None
+            grads["bias"] = gb if ctx.needs[2] else None
+        return tuple(grads.values())
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
 def finish_saved_grads(

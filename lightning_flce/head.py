@@ -15,6 +15,7 @@ from lightning_flce.adapters import is_peft_lora_head, lora_head_loss
 from lightning_flce.deprecation import accepts_renamed, renamed_property
 from lightning_flce.functional import fused_linear_cross_entropy, fused_linear_cross_entropy_with_stats
 from lightning_flce.kernels import softmax_dtype
+from lightning_flce.kernels.transform_torch import transformed_logits
 from lightning_flce.module_calls import forward_bound_to, has_call_hooks
 from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision, Reduction
 from lightning_flce.outputs import FLCEOutput
@@ -486,9 +487,7 @@ def _plain_loss(
         with torch.autocast(hidden.device.type, enabled=False):
             logits = F.linear(hidden.to(wide), weight.to(wide), None if bias is None else bias.to(wide))
     logits = logits.to(softmax_dtype(logits.dtype)).flatten(0, -2)
-    softcap = options.softcap
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits, _ = transformed_logits(logits, options.softcap)
     token_shape = target.shape
     target = target.flatten()
     ignore_index = options.ignore_index

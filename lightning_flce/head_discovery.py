@@ -19,11 +19,11 @@ import numbers
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple, Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_flce.head import forward_bound_to, unwrap_head
+from lightning_flce.kernels.transform_torch import transformed_logits
 from lightning_flce.parallel import VocabParallelHead
 
 TransformKind = Literal["multiply", "divide", "softcap"]
@@ -307,6 +307,5 @@ def head_logits(resolved: ResolvedHead, hidden: Tensor) -> Tensor:
         logits = head(hidden)
     if resolved.logit_scale is not None:
         logits = logits * resolved.logit_scale
-    if resolved.softcap is not None:
-        logits = resolved.softcap * torch.tanh(logits / resolved.softcap)
+    logits, _ = transformed_logits(logits, resolved.softcap)
     return logits

@@ -1,100 +1,50 @@
-"""LightningModule mixin that computes the LM-head loss with fused linear cross-entropy."""
+"""LightningModule mixin that computes the LM-head loss with fused linear cross-entropy.
 
-import abc
-import difflib
-import functools
+:class:`FLCEMixin` is put together from parts, a module per job: this module has its options (``__init__``), the
+LM loss (:meth:`FLCEMixin.flce_loss`) and the hooks that several parts share, which call each part's step in
+order; :mod:`lightning_flce.mixin_step` the step normalization (``flce_normalize``) and the hooks only it uses;
+:mod:`lightning_flce.mixin_eval` the validation and test metrics; :mod:`lightning_flce.mixin_rl` the RL calls
+(:meth:`~lightning_flce.mixin_rl.PolicyCalls.flce_logprobs`, ``flce_policy_loss``); and
+:mod:`lightning_flce.mixin_checks` the checks of the options, the head and the strategy.
+"""
+
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, TypeVar, Union, cast
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.optim import Optimizer
-from torchmetrics import MeanMetric
 
-from lightning_flce.console import rank_zero_info_line
 from lightning_flce.deprecation import RENAMED, accepts_renamed
 from lightning_flce.eval_metrics import TokenMetrics
 from lightning_flce.fsdp import register_fsdp_step_methods
-from lightning_flce.head import FLCEHeadLoss, unwrap_head
-from lightning_flce.head_discovery import HeadNotFoundError, head_logits, resolve_head
+from lightning_flce.head import FLCEHeadLoss
+from lightning_flce.head_discovery import head_logits, resolve_head
 from lightning_flce.losses.policy import PolicyLossType
-from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch, scale_gradients
+from lightning_flce.mixin_checks import (
+    ChecksHeadWhenBuilt,
+    check_head_when_built,
+    check_no_unknown_flce_options,
+    check_vocab_parallel_layout,
+)
+from lightning_flce.mixin_eval import EvalMetricsLogging
+from lightning_flce.mixin_rl import NARROW_INT_DTYPES, PolicyCalls
+from lightning_flce.mixin_step import StepNormalization
+from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch
 from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.outputs import FLCEOutput
-from lightning_flce.parallel import VocabParallelHead
-from lightning_flce.rl import LogProbsOutput, PolicyLossOutput, policy_normalizer
-from lightning_flce.rl.head_calls import head_logprobs, head_policy_loss, policy_loss_module, shift_per_token
+from lightning_flce.per_token import check_per_token, shift_per_token
+from lightning_flce.rl.head_calls import policy_loss_module
+
+__all__ = ["NARROW_INT_DTYPES", "FLCEMixin"]
 
 # the record's fields under the mixin's option names (its errors name what the user wrote)
 _OPTION_NAMES = {field: f"flce_{field}" for field in FLCEOptions.field_names()}
 # the deprecated flce_* names the mixin still takes (deprecation.RENAMED), renamed before __init__ runs
 _RENAMED_OPTIONS = ("z_loss", "accum_fp32")
-NARROW_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32)
 
 
-def _check_no_unknown_flce_options(kwargs: dict, later_classes: tuple) -> None:
-    """A misspelled ``flce_*`` option would otherwise reach ``LightningModule.__init__`` as an unexpected
-    keyword argument of an unrelated class: name it and the option it was likely meant to be. Names that a
-    class after the mixin in the MRO takes (its own ``flce_`` argument) pass on to it."""
-    known = [name for name in inspect.signature(FLCEMixin.__init__).parameters if name.startswith("flce_")]
-    # a misspelled deprecated name is suggested as the new one
-    aliases = {f"flce_{old}": f"flce_{RENAMED[old].new}" for old in _RENAMED_OPTIONS}
-    taken_later = {
-        name
-        for cls in later_classes
-        if "__init__" in vars(cls)
-        for name in inspect.signature(cls.__init__).parameters
-    }
-    for name in kwargs:
-        if name.startswith("flce_") and name not in taken_later:
-            close = difflib.get_close_matches(name, [*known, *aliases], n=1, cutoff=0.75)
-            hint = (
-                f"; did you mean {aliases.get(close[0], close[0])!r}?"
-                if close
-                else f"; the options are {', '.join(known)}"
-            )
-            raise TypeError(f"FLCEMixin got an unknown option {name!r}{hint}")
-
-
-class _NormalizeBeforeCallbacks(Callback):
-    """Manual optimization: the mixin's step normalization, ahead of every other callback's hook."""
-
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Optimizer) -> None:
-        if isinstance(pl_module, FLCEMixin):
-            pl_module.flce_normalize_gradients()
-
-
-_Module = TypeVar("_Module")
-
-
-class _ChecksHeadWhenBuilt(abc.ABCMeta):
-    """Checks ``flce_head`` once the module is built: the mixin's ``__init__`` runs before the subclass's
-    ``__init__`` creates the head, so the check runs when the outermost ``__init__`` has returned. (A wrapper
-    of ``__init__`` would hide the subclasses' arguments from ``save_hyperparameters``, which reads the frames
-    of the ``__init__`` chain.) An ``ABCMeta``, so that a module may also derive from an ``abc.ABC`` base (a
-    class's metaclass must derive from each of its bases' metaclasses)."""
-
-    def __call__(cls: type[_Module], *args: Any, **kwargs: Any) -> _Module:
-        module = cast(_Module, type.__call__(cls, *args, **kwargs))
-        if isinstance(module, FLCEMixin):
-            module._flce_check_head_when_built()
-        return module
-
-
-if TYPE_CHECKING:
-    # for type checkers the mixin is a LightningModule: its hooks override LightningModule's (and are checked
-    # against them), and the Lightning API it calls on self is typed. At run time it is a plain mixin that
-    # goes before LightningModule in the bases.
-    from lightning.pytorch import LightningModule as _MixinBase
-else:
-    _MixinBase = object
-
-
-class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
+class FLCEMixin(PolicyCalls, EvalMetricsLogging, StepNormalization, metaclass=ChecksHeadWhenBuilt):
     r"""Computes the LM loss of a ``LightningModule`` from its final hidden states and its LM head with
     fused linear cross-entropy, so the [N, V] logits never exist in the training or validation loss.
 
@@ -289,7 +239,12 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         **kwargs: Any,
     ) -> None:
         mro = type(self).__mro__
-        _check_no_unknown_flce_options(kwargs, mro[mro.index(FLCEMixin) + 1 :])
+        known = [
+            name for name in inspect.signature(FLCEMixin.__init__).parameters if name.startswith("flce_")
+        ]
+        # a misspelled deprecated name is suggested as the new one
+        aliases = {f"flce_{old}": f"flce_{RENAMED[old].new}" for old in _RENAMED_OPTIONS}
+        check_no_unknown_flce_options(kwargs, known, aliases, mro[mro.index(FLCEMixin) + 1 :])
         super().__init__(*args, **kwargs)
         if flce_normalize not in NORMALIZE_MODES:
             raise ValueError(f"flce_normalize must be one of {NORMALIZE_MODES}, got {flce_normalize!r}")
@@ -350,19 +305,6 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
     def flce_naive(self) -> bool:
         return self.flce_head_loss.naive
 
-    @property
-    def flce_normalize(self) -> str:
-        return self.flce_step_normalizer.mode
-
-    @property
-    def flce_eval_loss(self) -> MeanMetric:
-        """The token-weighted mean loss of the (first) evaluation dataloader."""
-        return cast(MeanMetric, self.flce_eval_metrics.loaders["0"].loss)
-
-    @property
-    def flce_eval_accuracy(self) -> MeanMetric:
-        return cast(MeanMetric, self.flce_eval_metrics.loaders["0"].accuracy)
-
     # ------------------------------------------------------------------ loss
 
     @accepts_renamed("labels")
@@ -395,19 +337,13 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
             )
         if token_weight is not None:
             # checked before the shift, which would keep a wrong shape but hide whose shape it was
-            if not isinstance(token_weight, Tensor):
-                raise TypeError(f"token_weight must be a tensor or None, got {type(token_weight).__name__}")
-            if token_weight.shape != target.shape:
-                raise ValueError(
-                    f"token_weight must have the target's shape {tuple(target.shape)}, got {tuple(token_weight.shape)}"
-                )
-        if target.dtype in NARROW_INT_DTYPES:  # ignore_index (-100) does not fit uint8, say
+            check_per_token("token_weight", token_weight, target, device=hidden.device)
+        if target.dtype in NARROW_INT_DTYPES:
             target = target.long()
         if shift:
             # shift the labels rather than the hidden states: no copy of the [B, T, H] activations
             target = F.pad(target[..., 1:], (0, 1), value=self.flce_ignore_index)
-            if token_weight is not None:
-                token_weight = F.pad(token_weight[..., 1:], (0, 1), value=0)
+            token_weight = shift_per_token("token_weight", token_weight)
         stage = self._flce_stage()
         head = resolve_head(self, self.flce_head, self.flce_softcap)
         evaluating = stage in ("val", "test")
@@ -434,269 +370,36 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         self.flce_last_logits_bytes = 0 if self.flce_naive else num_logits[0] * num_logits[1] * 4
         self.flce_last_num_tokens = num_tokens
 
-        normalizer = self.flce_step_normalizer
         if stage != "train":
             self._flce_last_loss_weight = torch.ones((), device=num_tokens.device)
             if correct is not None:
-                self.flce_eval_metrics.add(self._flce_dataloader_idx(), loss_sum, correct.sum(), num_tokens)
-                self._flce_eval_stage = stage
+                self._flce_add_eval(stage, loss_sum, correct, num_tokens)
             return loss_sum / num_tokens.clamp(min=1)
-        if normalizer.needs_divisor:
-            normalizer.agree_first_divisor(target.numel(), self._flce_mean_over_ranks(num_tokens.device))
-        normalizer.count(loss_sum, num_tokens)
-        if not loss_sum.requires_grad:  # nothing to back-propagate: counted now
-            normalizer.commit(self.trainer.global_step)
-        loss, self._flce_last_loss_weight = normalizer.loss_to_backward(loss_sum, num_tokens)
-        if normalizer.rescales:
-            self._flce_unweighted_term_watch.record(loss)
-        return loss
-
-    @property
-    def flce_last_loss_weight(self) -> Optional[Tensor]:
-        """Weight that makes another loss term (a micro-batch mean) count per token like the last ``flce_loss``
-        output: its tokens over ``D`` under ``flce_normalize="step"`` in training, else 1 (a 0-d tensor; None
-        before the first call). See the class docstring."""
-        self._flce_unweighted_term_watch.mark_weight_read()
-        return self._flce_last_loss_weight
+        return self._flce_count_for_step(loss_sum, num_tokens, capacity=target.numel())
 
     def flce_logits(self, hidden: Tensor) -> Tensor:
         """Logits of the head on ``hidden`` with the loss's logit scale and softcap (inference path)."""
         return head_logits(resolve_head(self, self.flce_head, self.flce_softcap), hidden)
 
-    # -------------------------------------------------------------------- RL
-
-    def flce_logprobs(
-        self,
-        hidden: Tensor,
-        target: Tensor,
-        *,
-        shift: bool = False,
-        temperature: Union[float, Tensor, None] = None,
-        return_entropy: bool = False,
-    ) -> LogProbsOutput:
-        """Each token's log-probability of ``target`` under the head, and on request its entropy
-        (:func:`~lightning_flce.fused_linear_logprobs`), both differentiable, without the logits.
-
-        The head is found as :meth:`flce_loss` finds it, with the model's logit scale and softcap; the
-        ``flce_ignore_index``, ``flce_logits_precision``, ``flce_chunk_size`` and ``flce_impl`` options apply.
-        Under ``torch.no_grad()`` it is the reference or old-policy pass (one GEMM per chunk). A loss built on
-        it is not normalized by the mixin (a step without :meth:`flce_loss` / :meth:`flce_policy_loss` calls
-        keeps Lightning's plain averaging).
-
-        Args:
-            hidden: final hidden states [..., H].
-            target: token ids [...] (``flce_ignore_index``: 0 and no gradient).
-            shift: ``target`` holds the input ids: position t is scored against token t + 1 (the last position
-                ignored); a per-token ``temperature`` is shifted with it.
-            temperature: a positive float or a tensor of the target's shape dividing the softcapped logits;
-                None: ``flce_temperature``.
-            return_entropy: also compute each token's entropy.
-
-        Returns:
-            :class:`~lightning_flce.LogProbsOutput` (``.logprobs``, ``.entropy``) in the target's shape.
-        """
-        target = self._flce_rl_target(hidden, target, shift)
-        if shift and isinstance(temperature, Tensor):
-            temperature = shift_per_token(temperature, 1.0)
-        policy = self.flce_policy.options
-        return head_logprobs(
-            self._flce_rl_head(),
-            hidden,
-            target,
-            temperature=policy["temperature"] if temperature is None else temperature,
-            return_entropy=return_entropy,
-            **{name: policy[name] for name in ("ignore_index", "logits_precision", "chunk_size", "impl")},
-        )
-
-    def flce_policy_loss(
-        self,
-        hidden: Tensor,
-        target: Tensor,
-        *,
-        advantages: Tensor,
-        old_logprobs: Optional[Tensor] = None,
-        ref_logprobs: Optional[Tensor] = None,
-        mask: Optional[Tensor] = None,
-        token_weight: Optional[Tensor] = None,
-        temperature: Optional[Tensor] = None,
-        return_entropy: bool = False,
-        shift: bool = False,
-    ) -> PolicyLossOutput:
-        """The clipped policy-gradient loss of the head (:func:`~lightning_flce.fused_linear_policy_loss`) with
-        the mixin's options ``flce_loss_type``, ``flce_epsilon_low`` / ``flce_epsilon_high``, ``flce_beta``,
-        ``flce_entropy_coef``, ``flce_temperature`` and ``flce_max_completion_length``, the head found as
-        :meth:`flce_loss` finds it.
-
-        Under ``flce_normalize="step"`` the loss is normalized as its loss type over the whole optimizer step
-        (micro-batches and data-parallel ranks), as if the step's sequences were one call: ``"grpo"`` divides
-        the sum of the sequences' masked means by the step's sequences, ``"bnpo"``/``"dapo"``/``"cispo"``/
-        ``"ppo"`` the masked token sum by the step's masked tokens, ``"dr_grpo"`` by the step's sequences times
-        ``flce_max_completion_length`` (default T). The mechanism is :meth:`flce_loss`'s (see the class
-        docstring), with the loss type's count in place of the tokens; one step's calls must share one loss
-        type's normalizer (and not mix with :meth:`flce_loss`).
-
-        In training, logs the metrics as ``train/policy/<name>`` (this micro-batch's masked means; the last call's
-        of the micro-batch, when it is back-propagated: ``on_before_backward`` must call ``super()``).
-
-        Args:
-            hidden: [B, T, H] hidden states predicting ``target``.
-            target: [B, T] the sampled tokens.
-            advantages: [B] or [B, T]; old_logprobs, ref_logprobs, mask, token_weight: [B, T] (see the function).
-            temperature: a [B, T] tensor (per token, as the sampler) replacing ``flce_temperature`` for this call.
-            return_entropy: compute each token's entropy (and ``entropy_mean``) without an entropy term (it is
-                computed anyway when ``flce_entropy_coef`` is not 0).
-            shift: ``target`` holds the input ids (position t is scored against t + 1): the [B, T] tensors are
-                shifted with it (the last position leaves the mask) and the returned log-probabilities are the
-                predicting positions'.
-
-        Returns:
-            :class:`~lightning_flce.PolicyLossOutput` whose ``loss`` value is the micro-batch's own normalized
-            loss; in training under ``"step"`` its gradient is the micro-batch's share of the step's loss (the
-            mixin rescales the gradients at the optimizer step).
-        """
-        target = self._flce_rl_target(hidden, target, shift)
-        if shift:
-            advantages = cast(Tensor, shift_per_token(advantages, 0.0))
-            old_logprobs, ref_logprobs, token_weight = (
-                shift_per_token(value, 0.0) for value in (old_logprobs, ref_logprobs, token_weight)
-            )
-            temperature = shift_per_token(temperature, 1.0)
-            if mask is None:
-                mask = torch.ones_like(target, dtype=torch.bool)
-            mask = shift_per_token(mask, 0)
-        output = head_policy_loss(
-            self._flce_rl_head(),
-            hidden,
-            target,
-            self.flce_policy,
-            temperature=temperature,
-            return_entropy=return_entropy,
-            advantages=advantages,
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
-            mask=mask,
-            token_weight=token_weight,
-        )
-        stage = self._flce_stage()
-        if stage != "train":
-            return output
-        counted = target != self.flce_ignore_index
-        if mask is not None:
-            counted = counted & (mask != 0)
-        options = self.flce_policy.options
-        count, unit = policy_normalizer(
-            options["loss_type"], counted.to(output.loss.dtype), options["max_completion_length"]
-        )
-        normalizer = self.flce_step_normalizer
-        if normalizer.needs_divisor:  # fp16 gradients: D from the most this micro-batch could count
-            capacity = target.numel() if unit == "completion tokens" else int(count)
-            normalizer.agree_first_divisor(capacity, self._flce_mean_over_ranks(count.device))
-        loss_sum = output.loss * count
-        normalizer.count(loss_sum, count, unit)
-        if not loss_sum.requires_grad:
-            normalizer.commit(self.trainer.global_step)
-        loss, self._flce_last_loss_weight = normalizer.loss_to_backward(loss_sum, count)
-        if normalizer.rescales:
-            self._flce_unweighted_term_watch.record(loss)
-        # logged when the micro-batch is back-propagated (on_before_backward): self.log in a compiled step breaks it
-        self._flce_policy_metrics = output.metrics
-        return output._replace(loss=loss)
-
-    def _flce_rl_target(self, hidden: Tensor, target: Tensor, shift: bool) -> Tensor:
-        if not isinstance(hidden, Tensor) or not isinstance(target, Tensor):
-            raise TypeError(
-                f"the RL calls take the final hidden states and the target as tensors, got {type(hidden).__name__}"
-                f" and {type(target).__name__}"
-            )
-        if target.dtype in NARROW_INT_DTYPES:
-            target = target.long()
-        if shift:
-            target = F.pad(target[..., 1:], (0, 1), value=self.flce_ignore_index)
-        return target
-
-    def _flce_rl_head(self):
-        if self.flce_naive:
-            raise NotImplementedError("flce_naive=True has no RL path: the RL calls always use the fused ops")
-        return resolve_head(self, self.flce_head, self.flce_softcap)
-
     # ----------------------------------------------------------------- hooks
-
-    def optimizer_step(
-        self,
-        epoch: int,
-        batch_idx: int,
-        optimizer: Union[Optimizer, LightningOptimizer],
-        optimizer_closure: Optional[Callable[[], Any]] = None,
-    ) -> None:
-        """Normalizes the gradients right after the closure (the last backward of the step), so callbacks,
-        ``on_before_optimizer_step`` and gradient clipping all see the normalized gradients."""
-        if optimizer_closure is not None:
-            optimizer_closure = functools.partial(
-                self._flce_closure_then_normalize, optimizer_closure, optimizer
-            )
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-
-    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        # a no-op when optimizer_step (or, in manual optimization, the callback added at fit start) normalized
-        self._flce_finish_step(optimizer)
-        super().on_before_optimizer_step(optimizer)
-
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        gradient_clip_val: Optional[Union[int, float]] = None,
-        gradient_clip_algorithm: Optional[str] = None,
-    ) -> None:
-        """Clips the normalized gradients: in manual optimization it normalizes first (automatic optimization
-        has normalized by then, or the next training step raises for the override that skipped it)."""
-        if not self.automatic_optimization:
-            self._flce_finish_step(optimizer)
-        super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+    # (the hooks several parts use, calling each part's step in order; a part's own hooks are in its module)
 
     def on_fit_start(self) -> None:
         # FSDP2 unshards parameters only around forward(); the loss runs in the step methods.
         register_fsdp_step_methods(self)
-        # fp16 gradients: D is agreed afresh at the first training call (this fit's ranks and batches may differ)
-        self.flce_step_normalizer.start_fit(fp16_gradients=self._flce_fp16_gradients())
-        if self.flce_normalize == "step" and "DeepSpeed" in type(self.trainer.strategy).__name__:
-            raise ValueError(
-                "flce_normalize='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
-                " buffers; use flce_normalize='micro_batch' with DeepSpeed"
-            )
+        self._flce_start_fit_normalization()
         self._flce_check_vocab_parallel_layout()
-        if not self.automatic_optimization:
-            # Lightning calls callbacks' on_before_optimizer_step before the module's: normalize ahead of them
-            callbacks = self.trainer.callbacks  # type: ignore[attr-defined]  # (set by Lightning's connector)
-            if not any(isinstance(callback, _NormalizeBeforeCallbacks) for callback in callbacks):
-                callbacks.insert(0, _NormalizeBeforeCallbacks())
+        self._flce_add_normalize_callback()
         super().on_fit_start()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
-        # what a skipped batch (training_step returned None) counted is never back-propagated: forget it
-        self.flce_step_normalizer.discard_pending()
+        self._flce_start_micro_batch()
         self._flce_policy_metrics = {}
-        self._flce_unweighted_term_watch.reset()
         return super().on_train_batch_start(batch, batch_idx)
 
     def on_before_backward(self, loss: Tensor) -> None:
-        # the micro-batch's flce_loss calls are back-propagated now: their tokens join the optimizer step
-        self.flce_step_normalizer.commit(self.trainer.global_step)
-        metrics, self._flce_policy_metrics = self._flce_policy_metrics, {}
-        for (
-            name,
-            value,
-        ) in metrics.items():  # the last flce_policy_loss call's: per step, so no batch size to weigh
-            self.log(f"train/policy/{name}", value, on_step=True, on_epoch=False, batch_size=1)
-        # "step" rescales every gradient at the optimizer step for the LM loss's token sum, so a term added to
-        # flce_loss's output without flce_last_loss_weight is silently weighted ~1 / tokens: warn once.
-        if self._flce_unweighted_term_watch.should_warn(loss):
-            rank_zero_warn(
-                "FLCEMixin: the loss back-propagated in this training step has terms besides flce_loss's output."
-                " With flce_normalize='step' every gradient is rescaled at the optimizer step for the LM loss's"
-                " token sum, so another term (a micro-batch mean) keeps its weight only when multiplied by"
-                " self.flce_last_loss_weight, e.g. `return self.flce_loss(hidden, labels) + aux *"
-                " self.flce_last_loss_weight`; or use flce_normalize='micro_batch'. (Warned once.)"
-            )
+        self._flce_commit_micro_batch(loss)
+        self._flce_log_policy_metrics()
         super().on_before_backward(loss)
 
     def on_validation_start(self) -> None:
@@ -711,212 +414,11 @@ class FLCEMixin(_MixinBase, metaclass=_ChecksHeadWhenBuilt):
         register_fsdp_step_methods(self)
         super().on_predict_start()
 
-    def on_validation_epoch_start(self) -> None:
-        self._flce_start_eval_epoch(len(self.trainer.num_val_batches))
-        super().on_validation_epoch_start()
-
-    def on_test_epoch_start(self) -> None:
-        self._flce_start_eval_epoch(len(self.trainer.num_test_batches))
-        super().on_test_epoch_start()
-
-    def on_validation_epoch_end(self) -> None:
-        self._flce_log_eval("val")
-        super().on_validation_epoch_end()
-
-    def on_test_epoch_end(self) -> None:
-        self._flce_log_eval("test")
-        super().on_test_epoch_end()
-
-    def on_fit_end(self) -> None:
-        if self.flce_last_eval_metrics:
-            rank_zero_info_line(
-                f"FLCEMixin: last validation: {_summary(self.flce_last_eval_metrics)}", self._trainer
-            )
-        super().on_fit_end()
-
-    # --------------------------------------------------------------- helpers
-
-    def _flce_stage(self) -> Optional[str]:
-        trainer = getattr(self, "_trainer", None)
-        if trainer is None:
-            return None
-        if trainer.training:
-            return "train"
-        if trainer.sanity_checking or trainer.validating:
-            return "val"
-        if trainer.testing:
-            return "test"
-        return None
+    # --------------------------------------------------------------- checks
 
     def _flce_check_head_when_built(self) -> None:
-        """Resolves the head as soon as the module is built, so a mistyped ``flce_head`` (with a close match),
-        a head that is not a module or a logit transform that cannot be applied fails at construction, not at
-        fit. A head that does not exist yet is checked at fit start instead: no ``flce_head`` and no head found,
-        an owner on the path that is still None, or a first attribute missing from a module that builds its
-        layers in ``configure_model`` or ``setup`` (unless a submodule's name is close to the path)."""
-        try:
-            resolve_head(self, self.flce_head, self.flce_softcap)
-        except HeadNotFoundError as err:
-            owner_built_later = err.parent_missing or (
-                err.parent_path == "" and err.suggestion is None and _builds_layers_lazily(type(self))
-            )
-            if not owner_built_later:
-                raise
-        except AttributeError:
-            if self.flce_head is not None:
-                raise
+        check_head_when_built(self)
 
     def _flce_check_vocab_parallel_layout(self) -> None:
-        """Checks the head (its errors raise at fit start, after ``configure_model``) and raises for the
-        strategies that cannot train a vocab-parallel head (see the class docstring)."""
-        module = unwrap_head(resolve_head(self, self.flce_head, self.flce_softcap).module)
-        if not isinstance(module, VocabParallelHead):
-            return
-        import torch.distributed as dist
-
-        tp_size = dist.get_world_size(module.group)
-        if tp_size == 1:
-            return
-        strategy = self.trainer.strategy
-        world_reducing = {"DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy"}
-        found = world_reducing.intersection(cls.__name__ for cls in type(strategy).__mro__)
-        if found:
-            raise ValueError(
-                f"FLCEMixin: the head is a VocabParallelHead sharded over {tp_size} ranks, but {type(strategy).__name__}"
-                f" ({sorted(found)[0]}) reduces every gradient over the whole world, which would average head shards"
-                " of different vocabulary rows. Run one single-device Trainer per TP rank (data replicated), or a"
-                " strategy that reduces gradients over the data-parallel ranks only (ModelParallelStrategy)"
-            )
-        world_size = self.trainer.world_size
-        if world_size > 1 and world_size % tp_size:
-            raise ValueError(
-                f"FLCEMixin: the trainer's world size {world_size} is not a multiple of the VocabParallelHead's"
-                f" group size {tp_size}; the head's group must be a tensor-parallel group inside the world"
-            )
-
-    def _flce_dataloader_idx(self) -> Optional[int]:
-        """The evaluation dataloader of the batch in progress; None when there is only one."""
-        results = getattr(self._trainer, "_results", None)
-        return getattr(results, "dataloader_idx", None)
-
-    def _flce_fp16_gradients(self) -> bool:
-        return str(getattr(self.trainer, "precision", "")) in ("16-mixed", "16-true")
-
-    def _flce_mean_over_ranks(self, device: torch.device) -> Optional[Callable[[Tensor], Tensor]]:
-        trainer = self.trainer
-        if trainer.world_size == 1:
-            return None
-        return lambda size: trainer.strategy.reduce(size.to(device), reduce_op="mean")
-
-    def _flce_closure_then_normalize(
-        self, closure: Callable[[], Any], optimizer: Union[Optimizer, LightningOptimizer]
-    ) -> Any:
-        result = closure()
-        self._flce_finish_step(optimizer)
-        return result
-
-    def flce_normalize_gradients(self) -> None:
-        """Manual optimization: normalize the step's gradients now (see the class docstring); a no-op once done.
-        Call it after the step's last ``manual_backward``, before reading gradients in ``training_step``."""
-        self._flce_finish_step(None)
-
-    def _flce_finish_step(self, optimizer: Union[Optimizer, LightningOptimizer, None]) -> None:
-        """Sums the step's loss and tokens over ranks, logs ``train/loss`` and (``"step"``) rescales the grads:
-        those of ``optimizer`` under automatic optimization (its only optimizer), else of every parameter
-        (manual optimization may step several optimizers, and normalizes at the first)."""
-        trainer = self.trainer
-        # With a VocabParallelHead inside a DP x TP world, each token is counted once per TP rank here, and
-        # world_size includes the TP ranks too: the TP factor cancels in the scale and the logged mean.
-        # With one single-device Trainer per TP rank, world_size is 1 and the local count is the step's count.
-        finished = self.flce_step_normalizer.finish(
-            world_size=trainer.world_size,
-            accumulation=trainer.accumulate_grad_batches if self.automatic_optimization else 1,
-            fp16_gradients=self._flce_fp16_gradients(),
-            sum_over_ranks=(
-                (lambda totals: trainer.strategy.reduce(totals, reduce_op="sum"))
-                if trainer.world_size > 1
-                else None
-            ),
-        )
-        if finished is None:
-            return
-        if finished.grad_scale is not None:
-            if self.automatic_optimization and optimizer is not None:
-                if isinstance(optimizer, LightningOptimizer):
-                    optimizer = optimizer.optimizer
-                params = [p for group in optimizer.param_groups for p in group["params"]]
-            else:
-                params = list(self.parameters())
-            scale_gradients(params, finished.grad_scale)
-        self.log(
-            "train/loss",
-            finished.mean_loss,
-            on_step=True,
-            on_epoch=True,
-            prog_bar=True,
-            batch_size=max(int(finished.num_tokens), 1),
-            # the value is global already: Lightning's sync averages equal values (and does not warn)
-            sync_dist=True,
-        )
-
-    def _flce_start_eval_epoch(self, num_dataloaders: int) -> None:
-        stage, self._flce_eval_stage = self._flce_eval_stage, None
-        metrics = self.flce_eval_metrics
-        if stage is not None and metrics.pending:
-            rank_zero_warn(
-                f"FLCEMixin: the {stage} metrics of an earlier evaluation were never logged; an overridden"
-                " on_validation_epoch_end / on_test_epoch_end must call super() (it logs and resets them). They"
-                " now mix evaluations."
-            )
-        # the sums the steps add to (made here, so that a compiled step finds them and does not recompile)
-        metrics.start([None] if num_dataloaders <= 1 else range(num_dataloaders), self.device)
-
-    def _flce_log_eval(self, prefix: str) -> None:
-        """Logs ``{prefix}/loss``, ``/perplexity`` and ``/token_accuracy`` (``.../dataloader_idx_N`` for each of
-        several dataloaders, as Lightning names metrics logged in their steps), and a one-line summary."""
-        self._flce_eval_stage = None
-        metrics: dict[str, Tensor] = {}
-        for dataloader_idx, means in self.flce_eval_metrics.compute().items():
-            suffix = "" if dataloader_idx is None else f"/dataloader_idx_{dataloader_idx}"
-            metrics.update({f"{prefix}/{name}{suffix}": value for name, value in means.items()})
-        if not metrics:
-            return
-        trainer = self._trainer
-        for name, value in metrics.items():
-            self.log(
-                name,
-                value,
-                prog_bar=name.startswith(f"{prefix}/loss"),
-                sync_dist=True,  # torchmetrics synced them: equal on every rank, as above
-                add_dataloader_idx=False,  # named above (epoch end is outside any dataloader)
-            )
-        if trainer is not None and trainer.sanity_checking:
-            return
-        values = {name: float(value) for name, value in metrics.items()}
-        if prefix == "val":
-            self.flce_last_eval_metrics = values
-        where = "" if trainer is None else f" (epoch {trainer.current_epoch}, step {trainer.global_step})"
-        rank_zero_info_line(f"FLCEMixin {prefix}{where}: {_summary(values)}", trainer)
-
-
-def _builds_layers_lazily(cls: type) -> bool:
-    """Whether a class of the module overrides Lightning's ``configure_model`` or ``setup`` (where layers may be
-    built after ``__init__``)."""
-    for hook in ("configure_model", "setup"):
-        owner = next((klass for klass in cls.__mro__ if hook in vars(klass)), None)
-        if owner is not None and not owner.__module__.startswith(("lightning.", "pytorch_lightning.")):
-            return True
-    return False
-
-
-def _summary(metrics: dict[str, float]) -> str:
-    """``loss 5.1300, perplexity 169.0, token accuracy 0.2310`` (per dataloader: ``[dataloader 1] ...``)."""
-    groups: dict[str, list] = {}
-    for name, value in metrics.items():
-        stem, _, loader = name.partition("/dataloader_idx_")
-        label = stem.split("/", 1)[1].replace("_", " ")
-        text = f"{label} {value:.4f}" if label != "perplexity" else f"{label} {value:.4g}"
-        groups.setdefault(loader, []).append(text)
-    return "; ".join(
-        (f"[dataloader {loader}] " if loader else "") + ", ".join(texts) for loader, texts in groups.items()
-    )
+        """Checks the head and the strategy at fit start (:func:`~lightning_flce.mixin_checks.check_vocab_parallel_layout`)."""
+        check_vocab_parallel_layout(self, self.trainer)

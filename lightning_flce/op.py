@@ -42,6 +42,7 @@ from lightning_flce.engine import (
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.cross_entropy import CrossEntropyChunkLoss, kernel_options, loss_scales
 from lightning_flce.options import FLCEOptions
+from lightning_flce.per_token import CROSS_ENTROPY_INPUTS
 
 # The arguments of lightning_flce::flce_forward, in schema order: (name, schema type). The loss options are
 # FLCEOptions' fields as the kernels take them (softcap 0.0 = off, chunk_size 0 = automatic, "backend": the
@@ -52,7 +53,7 @@ FORWARD_ARGS: Tuple[Tuple[str, str], ...] = (
     ("target", "Tensor"),
     ("bias", "Tensor?"),
     ("class_weight", "Tensor?"),
-    ("token_weight", "Tensor?"),
+    *((name, "Tensor?") for name in CROSS_ENTROPY_INPUTS),  # per-token inputs: saved for "none"'s backward
     ("ignore_index", "int"),
     ("reduction", "str"),
     ("label_smoothing", "float"),
@@ -105,7 +106,7 @@ def forward_args(
         target=target,
         bias=bias,
         class_weight=options.class_weight,
-        token_weight=options.token_weight,
+        **{name: getattr(options, name) for name in CROSS_ENTROPY_INPUTS},
         ignore_index=options.ignore_index,
         reduction=options.reduction,
         label_smoothing=options.label_smoothing,

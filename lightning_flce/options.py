@@ -7,7 +7,10 @@ the checks that need the call's tensors (class and token weights against the voc
 :meth:`FLCEOptions.check_tensors`. Everything below the front ends reads the options by name from the record.
 
 Adding an option: a field here (with its check in ``_validated``), the keyword in the public signatures
-(``tests/test_options.py`` checks they list exactly these fields), and the code that uses it.
+(``tests/test_options.py`` checks they list exactly these fields), and the code that uses it. A per-token
+input (a tensor in the target's shape) is also a row of :data:`~lightning_flce.per_token.PER_TOKEN_INPUTS`
+and a name in :data:`~lightning_flce.per_token.CROSS_ENTROPY_INPUTS`: its checks, the mixin's shift, the
+vocab-parallel op's gathering and agreement and the op's schema read them there.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_flce.kernels import BACKENDS, LOW_PRECISION
+from lightning_flce.per_token import CROSS_ENTROPY_INPUTS, check_per_token
 
 if sys.version_info >= (3, 10):
     from typing import ParamSpec
@@ -109,7 +113,7 @@ class FLCEOptions(NamedTuple):
     def check_tensors(self, vocab: int, target: Tensor, device: torch.device) -> None:
         """The checks that need the call's tensors: class and token weights against the vocabulary, the
         target and the input's ``device``."""
-        class_weight, token_weight = self.class_weight, self.token_weight
+        class_weight = self.class_weight
         if class_weight is not None:
             if class_weight.shape != (vocab,):
                 raise ValueError(f"class_weight must be [V]=[{vocab}], got {tuple(class_weight.shape)}")
@@ -120,23 +124,22 @@ class FLCEOptions(NamedTuple):
                     "class_weight requires grad, but the loss is not differentiable with respect to it (nor is"
                     " F.cross_entropy's weight): pass class_weight.detach()"
                 )
-        if token_weight is not None:
-            if token_weight.shape != target.shape:
-                raise ValueError(
-                    f"token_weight must have the target's shape {tuple(target.shape)}, got {tuple(token_weight.shape)}"
+            if class_weight.device != device:
+                raise ValueError(f"class_weight is on {class_weight.device} but input is on {device}")
+            if class_weight.layout != torch.strided:
+                raise TypeError(
+                    f"class_weight must be a dense (strided) tensor, got layout {class_weight.layout}"
                 )
-            if not token_weight.dtype.is_floating_point:
-                raise TypeError(f"token_weight must be floating point, got {token_weight.dtype}")
-            if token_weight.requires_grad and torch.is_grad_enabled():
+        for name in CROSS_ENTROPY_INPUTS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            check_per_token(name, value, target, device=device)
+            if value.requires_grad and torch.is_grad_enabled():
                 raise ValueError(
-                    "token_weight requires grad, but the loss takes no gradient with respect to the weights"
-                    " (they are data: advantages, soft masks): pass token_weight.detach()"
+                    f"{name} requires grad, but the loss takes no gradient with respect to it (a per-token input"
+                    f" is data: advantages, soft masks): pass {name}.detach()"
                 )
-        for field, tensor in (("class_weight", class_weight), ("token_weight", token_weight)):
-            if tensor is not None and tensor.device != device:
-                raise ValueError(f"{field} is on {tensor.device} but input is on {device}")
-            if tensor is not None and tensor.layout != torch.strided:
-                raise TypeError(f"{field} must be a dense (strided) tensor, got layout {tensor.layout}")
 
 
 OPTION_NAMES = FLCEOptions.field_names()
@@ -181,7 +184,7 @@ def _validated(options: FLCEOptions, names: Mapping[str, str]) -> FLCEOptions:
         chunk_size = operator.index(chunk_size)
     if options.impl not in IMPLS:
         raise ValueError(f"{name('impl')} must be one of {IMPLS}, got {options.impl!r}")
-    for field in ("class_weight", "token_weight"):
+    for field in ("class_weight", *CROSS_ENTROPY_INPUTS):
         value = getattr(options, field)
         if value is not None and not isinstance(value, Tensor):
             raise TypeError(f"{name(field)} must be a tensor or None, got {type(value).__name__}")

@@ -140,9 +140,11 @@ def fused_linear_distillation(
     target = class_indices(target)
     inv_temperature = inverse_temperature(temperature, target, dtype)
 
-    if reduction == "mean":
-        counted = (target != ignore_index).sum() if given_target else torch.tensor(target.numel())
-        token_scale = (1.0 / counted.to(device=target.device, dtype=dtype).clamp(min=1.0)).reshape(1)
+    if reduction == "mean" and given_target:  # 1 / the tokens that carry a loss, on the device (no sync)
+        counted = (target != ignore_index).sum().to(dtype)
+        token_scale = (1.0 / counted.clamp(min=1.0)).reshape(1)
+    elif reduction == "mean":
+        token_scale = torch.full((1,), 1.0 / max(target.numel(), 1), dtype=dtype, device=target.device)
     else:
         token_scale = torch.ones(1, dtype=dtype, device=target.device)
     if token_weight is not None:

@@ -24,9 +24,9 @@ from lightning_flce.chunk_loss import AuxiliaryHead
 from lightning_flce.engine import (
     check_targets,
     chunk_rows,
-    finish_saved_grads,
     fp16_bound_stats,
     inverse_scales,
+    register_forward_grads_autograd,
     run_chunks,
     saved_grad_input_dtype,
     saved_grad_weight_dtype,
@@ -187,45 +187,16 @@ flce_distill = torch.library.custom_op(
 flce_distill.register_fake(_forward_fake)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    a = dict(zip(_NAMES, inputs))
-    ctx.needs = _needs(a)
-    ctx.final_dtypes = (a["x"].dtype, a["weight"].dtype, None if a["bias"] is None else a["bias"].dtype)
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(*output[3:])
-
-
-def _backward(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
-    grads = dict.fromkeys(_NAMES)
-    if grad_loss is not None:
-        _check_single_backward(ctx)
-        *saved, inverse = ctx.saved_tensors
-        gx, gw, gb = finish_saved_grads(saved, ctx.final_dtypes, grad_loss, inverse)
-        grads["x"] = gx if ctx.needs[0] else None
-        grads["weight"] = gw if ctx.needs[1] else None
-        grads["bias"] = gb if ctx.needs[2] else None
-    return tuple(grads.values())
-
-
-def _check_single_backward(ctx) -> None:
-    """The gradients computed in forward are scaled in place and handed out once, and carry no graph."""
-    if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
-        raise RuntimeError(
-            "fused_linear_distillation does not support double backward (create_graph=True): with reduction"
-            " 'mean'/'sum' its gradients are computed in forward, without a graph"
-        )
-    if getattr(ctx, "grads_handed_out", False):
-        raise RuntimeError(
-            "backward ran twice through the same fused_linear_distillation call: with reduction 'mean'/'sum' it"
-            " computes the gradients in forward and hands them out once (scaled in place). Use reduction='none'"
-            " (it recomputes in backward; take .sum()/.mean() of its output) for retain_graph or repeated"
-            " autograd.grad, or call the loss again"
-        )
-    ctx.grads_handed_out = True
-
-
-flce_distill.register_autograd(_backward, setup_context=_setup_context)
+register_forward_grads_autograd(
+    flce_distill,
+    _NAMES,
+    op_name="fused_linear_distillation",
+    why="with reduction 'mean'/'sum' its gradients are computed in forward",
+    repeat_hint=(
+        "Use reduction='none' (it recomputes in backward; take .sum()/.mean() of its output) for retain_graph or"
+        " repeated autograd.grad, or call the loss again"
+    ),
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +219,15 @@ def _forward_per_token(*values) -> Tuple[Tensor, Tensor, Tensor]:
 
 
 def _forward_per_token_fake(*values) -> Tuple[Tensor, Tensor, Tensor]:
-    return _forward_fake(*_no_grads(values).values())[:3]
+    a = dict(zip(_NAMES, values))
+    x = a["x"]
+    dtype = softmax_dtype(a["compute_dtype"])
+    n_rows = _n_rows(x)
+    return (
+        x.new_empty(n_rows, dtype=dtype),
+        x.new_empty(n_rows, dtype=dtype),
+        x.new_empty(n_rows if a["hard_weight"] != 0.0 else 0, dtype=dtype),
+    )
 
 
 def _backward_recompute(grad_loss, *values) -> Tuple[Tensor, Tensor, Tensor]:

@@ -7,20 +7,27 @@ vocab-parallel op splits the same math around its all-reduces: ``shard_row_stats
 columns), then ``shard_softmax_grad``. The log-probability losses (:mod:`lightning_flce.losses.logprobs`,
 :mod:`lightning_flce.losses.policy`) split theirs the same way on the whole vocabulary: ``logprob_row_stats``
 (log p of the target, LSE, entropy of ``softmax(softcap(logits) / T)``), then ``logprob_grad`` for per-row
-upstream gradients.
+upstream gradients. The distillation loss (:mod:`lightning_flce.losses.distillation`) has one kernel per chunk,
+``distill_chunk`` (the divergence between the teacher's and the student's distributions, the hard-label
+cross-entropy, and the student's logit gradient in place; contract in :mod:`~lightning_flce.kernels.distill_torch`).
 
-A backend is one module with those five functions and one :class:`Backend` entry in :data:`BACKENDS`:
+A backend is one module with those six functions and one :class:`Backend` entry in :data:`BACKENDS`:
 
 - ``triton`` (:mod:`~lightning_flce.kernels.triton_backend`): Triton kernels, one per file
   (:mod:`~lightning_flce.kernels.cross_entropy`, :mod:`~lightning_flce.kernels.cross_entropy_shard`,
-  :mod:`~lightning_flce.kernels.logprobs`); CUDA, or
+  :mod:`~lightning_flce.kernels.logprobs`, :mod:`~lightning_flce.kernels.distill`); CUDA, or
   the CPU under Triton's interpreter (tests). The logits GEMM of ``logits_precision="fp32_compensated"``
   (:mod:`~lightning_flce.kernels.compensated_gemm`), which the chunk engine runs with this backend, lives
   beside them;
 - ``torch`` (:mod:`~lightning_flce.kernels.torch_backend`): their plain-PyTorch twins
   (:mod:`~lightning_flce.kernels.cross_entropy_torch`, :mod:`~lightning_flce.kernels.cross_entropy_shard_torch`,
-  :mod:`~lightning_flce.kernels.logprobs_torch`),
+  :mod:`~lightning_flce.kernels.logprobs_torch`, :mod:`~lightning_flce.kernels.distill_torch`),
   for the CPU, devices without Triton, and fp64.
+
+Every implementation transforms the logits (``softcap(r) / T``) and takes that transform's derivative through one
+pair per language: :mod:`~lightning_flce.kernels.triton_math` (``load_transformed`` / ``transform_logits``,
+``transform_backward``) and :mod:`~lightning_flce.kernels.transform_torch` (``transformed_logits``,
+``transform_backward``).
 
 The softmax runs in :func:`softmax_dtype` of the logits: fp32, or fp64 for fp64 logits. The Triton kernels
 compute in fp32 only, so fp64 logits go to the PyTorch twins (:func:`backend_for`).
@@ -50,8 +57,8 @@ def softmax_dtype(logits_dtype: torch.dtype) -> torch.dtype:
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """One implementation of the per-chunk kernels: a module (``module``) with ``cross_entropy_chunk``,
-    ``shard_row_stats``, ``shard_softmax_grad``, ``logprob_row_stats`` and ``logprob_grad`` (the contracts
-    above), and what the chunk engine needs to
+    ``shard_row_stats``, ``shard_softmax_grad``, ``logprob_row_stats``, ``logprob_grad`` and ``distill_chunk`` (the
+    contracts above), and what the chunk engine needs to
     know of it.
 
     ``softmax_dtypes``: the dtypes its softmax computes in (logits of other dtypes run the ``torch`` backend);
@@ -72,7 +79,7 @@ class Backend:
         return importlib.import_module(self.module)
 
 
-#: The registered backends, in the order ``impl="auto"`` tries them. A new backend: one module with the five
+#: The registered backends, in the order ``impl="auto"`` tries them. A new backend: one module with the six
 #: functions, and one entry here; ``impl`` accepts its name from then on.
 BACKENDS: Dict[str, Backend] = {
     backend.name: backend

@@ -75,7 +75,7 @@ import triton
 import triton.language as tl
 
 from lightning_flce._compat import TRITON_INTERPRET
-from lightning_flce.kernels.triton_math import tanh
+from lightning_flce.kernels.triton_math import transform_logits
 
 #: The operand dtypes the kernel takes.
 OPERAND_DTYPES = (torch.bfloat16, torch.float16)
@@ -284,9 +284,8 @@ def epilogue(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + tl.minimum(rn, N - 1))[None, :]
     if TILE_LSE:
-        z = acc
-        if HAS_SOFTCAP:  # as the chunk kernel's load_logits: the same fp32 value, the same tanh
-            z = softcap * tanh(z / softcap)
+        # the chunk kernel's transform of the same fp32 value (no re-mask: the next line masks every column past N)
+        z, _ = transform_logits(acc, True, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False)
         z = tl.where(rn[None, :] < N, z, float("-inf"))
         row_max = tl.max(z, 1)
         # A row whose columns here are all -inf (a bias mask) sums exp(z - 0) = 0 instead of NaN.
@@ -455,8 +454,8 @@ def _target_logits_kernel(
         z = tl.sum(acc, 0)
         if HAS_BIAS:
             z += tl.load(bias_ptr + target)
-        if HAS_SOFTCAP:  # as the epilogue's partials and the chunk kernel see it
-            z = softcap * tanh(z / softcap)
+        # through the softcap as the epilogue's partials and the chunk kernel see it
+        z, _ = transform_logits(z, True, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False)
         tl.store(out_ptr + row, z)
 
 

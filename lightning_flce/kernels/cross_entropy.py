@@ -30,7 +30,14 @@ import triton.language as tl
 
 from lightning_flce._compat import TRITON_INTERPRET
 from lightning_flce.kernels import ChunkOutputs, LossOptions, is_gradient_in_logits_rows
-from lightning_flce.kernels.triton_math import exp, load_logits, log, online_lse_step, tanh
+from lightning_flce.kernels.triton_math import (
+    exp,
+    load_transformed,
+    log,
+    online_lse_step,
+    transform_backward,
+    transform_logits,
+)
 
 # Elements of a row handled per loop iteration, 32 per thread (one warp per 1024): more loads in flight per
 # thread. H200 sweep (benchmarks/tune_ce_kernel.py, results/*_run14_*): 13-23% less kernel time than 8192
@@ -149,7 +156,7 @@ def _cross_entropy_chunk_kernel(
         for start in range(0, 0 if TILE_LSE else V, BLOCK_V):
             cols = start + offsets
             mask = cols < V
-            z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+            z, _ = load_transformed(row_ptr, cols, mask, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False)
             m_new, d, e, rescale, block_max = online_lse_step(z, m, d, PRECISE)
             # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
             z_finite = tl.where(mask, z, 0.0)
@@ -171,9 +178,8 @@ def _cross_entropy_chunk_kernel(
         if TARGET_LOGIT:  # the GEMM's fp32 value, through the softcap already
             z_target = tl.load(target_logit_ptr + row)
         else:
-            z_target = tl.load(row_ptr + target).to(tl.float32)
-            if HAS_SOFTCAP:
-                z_target = softcap * tanh(z_target / softcap)
+            r_target = tl.load(row_ptr + target).to(tl.float32)
+            z_target, _ = transform_logits(r_target, True, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False)
         if HAS_CLASS_WEIGHT:
             w_target = tl.load(class_weight_ptr + target)
             w_total = tl.load(class_weight_sum_ptr)
@@ -218,10 +224,13 @@ def _cross_entropy_chunk_kernel(
                     # The target's own term (-1 times the softcap's factor) from its exact logit: a 16-bit value
                     # far below its tile's max would move that factor by 2^-8 |z - max| 2 |z| / c^2.
                     z = tl.where(cols == target, z_target, z)
+                    capped = z  # softcapped by the GEMM's epilogue already
                 else:
                     cols = start + offsets
                     mask = cols < V
-                    z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+                    z, capped = load_transformed(
+                        row_ptr, cols, mask, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False
+                    )
                 grad = exp(z - lse, PRECISE_GRAD) * p_coef
                 if HAS_SMOOTHING:
                     if HAS_CLASS_WEIGHT:
@@ -230,9 +239,9 @@ def _cross_entropy_chunk_kernel(
                     else:
                         grad -= ce_scale * label_smoothing / V
                 grad = tl.where(cols == target, grad - target_coef, grad)
-                if HAS_SOFTCAP:
-                    capped = tl.where(mask, z, 0.0) / softcap
-                    grad = grad * (1.0 - capped * capped)
+                grad = transform_backward(
+                    grad, capped, mask, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False
+                )
                 if GRAD_IN_ROW:
                     # This block's 16-bit values land in fp32 columns [(V + cols) / 2], at or past the block's
                     # start: read by now, this block included, once every warp has loaded its part of it.

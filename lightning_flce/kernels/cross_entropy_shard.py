@@ -25,7 +25,13 @@ import triton.language as tl
 from lightning_flce._compat import TRITON_INTERPRET
 from lightning_flce.kernels import ShardRowStats
 from lightning_flce.kernels.cross_entropy import default_launch_config
-from lightning_flce.kernels.triton_math import exp, load_logits, online_lse_step, tanh
+from lightning_flce.kernels.triton_math import (
+    exp,
+    load_transformed,
+    online_lse_step,
+    transform_backward,
+    transform_logits,
+)
 
 
 @triton.jit
@@ -58,7 +64,7 @@ def _shard_row_stats_kernel(
     for start in range(0, V_LOCAL, BLOCK_V):
         cols = start + offsets
         mask = cols < V_LOCAL
-        z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+        z, _ = load_transformed(row_ptr, cols, mask, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False)
         m_new, d, e, rescale, block_max = online_lse_step(z, m, d, PRECISE)
         # Masked lanes hold -inf; zero them before any product (0 * -inf is NaN).
         z_finite = tl.where(mask, z, 0.0)
@@ -75,9 +81,8 @@ def _shard_row_stats_kernel(
     local_target = tl.load(local_target_ptr + row)
     held = (local_target >= 0) & (local_target < V_LOCAL)
     # Clamped so the load stays in the row; the value is used only where this shard holds the target.
-    z_target = tl.load(row_ptr + tl.where(held, local_target, 0)).to(tl.float32)
-    if HAS_SOFTCAP:
-        z_target = softcap * tanh(z_target / softcap)
+    r_target = tl.load(row_ptr + tl.where(held, local_target, 0)).to(tl.float32)
+    z_target, _ = transform_logits(r_target, True, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False)
     tl.store(z_target_ptr + row, tl.where(held, z_target, 0.0))
     if HAS_SMOOTHING:
         tl.store(z_sum_ptr + row, z_sum)
@@ -115,12 +120,10 @@ def _shard_grad_kernel(
     for start in range(0, V_LOCAL, BLOCK_V):
         cols = start + offsets
         mask = cols < V_LOCAL
-        z = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
+        z, capped = load_transformed(row_ptr, cols, mask, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False)
         grad = exp(z - lse, PRECISE) * p_coef - smoothing
         grad = tl.where(cols == local_target, grad - target_coef, grad)
-        if HAS_SOFTCAP:
-            capped = tl.where(mask, z, 0.0) / softcap
-            grad = grad * (1.0 - capped * capped)
+        grad = transform_backward(grad, capped, mask, softcap, 1.0, HAS_SOFTCAP, HAS_TEMPERATURE=False)
         tl.store(row_ptr + cols, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 

@@ -12,6 +12,7 @@ from typing import List, Optional
 import torch
 
 from lightning_flce.kernels import ShardRowStats, softmax_dtype
+from lightning_flce.kernels.transform_torch import transform_backward, transform_slope, transformed_logits
 
 _SOFTMAX_TEMPORARY_BYTES = 256 * 2**20
 
@@ -22,8 +23,7 @@ def _row_slices(n_rows: int, local_vocab: int, itemsize: int) -> List[slice]:
 
 
 def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
-    z = logits.to(softmax_dtype(logits.dtype))
-    return torch.tanh(z / softcap).mul_(softcap) if softcap > 0.0 else z
+    return transformed_logits(logits.to(softmax_dtype(logits.dtype)), softcap)[0]
 
 
 def shard_row_stats_torch(
@@ -74,6 +74,5 @@ def shard_softmax_grad_torch(
         if smoothing is not None:
             grad.sub_(smoothing[part].unsqueeze(1))
         grad.scatter_add_(1, safe_target[part], -target_coef[part].unsqueeze(1))
-        if softcap > 0.0:
-            grad.mul_((z / softcap).square_().neg_().add_(1.0))
+        transform_backward(grad, transform_slope(z, softcap))
         logits[part].copy_(grad)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from lightning_flce.kernels import ChunkOutputs, LossOptions, copy_gradient, softmax_dtype
+from lightning_flce.kernels.transform_torch import transform_backward, transform_slope, transformed_logits
 
 
 def cross_entropy_chunk_torch(
@@ -31,9 +32,8 @@ def cross_entropy_chunk_torch(
 
     valid = target != options.ignore_index
     safe_target = torch.where(valid, target, 0).unsqueeze(1)
-    z = logits.to(softmax_dtype(logits.dtype))
-    if cap > 0.0:
-        z = torch.tanh(z / cap).mul_(cap)
+    # the logits themselves for fp32 ones without a softcap: the gradient overwrites them in place below
+    z, _ = transformed_logits(logits.to(softmax_dtype(logits.dtype)), cap)
     lse = torch.logsumexp(z, dim=1)
     z_target = z.gather(1, safe_target).squeeze(1)
     if class_weight is not None:
@@ -65,15 +65,14 @@ def cross_entropy_chunk_torch(
         if eps > 0.0:
             p_coef = p_coef + ce_scale * eps * w_total / vocab
         target_coef = ce_scale * (1.0 - eps) * w_target
-        softcap_factor = (z / cap).square_().neg_().add_(1.0) if cap > 0.0 else None
+        slope = transform_slope(z, cap)  # before z becomes the gradient
         # z becomes the gradient in place: exp(z - lse) * p_coef - smoothing - one-hot.
         grad = z.sub_(lse.unsqueeze(1)).exp_().mul_(p_coef.unsqueeze(1))
         if eps > 0.0:
             smooth = class_weight if class_weight is not None else torch.ones_like(grad[0])
             grad.sub_((ce_scale * eps / vocab).unsqueeze(-1) * smooth)
         grad.scatter_add_(1, safe_target, -target_coef.expand(n_rows).unsqueeze(1))
-        if softcap_factor is not None:
-            grad.mul_(softcap_factor)
+        transform_backward(grad, slope)
         grad.mul_(valid.unsqueeze(1))
         # over the logits (a no-op for fp32 ones: z is them), or into grad_out, which may be their own rows
         copy_gradient(grad, logits if grad_out is None else grad_out)

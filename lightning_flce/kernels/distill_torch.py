@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_flce.kernels import copy_gradient, softmax_dtype
+from lightning_flce.kernels.transform_torch import transform_backward, transform_slope, transformed_logits
 
 #: [C, V] softmax-dtype copies held at once ("jsd"'s four; see the module docstring).
 WORKSPACE_COPIES = 4
@@ -37,10 +38,7 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 def _log_softmax(logits: Tensor, softcap: float, inv_temperature: Tensor, dtype: torch.dtype) -> Tensor:
     """``log_softmax(inv_t * softcap'(logits))`` as a new ``dtype`` tensor (built in place on one copy)."""
-    z = logits.to(dtype, copy=True)
-    if softcap > 0.0:
-        z.div_(softcap).tanh_().mul_(softcap)
-    z.mul_(inv_temperature.to(dtype).reshape(-1, 1))
+    z, _ = transformed_logits(logits.to(dtype), softcap, inv_temperature)
     return z.sub_(torch.logsumexp(z, dim=1, keepdim=True))
 
 
@@ -156,9 +154,9 @@ def distill_chunk(
         if grad is None:  # divergence None and hard_weight 0: no loss, a zero gradient
             grad = torch.zeros(student_logits.shape, dtype=dtype, device=student_logits.device)
         grad.mul_(scale.reshape(-1, 1))
-        if student_softcap > 0.0:  # d softcap'(r) / dr = 1 - (softcap'(r) / c')^2
-            capped = student_logits.to(dtype, copy=True).div_(student_softcap).tanh_()
-            grad.mul_(capped.square_().neg_().add_(1.0))
+        if student_softcap > 0.0:
+            _, capped = transformed_logits(student_logits.to(dtype), student_softcap)
+            transform_backward(grad, transform_slope(capped, student_softcap))
             del capped
         copy_gradient(grad, student_logits if grad_out is None else grad_out)
     return loss_rows, div_rows, ce_rows

@@ -6,10 +6,9 @@ The kernels are looked up in their modules at each call, so a test can replace o
 
 from __future__ import annotations
 
-import importlib
-
 from lightning_flce.kernels import cross_entropy as _chunk_kernel
 from lightning_flce.kernels import cross_entropy_shard as _shard_kernels
+from lightning_flce.kernels import distill as _distill_kernel
 from lightning_flce.kernels import logprobs as _logprob_kernels
 
 
@@ -41,14 +40,5 @@ def logprob_grad(logits, target, **kwargs):
 
 
 def distill_chunk(student_logits, teacher_logits, target, **kwargs):
-    """See :func:`lightning_flce.kernels.distill.distill_chunk` (the contract of
-    :func:`lightning_flce.kernels.distill_torch.distill_chunk`). Its module is imported on first use."""
-    try:
-        kernel = importlib.import_module("lightning_flce.kernels.distill")
-    except ModuleNotFoundError as error:
-        if error.name != "lightning_flce.kernels.distill":
-            raise
-        raise NotImplementedError(
-            "the Triton distillation kernel (lightning_flce.kernels.distill) is not in this build; use impl='torch'"
-        ) from None
-    return kernel.distill_chunk(student_logits, teacher_logits, target, **kwargs)
+    """See :func:`lightning_flce.kernels.distill.distill_chunk`."""
+    return _distill_kernel.distill_chunk(student_logits, teacher_logits, target, **kwargs)

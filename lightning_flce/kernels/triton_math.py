@@ -1,6 +1,8 @@
-"""Triton device functions shared by the chunk kernel (:mod:`~lightning_flce.kernels.cross_entropy`) and the
-vocab-parallel shard kernels (:mod:`~lightning_flce.kernels.cross_entropy_shard`): the softcap's tanh, exp and
-log (precise for fp32 logits), one step of the online log-sum-exp, and a block of (softcapped) logits."""
+"""Triton device functions shared by the kernels (the cross-entropy chunk and vocab-parallel shard kernels, the
+log-probability kernels, the compensated GEMM's epilogue): exp and log (precise for fp32 logits), one step of the
+online log-sum-exp, and the logit transform ``z = softcap(r) / T`` with its derivative, written once here
+(:func:`transform_logits`, :func:`load_transformed`, :func:`transform_backward`; the PyTorch twins' pair is
+:mod:`~lightning_flce.kernels.transform_torch`)."""
 
 from __future__ import annotations
 
@@ -57,26 +59,54 @@ def log(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
-    z = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+def transform_logits(
+    r, mask, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr, HAS_TEMPERATURE: tl.constexpr
+):
+    """The logit transform of every kernel, on fp32 logits ``r``: ``(z, capped)`` with ``capped = c tanh(r / c)``
+    (``r`` itself without HAS_SOFTCAP), -inf where ``mask`` is False (tanh(-inf) is -1, not -inf; True for a value
+    that needs no re-mask), and ``z = capped / T`` (``capped`` itself without HAS_TEMPERATURE; ``inv_temperature``
+    is 1 / T). The flags are constexpr: a kernel without a softcap or a temperature compiles none of it."""
+    capped = r
     if HAS_SOFTCAP:
-        # Re-mask: tanh(-inf) is -1, not -inf.
-        z = tl.where(mask, softcap * tanh(z / softcap), float("-inf"))
-    return z
+        capped = tl.where(mask, softcap * tanh(r / softcap), float("-inf"))
+    z = capped
+    if HAS_TEMPERATURE:
+        z = capped * inv_temperature
+    return z, capped
 
 
 @triton.jit
-def load_transformed(row_ptr, cols, mask, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
-    """A block of ``z = softcap(r) / T`` (-inf at masked lanes) and the softcapped ``softcap(r)`` itself (for
-    :func:`transform_backward`): the samplers' logit transform of the log-probability kernels."""
-    capped = load_logits(row_ptr, cols, mask, softcap, HAS_SOFTCAP)
-    return capped * inv_temperature, capped
+def load_transformed(
+    row_ptr,
+    cols,
+    mask,
+    softcap,
+    inv_temperature,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr = True,
+):
+    """A block of a row's logits through :func:`transform_logits`: ``(z, capped)``, -inf at masked lanes (the
+    capped values are what :func:`transform_backward` needs). Kernels without a temperature (the cross-entropy's)
+    pass ``HAS_TEMPERATURE=False``."""
+    r = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    return transform_logits(r, mask, softcap, inv_temperature, HAS_SOFTCAP, HAS_TEMPERATURE)
 
 
 @triton.jit
-def transform_backward(grad_z, capped, mask, softcap, inv_temperature, HAS_SOFTCAP: tl.constexpr):
-    """``d/dr`` from ``d/dz`` of :func:`load_transformed`: times ``1 / T`` and ``1 - (softcap(r) / c)^2``."""
-    grad = grad_z * inv_temperature
+def transform_backward(
+    grad_z,
+    capped,
+    mask,
+    softcap,
+    inv_temperature,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr = True,
+):
+    """``d/dr`` from ``d/dz`` of :func:`transform_logits`: times ``1 / T``, then times the softcap's
+    ``1 - (softcap(r) / c)^2`` (0 at masked lanes, whose capped value is -inf)."""
+    grad = grad_z
+    if HAS_TEMPERATURE:
+        grad = grad * inv_temperature
     if HAS_SOFTCAP:
         ratio = tl.where(mask, capped, 0.0) / softcap
         grad = grad * (1.0 - ratio * ratio)

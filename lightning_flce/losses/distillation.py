@@ -67,7 +67,8 @@ class DistillationChunkLoss(ChunkLoss):
     weights, or "none"'s per-token grad_output), ``student_inv_temperature`` and ``teacher_inv_temperature``
     (``logit_scale / T`` of each side), ``ce_inv_temperature`` (the student's logit scale, [1]).
 
-    ``kernels``: a backend's module (its ``distill_chunk``); ``teacher``: the teacher head; ``student_softcap`` and
+    ``kernels``: a backend's module (its ``distill_chunk``); ``teacher``: the teacher head (its logits arrive in
+    ``side[teacher.name]``, :data:`TEACHER_LOGITS` by convention); ``student_softcap`` and
     ``teacher_softcap``: ``softcap / logit_scale`` of each side (0.0: none).
     """
 
@@ -94,7 +95,7 @@ class DistillationChunkLoss(ChunkLoss):
         if divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
         self.kernels = kernels
-        self.teacher = teacher._replace(name=TEACHER_LOGITS)
+        self.teacher = teacher
         self.divergence = divergence
         self.beta = beta
         self.hard_weight = hard_weight
@@ -158,7 +159,7 @@ class DistillationChunkLoss(ChunkLoss):
         grad_out: Optional[Tensor],
         tile_lse=None,
     ) -> Tuple[Optional[Tensor], ...]:
-        teacher = side[TEACHER_LOGITS]
+        teacher = side[self.teacher.name]
         options = self._kernel_options(side)
         token_scale = side["token_scale"]
         if self.top_k is None:

@@ -1,7 +1,7 @@
 """The rank agreement of the vocab-parallel op: one small int64 all-reduce per call (one host sync), its first
 collective, in which every rank learns every shard's ``(start, size)`` and every rank's view of the call.
 
-A mismatch between ranks (different hidden states count, targets, token weights, hidden size, chunk size,
+A mismatch between ranks (different hidden states count, targets, per-token inputs (token weights), hidden size, chunk size,
 dtype, ``requires_grad`` or ``sequence_parallel``) raises the same error on every rank instead of hanging in a
 later collective. Every rank joins it even when its own argument checks failed (it then sends a flag instead
 of its row), so a bad argument on one rank raises on all: there its own error, on the others one naming it.
@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_flce._compat import dtensor_api
 from lightning_flce.engine import chunk_rows
 from lightning_flce.options import LOGITS_PRECISIONS, FLCEOptions
+from lightning_flce.per_token import CROSS_ENTROPY_INPUTS, PER_TOKEN_INPUTS
 
 _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
 # Columns of the per-rank row of the agreement all-reduce.
@@ -39,13 +40,14 @@ _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
     _C_DTYPES,
     _C_FLAGS,
     _C_OPTIONS,
-    _C_TOKEN_WEIGHT,  # a fingerprint of the token weights (0 without)
+    _C_PER_TOKEN,  # a fingerprint of the per-token inputs the ranks must agree on (0 without)
 ) = range(16)
 _N_COLUMNS = 16
 # The ranks whose checks passed raise the failed rank's error type: the first listed that it is, else RuntimeError
 _PEER_ERROR_TYPES = (ValueError, TypeError, NotImplementedError, RuntimeError)
 _FINGERPRINT_PRIME = 2**31 - 1  # the targets fingerprint (see _agreement_row)
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_PER_TOKEN_NAMES = " or ".join(CROSS_ENTROPY_INPUTS)  # in the errors
 
 
 def call_group(weight: Tensor, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -139,14 +141,12 @@ def agreement_row(
     ) % _FINGERPRINT_PRIME
     fingerprint = (mixed * mixed % _FINGERPRINT_PRIME).sum() % (1 << 40)
     # must agree as well (a bias on some ranks only would leave the others' logits without it)
-    has_token_weight = options.token_weight is not None
+    per_token = {name: getattr(options, name) for name in CROSS_ENTROPY_INPUTS}
     flags = (
-        int(need_grad_input)
-        | int(compute_stats) << 1
-        | _REDUCTION_CODES[reduction] << 2
-        | int(has_bias) << 4
-        | int(has_token_weight) << 5
+        int(need_grad_input) | int(compute_stats) << 1 | _REDUCTION_CODES[reduction] << 2 | int(has_bias) << 4
     )
+    for bit, value in enumerate(per_token.values(), start=5):  # each per-token input given or not
+        flags |= int(value is not None) << bit
     # fp16 and bf16 have one itemsize: compare the dtypes themselves (input's and the GEMMs')
     dtypes = _DTYPE_CODES.get(input.dtype, 0) * 16 + _DTYPE_CODES.get(compute_dtype, 0)
     # Python's hash of ints and floats is the same in every process (no hash randomization for numbers).
@@ -171,20 +171,28 @@ def agreement_row(
             flat_target.new_tensor(dtypes),
             flat_target.new_tensor(flags),
             flat_target.new_tensor(options_code),
-            _token_weight_fingerprint(options.token_weight, flat_target) if has_token_weight else zero,
+            _per_token_fingerprint(per_token, flat_target, zero),
         ]
     )
 
 
-def _token_weight_fingerprint(token_weight: Tensor, flat_target: Tensor) -> Tensor:
-    """The bits of a position-mixed fp64 sum of the weights, as int64: the same weights give the same sum
-    (the same reduction over the same values) on every rank; differing weights, a permutation included,
+def _per_token_fingerprint(per_token: dict, flat_target: Tensor, zero: Tensor) -> Tensor:
+    """A fingerprint of the given per-token inputs whose ranks must agree (``ranks_agree``): the sum (wrapping)
+    of each one's :func:`_values_fingerprint`; 0 without any."""
+    fingerprint = zero
+    for name, value in per_token.items():
+        if value is not None and PER_TOKEN_INPUTS[name].ranks_agree:
+            fingerprint = fingerprint + _values_fingerprint(value, flat_target)
+    return fingerprint
+
+
+def _values_fingerprint(values: Tensor, flat_target: Tensor) -> Tensor:
+    """The bits of a position-mixed fp64 sum of the values, as int64: the same values give the same sum
+    (the same reduction over the same values) on every rank; differing values, a permutation included,
     differ but by chance."""
-    weights = token_weight.reshape(-1).double()
-    mix = (
-        1.0 + torch.arange(weights.numel(), device=weights.device, dtype=torch.float64).remainder(7919) / 7919
-    )
-    return (weights * mix).sum().reshape(1).view(torch.int64)[0].to(flat_target.device)
+    values = values.reshape(-1).double()
+    mix = 1.0 + torch.arange(values.numel(), device=values.device, dtype=torch.float64).remainder(7919) / 7919
+    return (values * mix).sum().reshape(1).view(torch.int64)[0].to(flat_target.device)
 
 
 def agreement_device(input: Any, group: Optional[dist.ProcessGroup]) -> torch.device:
@@ -268,12 +276,12 @@ def layout(
         (_C_FINGERPRINT, "targets"),
         (_C_CHUNK, "chunk_size"),
         (_C_DTYPES, "input or compute dtypes"),
-        (_C_FLAGS, "reduction, stats, bias or token_weight (given or not) or input.requires_grad"),
+        (_C_FLAGS, f"reduction, stats, bias or {_PER_TOKEN_NAMES} (given or not) or input.requires_grad"),
         (
             _C_OPTIONS,
             "ignore_index, label_smoothing, lse_square_scale, logits_precision, softcap or target shape",
         ),
-        (_C_TOKEN_WEIGHT, "token_weight"),
+        (_C_PER_TOKEN, _PER_TOKEN_NAMES),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
     ]
     tokens = column(_C_TOKENS)
@@ -286,7 +294,7 @@ def layout(
                 "sequence_parallel needs the same hidden size and input dtype on every rank (the tokens are"
                 " all-gathered as one tensor)"
             )
-        excluded = (_C_VALID, _C_FINGERPRINT, _C_TOKEN_WEIGHT)  # each rank's own tokens
+        excluded = (_C_VALID, _C_FINGERPRINT, _C_PER_TOKEN)  # each rank's own tokens
         must_agree = [(index, what) for index, what in must_agree if index not in excluded]
     for index, what in must_agree:
         if len(set(column(index))) > 1:

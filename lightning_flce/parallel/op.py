@@ -78,6 +78,7 @@ from lightning_flce.parallel.agreement import (
     layout,
     local_tensors,
 )
+from lightning_flce.per_token import CROSS_ENTROPY_INPUTS, PER_TOKEN_INPUTS
 from lightning_flce.validation import check_inputs, class_indices
 
 __all__ = [
@@ -201,7 +202,9 @@ class _Plan(NamedTuple):
     n_valid: int
     chunk_size: int
     compute_dtype: torch.dtype
-    options: FLCEOptions  # token_weight: every token's (all-gathered with sequence parallelism), flattened
+    options: (
+        FLCEOptions  # per-token inputs: every token's (all-gathered with sequence parallelism), flattened
+    )
     backend: (
         Backend  # whose shard kernels run the softmax (Triton on CUDA or in the interpreter, or the twin)
     )
@@ -270,12 +273,18 @@ def _call(
         on_gpu=input.device.type == "cuda",
     )
     local_input = input
-    token_weight = options.token_weight
     # After the agreement: every rank holds as many tokens, of one hidden size and dtype.
     if sequence_parallel:
         input, target = _gather_tokens(input, target, group)
-        if token_weight is not None:
-            token_weight = _gather_rows(token_weight.reshape(-1), group)
+    # the per-token inputs of every token, flattened (all-gathered as the tokens are)
+    per_token = {}
+    for name in CROSS_ENTROPY_INPUTS:
+        value = getattr(options, name)
+        if value is not None:
+            value = value.reshape(-1)
+            if sequence_parallel and PER_TOKEN_INPUTS[name].sequence_parallel_gather:
+                value = _gather_rows(value, group)
+            per_token[name] = value
     if not agreed.targets_in_range:  # the same targets on every rank now: the same message
         raise target_range_error(target, agreed.vocab, options.ignore_index)
     plan = _Plan(
@@ -285,7 +294,7 @@ def _call(
         n_valid=agreed.n_valid,
         chunk_size=agreed.chunk_size,
         compute_dtype=compute_dtype,
-        options=options.replace(token_weight=None if token_weight is None else token_weight.reshape(-1)),
+        options=options.replace(**per_token),
         backend=backend,
         sequence_parallel=sequence_parallel,
     )

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional, Union, cast
 
-import torch
 from torch import Tensor, nn
 
 from lightning_flce.adapters import is_peft_lora_head, lora_head_loss
@@ -29,7 +28,7 @@ from lightning_flce.parallel import VocabParallelHead
 from lightning_flce.rl.logprobs import LogProbsOutput, fused_linear_logprobs
 from lightning_flce.rl.policy import FusedLinearPolicyLoss, PolicyLossOutput, fused_linear_policy_loss
 
-__all__ = ["head_logprobs", "head_policy_loss", "policy_loss_module", "shift_per_token"]
+__all__ = ["head_logprobs", "head_policy_loss", "policy_loss_module"]
 
 
 def policy_loss_module(options: FLCEOptions, **policy: Any) -> FusedLinearPolicyLoss:
@@ -56,14 +55,6 @@ def policy_loss_module(options: FLCEOptions, **policy: Any) -> FusedLinearPolicy
         chunk_size=options.chunk_size,
         impl=options.impl,
     )
-
-
-def shift_per_token(value: Optional[Tensor], pad: float) -> Optional[Tensor]:
-    """A per-token tensor [B, T] of the input ids' positions moved to the positions that predict them (position
-    t gets t + 1's value, the last position ``pad``), as the mixin's ``shift`` moves the target."""
-    if value is None or value.dim() < 2:
-        return value
-    return torch.cat([value[..., 1:], value.new_full((*value.shape[:-1], 1), pad)], dim=-1)
 
 
 def _run_in_head(
@@ -148,8 +139,7 @@ def head_policy_loss(
 ) -> PolicyLossOutput:
     """:func:`~lightning_flce.fused_linear_policy_loss` of the head with ``policy``'s options (the softcap is
     the head's; ``temperature``, when given, replaces the option's; ``return_entropy`` adds to the option's) and
-    the per-call tensors ``per_call``
-    (``advantages``, ``old_logprobs``, ``ref_logprobs``, ``mask``, ``token_weight``)."""
+    the per-call tensors ``per_call`` (:data:`~lightning_flce.per_token.POLICY_INPUTS`)."""
     options = {**policy.options, "softcap": resolved.softcap}
     if temperature is not None:
         options["temperature"] = temperature

@@ -15,6 +15,7 @@ from lightning_flce.functional import checked_call
 from lightning_flce.kernels import softmax_dtype
 from lightning_flce.losses.policy import LOSS_TYPES, PolicyLossType
 from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision
+from lightning_flce.per_token import POLICY_INPUTS, check_per_token
 from lightning_flce.rl.logprobs import inverse_temperature
 from lightning_flce.rl.policy_op import flce_policy_loss
 from lightning_flce.validation import class_indices
@@ -128,15 +129,22 @@ def fused_linear_policy_loss(
         isinstance(max_completion_length, int) and max_completion_length > 0
     ):
         raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
-    _check_per_token("advantages", advantages, target, allow=((batch,), (batch, length)))
-    for name, value in (
-        ("old_logprobs", old_logprobs),
-        ("ref_logprobs", ref_logprobs),
-        ("mask", mask),
-        ("token_weight", token_weight),
-    ):
-        if value is not None:
-            _check_per_token(name, value, target, allow=((batch, length),), floating=name != "mask")
+    given = dict(
+        advantages=advantages,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        mask=mask,
+        token_weight=token_weight,
+    )
+    for name in POLICY_INPUTS:
+        if given[name] is not None or name == "advantages":
+            check_per_token(
+                name,
+                given[name],
+                target,
+                shape_error="{name} must have shape {shape} (target is {target}), got {got}",
+                dtype_error="{name} must be a floating-point tensor, got {got}",
+            )
 
     options = FLCEOptions.of(
         ignore_index=ignore_index,
@@ -262,20 +270,6 @@ def policy_normalizer(
     return counted.sum(), "completion tokens"
 
 
-def _check_per_token(name: str, value: Tensor, target: Tensor, *, allow, floating: bool = True) -> None:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a tensor, got {type(value).__name__}")
-    if tuple(value.shape) not in allow:
-        shapes = " or ".join(str(list(shape)) for shape in allow)
-        raise ValueError(
-            f"{name} must have shape {shapes} (target is {list(target.shape)}), got {list(value.shape)}"
-        )
-    if value.device != target.device:
-        raise ValueError(f"{name} is on {value.device} but target is on {target.device}")
-    if floating and not value.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
-
-
 class FusedLinearPolicyLoss(torch.nn.Module):
     """:func:`fused_linear_policy_loss` as a module: the loss's options (``loss_type``, the clip range, ``beta``,
     ``entropy_coef``, ``temperature``, ``max_completion_length``, ``softcap``, ``logits_precision``, ...) set once;
@@ -283,7 +277,7 @@ class FusedLinearPolicyLoss(torch.nn.Module):
     token_weight=None)`` returns its :class:`PolicyLossOutput`. Options are checked when the module is built."""
 
     #: the arguments of :func:`fused_linear_policy_loss` given per call (``forward``), not to the constructor
-    PER_CALL = ("advantages", "old_logprobs", "ref_logprobs", "mask", "token_weight")
+    PER_CALL = POLICY_INPUTS
 
     def __init__(
         self,

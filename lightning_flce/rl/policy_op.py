@@ -9,7 +9,7 @@ host sync, before any kernel runs.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 from torch import Tensor
@@ -17,9 +17,9 @@ from torch import Tensor
 from lightning_flce.engine import (
     check_targets,
     chunk_rows,
-    finish_saved_grads,
     fp16_bound_stats,
     inverse_scales,
+    register_forward_grads_autograd,
     run_chunks,
     saved_grad_input_dtype,
     saved_grad_weight_dtype,
@@ -165,44 +165,16 @@ flce_policy_loss = torch.library.custom_op(
 flce_policy_loss.register_fake(_forward_fake)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    a = dict(zip(_NAMES, inputs))
-    ctx.needs = (a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"])
-    ctx.final_dtypes = (a["x"].dtype, a["weight"].dtype, None if a["bias"] is None else a["bias"].dtype)
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(*output[3:])
-
-
-def _backward(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
-    grads = dict.fromkeys(_NAMES)
-    if grad_loss is not None:
-        _check_single_backward(ctx)
-        *saved, inverse = ctx.saved_tensors
-        gx, gw, gb = finish_saved_grads(saved, ctx.final_dtypes, grad_loss, inverse)
-        grads["x"] = gx if ctx.needs[0] else None
-        grads["weight"] = gw if ctx.needs[1] else None
-        grads["bias"] = gb if ctx.needs[2] else None
-    return tuple(grads.values())
-
-
-def _check_single_backward(ctx) -> None:
-    """The gradients computed in forward are scaled in place and handed out once, and carry no graph."""
-    if torch.is_grad_enabled():  # backward runs in grad mode only under create_graph=True
-        raise RuntimeError(
-            "fused_linear_policy_loss does not support double backward (create_graph=True): its gradients are"
-            " computed in forward, without a graph"
-        )
-    if getattr(ctx, "grads_handed_out", False):
-        raise RuntimeError(
-            "backward ran twice through the same fused_linear_policy_loss call: it computes the gradients in forward"
-            " and hands them out once (scaled in place). Call the loss again, or build the loss on"
-            " fused_linear_logprobs (its backward recomputes the chunks) for retain_graph or repeated autograd.grad"
-        )
-    ctx.grads_handed_out = True
-
-
-flce_policy_loss.register_autograd(_backward, setup_context=_setup_context)
+register_forward_grads_autograd(
+    flce_policy_loss,
+    _NAMES,
+    op_name="fused_linear_policy_loss",
+    why="its gradients are computed in forward",
+    repeat_hint=(
+        "Call the loss again, or build the loss on fused_linear_logprobs (its backward recomputes the chunks) for"
+        " retain_graph or repeated autograd.grad"
+    ),
+)
 
 
 register_flops(

@@ -24,11 +24,13 @@ from lightning_flce import (
     FLCEMixin,
     FLCEOptions,
     FLCEOutput,
+    FusedLinearDistillationLoss,
     FusedLinearPolicyLoss,
     LogProbsOutput,
     PolicyLossOutput,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
+    fused_linear_distillation,
     fused_linear_logprobs,
     fused_linear_policy_loss,
 )
@@ -217,3 +219,14 @@ assert_type(policy.loss, Tensor)
 fused_linear_policy_loss(hidden, lm_head, labels, advantages=advantages, loss_type="gspo")  # type: ignore[arg-type]
 policy_module = FusedLinearPolicyLoss(loss_type="cispo", epsilon_high=5.0)
 assert_type(policy_module, FusedLinearPolicyLoss)
+
+# --- distillation: a frozen teacher's head beside the student's (another hidden size, the same vocabulary)
+teacher_hidden = torch.randn(B, T, 48)
+teacher_head = torch.randn(V, 48)
+distill_loss = fused_linear_distillation(
+    hidden, lm_head, teacher_hidden, teacher_head, labels, divergence="forward_kl", hard_weight=0.1, top_k=8
+)
+assert_type(distill_loss, Tensor)
+fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, divergence="kl")  # type: ignore[arg-type]
+distill_module = FusedLinearDistillationLoss(divergence="jsd", beta=0.1, temperature=2.0)
+assert_type(distill_module, FusedLinearDistillationLoss)

@@ -1,0 +1,142 @@
+"""Issue 37: what does the distillation kernel cost in registers, and are its loads 16 bytes wide? Answered
+without a GPU: Triton compiles the kernel for sm_90 on any machine (its bundled ptxas), and the bundled
+``cuobjdump`` / ``nvdisasm`` read the cubin.
+
+Why registers: one program of ``num_warps * 32`` threads per row; at 16 warps, 64 registers a thread or fewer
+let two programs share an SM (65536 registers), more leave one, and that halves the loads in flight.
+
+For each variant (divergence, hard-label CE, softcaps, logits dtype, launch) this prints the registers, the
+stack frame, and the SASS counts of 16-byte global loads and stores, barriers and special-function (MUFU)
+instructions. The rows are specialized as a launch would be on 16-byte aligned rows (a row stride that is a
+multiple of 16 bytes: V = 128256).
+
+    python3 benchmarks/experiments/distill_kernel_resources.py
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common
+
+import _common  # noqa: E402
+
+_common.ensure_repo_on_path()
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from lightning_flce.kernels.distill import DIVERGENCES, _distill_kernel  # noqa: E402
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+VOCAB = 128256
+POINTERS = ("student_ptr", "teacher_ptr", "grad_ptr", "target_ptr", "student_inv_t_ptr", "teacher_inv_t_ptr")
+POINTERS += ("ce_inv_t_ptr", "token_scale_ptr", "loss_ptr", "divergence_ptr", "ce_ptr")
+ALIGNED = POINTERS + ("student_row_stride", "teacher_row_stride", "grad_row_stride")
+
+
+def signature(student, teacher, grad):
+    types = {"student_ptr": f"*{student}", "teacher_ptr": f"*{teacher}", "grad_ptr": f"*{grad}"}
+    types.update({"target_ptr": "*i64", "loss_ptr": "*fp32", "divergence_ptr": "*fp32", "ce_ptr": "*fp32"})
+    types.update({name: "*fp32" for name in POINTERS if name not in types})
+    names = _distill_kernel.arg_names
+    ints = {"student_row_stride", "teacher_row_stride", "grad_row_stride"}
+    floats = {"beta", "hard_weight", "student_softcap", "teacher_softcap"}
+    out = {}
+    for name in names:
+        if name in types:
+            out[name] = types[name]
+        elif name in ints:
+            out[name] = "i64"
+        elif name in floats:
+            out[name] = "fp32"
+        elif name.endswith("_stride"):
+            out[name] = "i32"
+        else:
+            out[name] = "constexpr"
+    return out
+
+
+def compile_variant(divergence, has_ce, caps=(False, False), logits="bf16", block_v=8192, num_warps=16):
+    """The cubin of one specialization (fp32 logits: a bf16 teacher and the bf16 gradient in the rows)."""
+    fp32 = logits == "fp32"
+    sig = signature("fp32" if fp32 else "bf16", "bf16", "bf16")
+    constants = {
+        "V": VOCAB,
+        "DIVERGENCE": DIVERGENCES[divergence],
+        "DIVERGENCE_GRAD": divergence is not None,
+        "HAS_CE": has_ce,
+        "STUDENT_SOFTCAP": caps[0],
+        "TEACHER_SOFTCAP": caps[1],
+        "COMPUTE_GRAD": True,
+        "PRECISE": fp32,
+        "PRECISE_GRAD": False,
+        "GRAD_IN_ROW": fp32,
+        "BLOCK_V": block_v,
+        "LAST_BLOCK_START": (VOCAB - 1) // block_v * block_v,
+    }
+    names = list(sig)
+    source = ASTSource(
+        fn=_distill_kernel,
+        signature=sig,
+        constexprs={(names.index(name),): value for name, value in constants.items()},
+        attrs={(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED},
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm[
+        "cubin"
+    ]
+
+
+def resources(cubin: bytes):
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as file:
+            file.write(cubin)
+        usage = subprocess.run(
+            [TOOLS / "cuobjdump", "-res-usage", path], capture_output=True, text=True
+        ).stdout
+        sass = subprocess.run([TOOLS / "nvdisasm", "-c", path], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    ops = collections.Counter(re.findall(r"\b(LDG\.E\.128|STG\.E\.128|BAR\.SYNC|MUFU)", sass))
+    return [
+        found.get("REG"),
+        found.get("STACK"),
+        ops["LDG.E.128"],
+        ops["STG.E.128"],
+        ops["BAR.SYNC"],
+        ops["MUFU"],
+    ]
+
+
+VARIANTS = [
+    {"divergence": "forward_kl", "has_ce": False},
+    {"divergence": "reverse_kl", "has_ce": False},
+    {"divergence": "jsd", "has_ce": False},
+    {"divergence": None, "has_ce": True},
+    {"divergence": "forward_kl", "has_ce": True},
+    {"divergence": "jsd", "has_ce": True},
+    {"divergence": "jsd", "has_ce": False, "caps": (True, True)},
+    {"divergence": "forward_kl", "has_ce": False, "logits": "fp32"},
+    {"divergence": "jsd", "has_ce": True, "logits": "fp32"},
+    {"divergence": "jsd", "has_ce": False, "block_v": 4096, "num_warps": 8},
+    {"divergence": "jsd", "has_ce": False, "block_v": 16384, "num_warps": 16},
+]
+
+
+def main():
+    rows = []
+    for variant in VARIANTS:
+        label = " ".join(f"{key}={value}" for key, value in variant.items())
+        rows.append([label, *resources(compile_variant(**variant))])
+    headers = ["variant", "registers", "stack", "16-byte loads", "16-byte stores", "barriers", "MUFU"]
+    print(*_common.text_table(headers, rows), sep="\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""Triton kernel: the distillation loss of one chunk (a divergence between the teacher's and the student's
+vocabulary distributions, plus an optional hard-label cross-entropy) and its student logit gradient, in place.
+
+Per row, with each side's transform ``z = inv_t * softcap(r)`` (``softcap(r) = c tanh(r / c)``, or ``r``),
+``p = softmax(z_s)`` (student), ``q = softmax(z_t)`` (teacher), ``M = beta q + (1 - beta) p``:
+
+    forward_kl  KL(q || p) = sum q (log q - log p)                      d/dz_s = p - q
+    reverse_kl  KL(p || q) = sum p (log p - log q)                      d/dz_s = p (log p - log q - KL(p || q))
+    jsd         beta KL(q || M) + (1 - beta) KL(p || M)                 d/dz_s = (1 - beta) p (log p - log M - KL(p || M))
+    ce          lse(z_c) - z_c[target],  z_c = ce_inv_t * softcap(r_s)  d/dz_c = softmax(z_c) - onehot(target)
+    loss        token_scale ((1 - w) divergence + w ce)
+    d/dr_s      token_scale ((1 - w) d/dz_s inv_t_s + w d/dz_c ce_inv_t) (1 - (softcap(r_s) / c)^2)
+
+One program per row (the chunk holds only rows that carry a loss), up to three passes over it:
+
+1. both rows once: the online log-sum-exp of z_s and z_t (and of z_c where its inverse temperature differs
+   from the student's: a runtime branch per row, so a CE on the student's own scale reuses z_s's), and for
+   the KLs the sum that gives the divergence without another pass: ``sum exp(z_t - m_t) (z_t - z_s)`` (forward)
+   or ``sum exp(z_s - m_s) (z_s - z_t)`` (reverse), rescaled with the running maximum as the LSE's sum is;
+2. "jsd" only: ``log M`` needs both final LSEs, so a second read of both rows sums KL(q || M) and KL(p || M);
+3. with ``compute_grad``: d/dr_s over the student row (or into the 16-bit view of an fp32 row's second half,
+   :func:`~lightning_flce.kernels.gradient_in_logits_rows`: then last block first, a barrier per block, as the
+   cross-entropy kernel does). The teacher row is read once per pass; the teacher gets no gradient.
+
+Masked or padded columns (-inf logits) have p = 0 or q = 0: every product with a log-probability is taken
+under ``where(prob > 0)``, never as 0 * -inf. A column where the divergence's weight is positive and the other
+side's probability is 0 gives an infinite KL, as the float64 definition does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_flce.kernels import is_gradient_in_logits_rows
+from lightning_flce.kernels.cross_entropy import LaunchConfig, exp_precision
+from lightning_flce.kernels.triton_math import exp, load_transformed, log, online_lse_step, transform_backward
+
+#: The divergences by name, as the kernel's DIVERGENCE constant (None: the hard-label CE alone).
+DIVERGENCES = {None: 0, "forward_kl": 1, "reverse_kl": 2, "jsd": 3}
+
+# Two rows (student and teacher) are live per block, so half the cross-entropy kernel's widest block; 512
+# elements per warp (16 per thread at 8192 on 16 warps) keeps the block's values in registers.
+_MAX_BLOCK_V = 8192
+_ELEMENTS_PER_WARP = 512
+
+
+def default_distill_launch_config(vocab: int) -> LaunchConfig:
+    """The launch of :func:`_distill_kernel` for rows of ``vocab`` logits
+    (``benchmarks/experiments/bench_distill_kernel.py`` sweeps the alternatives)."""
+    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+    return LaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)))
+
+
+@triton.jit
+def _mixture_log(p, q, beta, PRECISE: tl.constexpr):
+    """log M = log(beta q + (1 - beta) p), and whether M > 0: a lane whose p and q both underflowed (or a
+    -inf column) has M = 0; its terms are 0 under the callers' ``where``. From p and q, which every caller
+    holds, one log per lane (the lse-combination of log q and log p costs an exp and a log more, and is no
+    more accurate to first order: its log1p term rounds as this log does)."""
+    mixture = beta * q + (1.0 - beta) * p
+    positive = mixture > 0.0
+    return log(tl.where(positive, mixture, 1.0), PRECISE), positive
+
+
+@triton.jit
+def _distill_kernel(
+    student_ptr,  # [C, V] student logits r_s (compute dtype, or fp32 wide logits)
+    student_row_stride,
+    teacher_ptr,  # [C, V] teacher logits r_t (any float dtype), read only
+    teacher_row_stride,
+    grad_ptr,  # [C, V] out: d/dr_s (student_ptr itself, another buffer, or GRAD_IN_ROW's 16-bit view)
+    grad_row_stride,
+    target_ptr,  # [C] int64 in [0, V) (read only with HAS_CE)
+    student_inv_t_ptr,  # fp32 [1] or [C]
+    teacher_inv_t_ptr,  # fp32 [1] or [C]
+    ce_inv_t_ptr,  # fp32 [1] or [C]
+    token_scale_ptr,  # fp32 [1] or [C]
+    student_inv_t_stride,  # 0 for a shared value, 1 per row (each of the four)
+    teacher_inv_t_stride,
+    ce_inv_t_stride,
+    token_scale_stride,
+    loss_ptr,  # [C] fp32 out: token_scale ((1 - w) divergence + w ce)
+    divergence_ptr,  # [C] fp32 out: the divergence (0 without one)
+    ce_ptr,  # [C] fp32 out (only with HAS_CE)
+    beta,  # JSD's teacher weight in M
+    hard_weight,  # w
+    student_softcap,
+    teacher_softcap,
+    V: tl.constexpr,
+    DIVERGENCE: tl.constexpr,  # DIVERGENCES' value
+    DIVERGENCE_GRAD: tl.constexpr,  # the divergence's gradient term (a divergence and w < 1)
+    HAS_CE: tl.constexpr,  # w > 0
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
+    PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
+    GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
+    BLOCK_V: tl.constexpr,
+    LAST_BLOCK_START: tl.constexpr,  # (V - 1) // BLOCK_V * BLOCK_V
+):
+    row = tl.program_id(0).to(tl.int64)
+    student_row = student_ptr + row * student_row_stride
+    teacher_row = teacher_ptr + row * teacher_row_stride
+    offsets = tl.arange(0, BLOCK_V)
+    inv_t_s = tl.load(student_inv_t_ptr + row * student_inv_t_stride)
+    inv_t_t = tl.load(teacher_inv_t_ptr + row * teacher_inv_t_stride)
+    token_scale = tl.load(token_scale_ptr + row * token_scale_stride)
+    if HAS_CE:
+        ce_inv_t = tl.load(ce_inv_t_ptr + row * ce_inv_t_stride)
+        target = tl.load(target_ptr + row)
+        if DIVERGENCE == 0:
+            inv_t_s = ce_inv_t  # the student's statistics are then the CE's own
+        own_ce_lse = ce_inv_t != inv_t_s  # z_c is not z_s: the CE needs its own log-sum-exp
+
+    # Pass 1: the online log-sum-exps and the KLs' sums.
+    m_s = float("-inf")
+    d_s = 0.0
+    m_t = float("-inf")
+    d_t = 0.0
+    m_c = float("-inf")
+    d_c = 0.0
+    kl_sum = 0.0
+    for start in range(0, V, BLOCK_V):
+        cols = start + offsets
+        mask = cols < V
+        z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
+        if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
+            if own_ce_lse:
+                m_c, d_c, _, _, _ = online_lse_step(capped_s * ce_inv_t, m_c, d_c, PRECISE)
+        if DIVERGENCE != 0:
+            z_t, capped_t = load_transformed(
+                teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
+            )
+        # The side whose exps weight the KL's terms steps last, so that they need not stay live (in registers)
+        # across the other side's step.
+        if DIVERGENCE == 2:
+            m_t, d_t, _, _, _ = online_lse_step(z_t, m_t, d_t, PRECISE)
+        m_s_new, d_s, e_s, rescale_s, _ = online_lse_step(z_s, m_s, d_s, PRECISE)
+        if DIVERGENCE == 1 or DIVERGENCE == 3:
+            m_t, d_t, e_t, rescale_t, _ = online_lse_step(z_t, m_t, d_t, PRECISE)
+        if DIVERGENCE == 1:
+            kl_sum = kl_sum * rescale_t + tl.sum(tl.where(e_t > 0.0, e_t * (z_t - z_s), 0.0), 0)
+        elif DIVERGENCE == 2:
+            kl_sum = kl_sum * rescale_s + tl.sum(tl.where(e_s > 0.0, e_s * (z_s - z_t), 0.0), 0)
+        m_s = m_s_new
+    lse_s = m_s + log(d_s, PRECISE)
+    if DIVERGENCE != 0:
+        lse_t = m_t + log(d_t, PRECISE)
+
+    divergence = 0.0
+    if DIVERGENCE == 1:
+        divergence = kl_sum / d_t + (lse_s - lse_t)
+    elif DIVERGENCE == 2:
+        divergence = kl_sum / d_s + (lse_t - lse_s)
+    elif DIVERGENCE == 3:
+        # Pass 2 (last block first: the blocks pass 1 read last are the likeliest still in L2).
+        kl_q_m = 0.0
+        kl_p_m = 0.0
+        for done in range(0, V, BLOCK_V):
+            cols = LAST_BLOCK_START - done + offsets
+            mask = cols < V
+            z_s, capped_s = load_transformed(
+                student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP
+            )
+            z_t, capped_t = load_transformed(
+                teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
+            )
+            log_p = z_s - lse_s
+            log_q = z_t - lse_t
+            p = exp(log_p, PRECISE)
+            q = exp(log_q, PRECISE)
+            log_m, m_positive = _mixture_log(p, q, beta, PRECISE)
+            kl_q_m += tl.sum(tl.where((q > 0.0) & m_positive, q * (log_q - log_m), 0.0), 0)
+            kl_p_m += tl.sum(tl.where((p > 0.0) & m_positive, p * (log_p - log_m), 0.0), 0)
+        divergence = beta * kl_q_m + (1.0 - beta) * kl_p_m
+
+    loss = 0.0
+    if DIVERGENCE_GRAD:
+        loss = (1.0 - hard_weight) * divergence
+    lse_c = lse_s
+    if HAS_CE:
+        if own_ce_lse:
+            lse_c = m_c + log(d_c, PRECISE)
+        z_target, capped_target = load_transformed(
+            student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
+        )
+        ce = lse_c - z_target
+        loss += hard_weight * ce
+        tl.store(ce_ptr + row, ce)
+    tl.store(loss_ptr + row, token_scale * loss)
+    tl.store(divergence_ptr + row, divergence)
+
+    if COMPUTE_GRAD:
+        # Every warp has read the row (the target's logit too) before any warp overwrites it: loads may be
+        # issued ahead of the stores of the pass below.
+        tl.debug_barrier()
+        grad_row = grad_ptr + row * grad_row_stride
+        divergence_coef = token_scale * (1.0 - hard_weight) * inv_t_s  # d/dz_s -> d/dr_s, weighted
+        if DIVERGENCE == 3:
+            jsd_shift = -kl_p_m  # d/dz_s = (1 - beta) p (log p - log M - KL(p || M))
+            divergence_coef = divergence_coef * (1.0 - beta)
+        elif DIVERGENCE == 2:
+            reverse_shift = lse_t - lse_s - divergence  # log p - log q - KL = z_s - z_t + this
+        # Against the previous pass's direction, so that the blocks it read last (the likeliest still in L2)
+        # come first: last block first after pass 1, first block first after JSD's pass 2, except that the
+        # 16-bit gradient in the fp32 rows always goes last block first (its values land at or past the
+        # block being read).
+        for done in range(0, V, BLOCK_V):
+            start = LAST_BLOCK_START - done if GRAD_IN_ROW or DIVERGENCE != 3 else done
+            cols = start + offsets
+            mask = cols < V
+            z_s, capped_s = load_transformed(
+                student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP
+            )
+            grad = tl.zeros([BLOCK_V], dtype=tl.float32)
+            if DIVERGENCE_GRAD:
+                log_p = z_s - lse_s
+                p = exp(log_p, PRECISE_GRAD)
+                z_t, capped_t = load_transformed(
+                    teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
+                )
+                if DIVERGENCE == 1:
+                    grad_z = p - exp(z_t - lse_t, PRECISE_GRAD)
+                elif DIVERGENCE == 2:
+                    grad_z = tl.where(p > 0.0, p * (z_s - z_t + reverse_shift), 0.0)
+                else:
+                    log_q = z_t - lse_t
+                    log_m, m_positive = _mixture_log(p, exp(log_q, PRECISE_GRAD), beta, PRECISE_GRAD)
+                    grad_z = tl.where((p > 0.0) & m_positive, p * (log_p - log_m + jsd_shift), 0.0)
+                grad = divergence_coef * grad_z
+            if HAS_CE:
+                p_c = exp(capped_s * ce_inv_t - lse_c, PRECISE_GRAD)
+                grad += token_scale * hard_weight * ce_inv_t * tl.where(cols == target, p_c - 1.0, p_c)
+            grad = transform_backward(
+                grad, capped_s, mask, student_softcap, 1.0, STUDENT_SOFTCAP, HAS_TEMPERATURE=False
+            )
+            if GRAD_IN_ROW:
+                # This block's 16-bit values land in fp32 columns [(V + cols) / 2], at or past the block's
+                # start: read by now, once every warp has loaded its part of it.
+                tl.debug_barrier()
+            tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _per_row(values: torch.Tensor, n_rows: int, device: torch.device, name: str) -> Tuple[torch.Tensor, int]:
+    """``values`` as fp32 and its row stride (0 shared, 1 per row); raises unless [1] or [C] on ``device``."""
+    if values.dim() != 1 or values.numel() not in (1, n_rows):
+        raise ValueError(f"{name} must have shape [1] or [{n_rows}], got {tuple(values.shape)}")
+    if values.device != device:
+        raise ValueError(f"{name} must be on the logits' device {device}, got {values.device}")
+    return values.float().contiguous(), int(values.numel() > 1)
+
+
+def distill_chunk(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target: Optional[torch.Tensor],
+    *,
+    divergence: Optional[str],
+    beta: float,
+    student_inv_temperature: torch.Tensor,
+    teacher_inv_temperature: torch.Tensor,
+    ce_inv_temperature: torch.Tensor,
+    student_softcap: float,
+    teacher_softcap: float,
+    hard_weight: float,
+    token_scale: torch.Tensor,
+    compute_grad: bool,
+    grad_out: Optional[torch.Tensor] = None,
+    config: Optional[LaunchConfig] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The distillation loss of one [C, V] chunk (the module's docstring; the PyTorch twin of this contract
+    is ``kernels/distill_torch.py``): returns fp32 ``(loss_rows, divergence_rows, ce_rows)`` (``ce_rows`` None when ``hard_weight`` is 0) and,
+    with ``compute_grad``, writes d loss / d student logits over ``student_logits`` or into ``grad_out`` (a
+    [C, V] tensor, or :func:`~lightning_flce.kernels.gradient_in_logits_rows` of the fp32 student logits).
+    ``target`` is read only when ``hard_weight`` > 0 (and may be None otherwise); ``config`` overrides
+    :func:`default_distill_launch_config`."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {list(DIVERGENCES)}, got {divergence!r}")
+    if divergence == "jsd" and not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd needs 0 < beta < 1 (0 and 1 are forward_kl and reverse_kl), got {beta}")
+    if not 0.0 <= hard_weight <= 1.0:
+        raise ValueError(f"hard_weight must be in [0, 1], got {hard_weight}")
+    if student_softcap < 0.0 or teacher_softcap < 0.0:
+        raise ValueError(f"softcaps must be >= 0 (0: none), got {student_softcap} and {teacher_softcap}")
+    if student_logits.dim() != 2 or teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"student and teacher logits must be [C, V] of one shape, got {tuple(student_logits.shape)}"
+            f" and {tuple(teacher_logits.shape)}"
+        )
+    for name, logits in (("student", student_logits), ("teacher", teacher_logits)):
+        if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"the Triton kernel takes 16-bit or fp32 {name} logits, got {logits.dtype}")
+        if logits.stride(1) != 1:
+            raise ValueError(f"the {name} logits need unit stride along the vocabulary")
+    has_ce = hard_weight > 0.0
+    n_rows, vocab = student_logits.shape
+    if has_ce and (target is None or target.shape != (n_rows,)):
+        raise ValueError(f"hard_weight > 0 needs a [{n_rows}] target, got {target}")
+    device = student_logits.device
+    if teacher_logits.device != device or (has_ce and target.device != device):
+        raise ValueError(f"the teacher logits and the target must be on the student logits' device {device}")
+    student_inv_t, student_stride = _per_row(
+        student_inv_temperature, n_rows, device, "student_inv_temperature"
+    )
+    teacher_inv_t, teacher_stride = _per_row(
+        teacher_inv_temperature, n_rows, device, "teacher_inv_temperature"
+    )
+    ce_inv_t, ce_stride = _per_row(ce_inv_temperature, n_rows, device, "ce_inv_temperature")
+    scale, scale_stride = _per_row(token_scale, n_rows, device, "token_scale")
+    grad = student_logits if grad_out is None else grad_out
+    if compute_grad and (grad.shape != student_logits.shape or grad.stride(1) != 1):
+        raise ValueError(f"grad_out must be [C, V] with unit column stride, got {tuple(grad.shape)}")
+    grad_in_row = compute_grad and is_gradient_in_logits_rows(student_logits, grad)
+
+    loss = torch.empty(n_rows, dtype=torch.float32, device=device)
+    divergence_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+    ce = torch.empty(n_rows if has_ce else 0, dtype=torch.float32, device=device)
+    if n_rows:
+        config = config or default_distill_launch_config(vocab)
+        precise = exp_precision(student_logits.dtype, None)[0] or exp_precision(teacher_logits.dtype, None)[0]
+        _distill_kernel[(n_rows,)](
+            student_logits,
+            student_logits.stride(0),
+            teacher_logits,
+            teacher_logits.stride(0),
+            grad,
+            grad.stride(0),
+            target if has_ce else loss,  # a dummy pointer without the CE
+            student_inv_t,
+            teacher_inv_t,
+            ce_inv_t,
+            scale,
+            student_stride,
+            teacher_stride,
+            ce_stride,
+            scale_stride,
+            loss,
+            divergence_rows,
+            ce if has_ce else loss,
+            float(beta),
+            float(hard_weight),
+            float(student_softcap),
+            float(teacher_softcap),
+            vocab,
+            DIVERGENCE=DIVERGENCES[divergence],
+            DIVERGENCE_GRAD=divergence is not None and hard_weight < 1.0,
+            HAS_CE=has_ce,
+            STUDENT_SOFTCAP=student_softcap > 0.0,
+            TEACHER_SOFTCAP=teacher_softcap > 0.0,
+            COMPUTE_GRAD=compute_grad,
+            PRECISE=precise,
+            PRECISE_GRAD=exp_precision(student_logits.dtype, grad.dtype)[1],
+            GRAD_IN_ROW=grad_in_row,
+            BLOCK_V=config.block_v,
+            LAST_BLOCK_START=(vocab - 1) // config.block_v * config.block_v,
+            num_warps=config.num_warps,
+            **({} if config.num_stages is None else {"num_stages": config.num_stages}),
+        )
+    return loss, divergence_rows, ce if has_ce else None
+
+
+__all__ = ["DIVERGENCES", "default_distill_launch_config", "distill_chunk"]

@@ -1,0 +1,556 @@
+"""fused_linear_distillation against float64 on the torch backend: the loss of every divergence (forward KL, reverse
+KL, the generalized JSD at two betas, the beta 0 / 1 limits) with every option and reduction, and the student's
+gradients (dX, dW, d bias) against autograd through the unfused float64 formula (TRL's ``generalized_jsd_loss``
+written with ``F.kl_div``); 16-bit inputs against the unfused 16-bit loss's own error; bad input before any kernel;
+empty and all-ignored batches; torch.compile; the FLOP counter; the module.
+
+Tolerances: fp64 inputs within 1e-10 relative (L2) of float64, fp32 within 2e-5 (the loss differences of two fp32
+softmaxes over V = 40 columns, and logits from fp32 GEMMs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import relative_error
+
+from lightning_flce import FusedLinearDistillationLoss, fused_linear_distillation
+from lightning_flce.kernels import distill_torch
+
+FP64_TOL = 1e-10
+FP32_TOL = 2e-5
+
+
+def make_problem(shape=(2, 5), hs=8, ht=12, v=40, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    xs = torch.randn(*shape, hs, generator=gen)
+    ws = torch.randn(v, hs, generator=gen) / hs**0.5 * 2
+    bs = 0.3 * torch.randn(v, generator=gen)
+    xt = torch.randn(*shape, ht, generator=gen)
+    wt = torch.randn(v, ht, generator=gen) / ht**0.5 * 3
+    bt = 0.3 * torch.randn(v, generator=gen)
+    target = torch.randint(0, v, shape, generator=gen)
+    if target.numel() > 2:
+        target.view(-1)[[1, -1]] = -100
+    extras = {
+        "token_weight": torch.rand(*shape, generator=gen, dtype=torch.float64) + 0.5,
+        "temperature": 0.6 + torch.rand(*shape, generator=gen, dtype=torch.float64),
+        "grad_output": torch.randn(*shape, generator=gen, dtype=torch.float64),
+    }
+    student = [t.to(dtype).requires_grad_() for t in (xs, ws, bs)]
+    teacher = [t.to(dtype) for t in (xt, wt, bt)]
+    return student, teacher, target, extras
+
+
+def _transform(raw, softcap, logit_scale, temperature):
+    z = raw * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if isinstance(temperature, torch.Tensor):
+        return z / temperature.double().unsqueeze(-1)
+    return z / temperature
+
+
+def reference_loss(xs, ws, xt, wt, target=None, *, student_bias=None, teacher_bias=None, student_logits=None,
+                   teacher_logits=None, divergence="jsd", beta=0.5, temperature=1.0, hard_weight=0.0, top_k=None,
+                   ignore_index=-100, reduction="mean", token_weight=None, student_softcap=None, teacher_softcap=None,
+                   student_logit_scale=1.0, teacher_logit_scale=1.0, **unused):  # fmt: skip
+    """The unfused formula in float64 (of ``student_logits`` / ``teacher_logits`` when given)."""
+    if student_logits is None:
+        student_logits = F.linear(
+            xs.double(), ws.double(), None if student_bias is None else student_bias.double()
+        )
+    if teacher_logits is None:
+        teacher_logits = F.linear(
+            xt.double(), wt.double(), None if teacher_bias is None else teacher_bias.double()
+        )
+    rs, rt = student_logits.double(), teacher_logits.double()
+    zs = _transform(rs, student_softcap, student_logit_scale, temperature)
+    zt = _transform(rt, teacher_softcap, teacher_logit_scale, temperature)
+    if top_k is not None:
+        index = rt.topk(top_k, dim=-1).indices
+        zs, zt = zs.gather(-1, index), zt.gather(-1, index)
+    logp, logq = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    if divergence == "forward_kl":
+        beta = 0.0
+    elif divergence == "reverse_kl":
+        beta = 1.0
+    # TRL's generalized_jsd_loss: F.kl_div(input, target, log_target=True) = exp(target) (target - input)
+    if beta == 0.0:
+        per_token = F.kl_div(logp, logq, reduction="none", log_target=True).sum(-1)
+    elif beta == 1.0:
+        per_token = F.kl_div(logq, logp, reduction="none", log_target=True).sum(-1)
+    else:
+        b = torch.tensor(beta, dtype=torch.float64)
+        log_m = torch.logsumexp(torch.stack([logp + torch.log1p(-b), logq + torch.log(b)]), dim=0)
+        kl_teacher = F.kl_div(log_m, logq, reduction="none", log_target=True).sum(-1)
+        kl_student = F.kl_div(log_m, logp, reduction="none", log_target=True).sum(-1)
+        per_token = beta * kl_teacher + (1 - beta) * kl_student
+    valid = torch.ones_like(per_token, dtype=torch.bool) if target is None else target != ignore_index
+    if hard_weight:
+        zc = _transform(rs, student_softcap, student_logit_scale, 1.0)
+        ce = -torch.log_softmax(zc, -1).gather(-1, torch.where(valid, target, 0).unsqueeze(-1)).squeeze(-1)
+        per_token = (1 - hard_weight) * per_token + hard_weight * ce
+    if token_weight is not None:
+        per_token = per_token * token_weight.double()
+    per_token = torch.where(valid, per_token, 0.0)
+    if reduction == "none":
+        return per_token
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token.sum() / valid.sum().clamp(min=1)
+
+
+DIVERGENCES = {
+    "forward_kl": {"divergence": "forward_kl"},
+    "reverse_kl": {"divergence": "reverse_kl"},
+    "jsd_0.5": {"divergence": "jsd", "beta": 0.5},
+    "jsd_0.1": {"divergence": "jsd", "beta": 0.1},
+}
+
+# name -> options (True: the problem's tensor of that name)
+OPTIONS = {
+    "plain": {},
+    "temperature": {"temperature": 2.0},
+    "token_temperature": {"temperature": True},
+    "hard_weight": {"hard_weight": 0.3},
+    "hard_weight_1": {"hard_weight": 1.0},
+    "no_target": {"target": None},
+    "ignore_index": {"ignore_index": 3},
+    "token_weight": {"token_weight": True},
+    "student_bias": {"student_bias": True},
+    "teacher_bias": {"teacher_bias": True},
+    "student_softcap": {"student_softcap": 3.0},
+    "teacher_softcap": {"teacher_softcap": 2.5},
+    "student_logit_scale": {"student_logit_scale": 0.7},
+    "teacher_logit_scale": {"teacher_logit_scale": 1.6},
+    "top_k": {"top_k": 7},
+    "top_k_hard": {"top_k": 5, "hard_weight": 0.4},
+    "all": {
+        "temperature": True,
+        "hard_weight": 0.25,
+        "token_weight": True,
+        "student_bias": True,
+        "teacher_bias": True,
+        "student_softcap": 4.0,
+        "teacher_softcap": 3.0,
+        "student_logit_scale": 0.8,
+        "teacher_logit_scale": 1.3,
+    },
+}
+
+
+def resolve(student, teacher, target, extras, option, divergence):
+    """(positional args, keyword args) of the call."""
+    kwargs = dict(DIVERGENCES[divergence])
+    for name, value in OPTIONS[option].items():
+        kwargs[name] = value
+    if kwargs.pop("target", True) is None:
+        target = None
+    for name in ("temperature", "token_weight"):
+        if kwargs.get(name) is True:
+            kwargs[name] = extras[name]
+    if kwargs.get("student_bias") is True:
+        kwargs["student_bias"] = student[2]
+    if kwargs.get("teacher_bias") is True:
+        kwargs["teacher_bias"] = teacher[2]
+    if kwargs.get("ignore_index") == 3 and target is not None:
+        target = torch.where(target == -100, 3, target)
+        target.view(-1)[[0, 4]] = 3
+    return (student[0], student[1], teacher[0], teacher[1], target), kwargs
+
+
+def grads(loss, tensors):
+    return torch.autograd.grad(loss, [t for t in tensors if t is not None])
+
+
+def _check(got, want, student, bias, tol, grad_output=None):
+    assert relative_error(got, want) < tol
+    upstream = 1.0 if grad_output is None else grad_output
+    got_loss = (got * upstream).sum() if grad_output is not None else got
+    want_loss = (want * upstream).sum() if grad_output is not None else want
+    tensors = (student[0], student[1], bias)
+    for g, r in zip(grads(got_loss, tensors), grads(want_loss, tensors)):
+        assert g.dtype == student[0].dtype
+        assert relative_error(g, r) < tol
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("divergence", list(DIVERGENCES))
+def test_matches_float64(divergence, option, reduction):
+    _run_against_float64(torch.float64, divergence, option, reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", ["all", "top_k_hard", "no_target"])
+@pytest.mark.parametrize("divergence", list(DIVERGENCES))
+def test_fp32_matches_float64(divergence, option, reduction):
+    _run_against_float64(torch.float32, divergence, option, reduction)
+
+
+def _run_against_float64(dtype, divergence, option, reduction):
+    student, teacher, target, extras = make_problem(dtype=dtype)
+    args, kwargs = resolve(student, teacher, target, extras, option, divergence)
+    got = fused_linear_distillation(*args, reduction=reduction, chunk_size=3, impl="torch", **kwargs)
+    want = reference_loss(*args, reduction=reduction, **kwargs)
+    assert got.dtype == dtype and got.shape == want.shape
+    grad_output = extras["grad_output"] if reduction == "none" else None
+    bias = kwargs.get("student_bias")
+    _check(got, want, student, bias, FP64_TOL if dtype == torch.float64 else FP32_TOL, grad_output)
+
+
+@pytest.mark.parametrize("beta, divergence", [(0.0, "forward_kl"), (1.0, "reverse_kl")])
+def test_jsd_limits_are_the_kls(beta, divergence):
+    student, teacher, target, _ = make_problem()
+    args = (student[0], student[1], teacher[0], teacher[1], target)
+    got = fused_linear_distillation(*args, divergence="jsd", beta=beta)
+    want = fused_linear_distillation(*args, divergence=divergence)
+    assert relative_error(got, want) == 0
+    assert relative_error(got, reference_loss(*args, divergence=divergence)) < FP64_TOL
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
+def test_2d_inputs_and_chunking(divergence):
+    """2-D inputs; any chunk size (one chunk, several, one row each, the default) gives the float64 loss."""
+    student, teacher, target, extras = make_problem(shape=(11,))
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    for chunk_size in (None, 1, 4, 11, 64):
+        got = fused_linear_distillation(*args, chunk_size=chunk_size, **kwargs)
+        want = reference_loss(*args, **kwargs)
+        _check(got, want, student, kwargs["student_bias"], FP64_TOL)
+
+
+def test_teacher_gets_no_gradient_and_x_grad_only():
+    student, teacher, target, _ = make_problem()
+    xs, ws, _ = student
+    ws.requires_grad_(False)
+    xt, wt, _ = teacher
+    loss = fused_linear_distillation(xs, ws, xt, wt, target)
+    (gx,) = torch.autograd.grad(loss, xs)
+    (want,) = torch.autograd.grad(reference_loss(xs, ws, xt, wt, target), xs)
+    assert relative_error(gx, want) < FP64_TOL
+    assert xt.grad is None and wt.grad is None
+
+
+@pytest.mark.parametrize("precision", ["input", "fp32", "fp32_head", "fp32_compensated"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd_0.5"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16bit_no_worse_than_unfused(dtype, divergence, precision):
+    """16-bit inputs: the loss and gradients within 1.5x the unfused 16-bit formula's error against float64 (both
+    heads' logits from 16-bit GEMMs, widened after F.linear), plus the gradients' final 16-bit rounding."""
+    student, teacher, target, extras = make_problem(dtype=dtype, hs=64, ht=48, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    got = fused_linear_distillation(*args, chunk_size=4, logits_precision=precision, impl="torch", **kwargs)
+    want = reference_loss(*args, **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
+    )
+    unfused = reference_loss(*args, **kwargs, **logits)
+    assert abs(got.double() - want).item() <= 1.5 * abs(unfused - want).item() + 1e-6
+    tensors = (student[0], student[1], student[2])
+    for g, ref, plain in zip(grads(got, tensors), grads(want, tensors), grads(unfused, tensors)):
+        assert g.dtype == dtype
+        assert relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(dtype).eps / 2
+
+
+@pytest.mark.parametrize("option", ["top_k", "top_k_hard"])
+@pytest.mark.parametrize("precision", ["input", "fp32"])
+def test_16bit_top_k_no_worse_than_unfused(precision, option):
+    """bf16 top-k: the divergence's gradient added at the teacher's top-k columns of the 16-bit gradient (with
+    ``"fp32"``: the gradient in the fp32 logits' rows), within the unfused bf16 loss's error."""
+    student, teacher, target, extras = make_problem(dtype=torch.bfloat16, hs=64, ht=48, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, option, "jsd_0.5")
+    kwargs.update(student_bias=student[2], temperature=extras["temperature"])
+    got = fused_linear_distillation(*args, chunk_size=4, logits_precision=precision, impl="torch", **kwargs)
+    want = reference_loss(*args, **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1]),
+    )
+    unfused = reference_loss(*args, **kwargs, **logits)
+    assert abs(got.double() - want).item() <= 1.5 * abs(unfused - want).item() + 1e-6
+    tensors = (student[0], student[1], student[2])
+    for g, ref, plain in zip(grads(got, tensors), grads(want, tensors), grads(unfused, tensors)):
+        assert relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + 2**-9
+
+
+def test_autocast_runs_both_heads_in_the_autocast_dtype():
+    """Under bf16 autocast the loss is the one of bf16 GEMMs on both heads (fp32 inputs), and the fp32 student
+    parameters get fp32 gradients."""
+    student, teacher, target, _ = make_problem(dtype=torch.float32, hs=32, ht=24, v=100)
+    args = (student[0], student[1], teacher[0], teacher[1], target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_linear_distillation(*args, student_bias=student[2], teacher_bias=teacher[2])
+    bf16 = [t.detach().bfloat16() for t in (*student, *teacher)]
+    want = fused_linear_distillation(
+        bf16[0], bf16[1], bf16[3], bf16[4], target, student_bias=bf16[2], teacher_bias=bf16[5]
+    )
+    assert got.dtype == torch.float32
+    assert relative_error(got, want) < 1e-6
+    for g, t in zip(grads(got, student), student):
+        assert g.dtype == torch.float32 and g.shape == t.shape
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", ["empty", "all_ignored"])
+def test_empty_and_all_ignored_batches(case, reduction):
+    shape = (0,) if case == "empty" else (2, 3)
+    student, teacher, target, _ = make_problem(shape=shape)
+    if case == "all_ignored":
+        target = torch.full_like(target, -100)
+    args = (student[0], student[1], teacher[0], teacher[1], target)
+    loss = fused_linear_distillation(*args, student_bias=student[2], hard_weight=0.5, reduction=reduction)
+    assert loss.shape == (target.shape if reduction == "none" else ())
+    assert torch.all(loss == 0)
+    for g in grads(loss.sum(), student):
+        assert torch.all(g == 0) and not torch.isnan(g).any()
+
+
+def _no_kernel(*args, **kwargs):
+    raise AssertionError("a kernel ran")
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        ({"divergence": "kl"}, ValueError, "divergence must be one of"),
+        ({"beta": 1.5}, ValueError, r"beta must be a float in \[0, 1\]"),
+        ({"beta": -0.1}, ValueError, "beta must be"),
+        ({"hard_weight": 1.2}, ValueError, "hard_weight must be"),
+        ({"hard_weight": 0.5, "target": None}, ValueError, "pass target"),
+        ({"top_k": 0}, ValueError, "top_k must be"),
+        ({"top_k": 41}, ValueError, "top_k must be"),
+        ({"temperature": 0.0}, ValueError, "positive and finite"),
+        ({"temperature": -1.0}, ValueError, "positive and finite"),
+        ({"temperature": torch.zeros(2, 5, dtype=torch.float64)}, ValueError, "positive and finite"),
+        (
+            {"temperature": torch.ones(5, 2, dtype=torch.float64)},
+            ValueError,
+            "temperature must be a float or",
+        ),
+        ({"student_softcap": 0.0}, ValueError, "student_softcap must be a positive"),
+        ({"teacher_logit_scale": float("nan")}, ValueError, "teacher_logit_scale must be a positive"),
+        ({"wt": torch.randn(41, 12, dtype=torch.float64)}, ValueError, "vocabulary mismatch"),
+        ({"xt": torch.randn(2, 4, 12, dtype=torch.float64)}, ValueError, "leading shape"),
+        (
+            {"xt": torch.randn(2, 5, 13, dtype=torch.float64)},
+            ValueError,
+            "hidden size mismatch: teacher_input",
+        ),
+        ({"xs": torch.randn(2, 5, 9, dtype=torch.float64)}, ValueError, "hidden size mismatch"),
+        ({"target": torch.zeros(2, 4, dtype=torch.int64)}, ValueError, "target shape"),
+        ({"target": torch.full((2, 5), 40)}, ValueError, r"outside \[0, 40\)"),
+        ({"token_weight": torch.ones(10, dtype=torch.float64)}, ValueError, "token_weight must have"),
+        ({"teacher_bias": torch.zeros(39, dtype=torch.float64)}, ValueError, "teacher head: bias must be"),
+        (
+            {"xt": torch.randn(2, 5, 12, dtype=torch.float64, device="meta")},
+            ValueError,
+            "teacher_input is on meta",
+        ),
+        (
+            {"wt": torch.randn(40, 12, dtype=torch.float64).requires_grad_()},
+            ValueError,
+            "teacher_weight requires",
+        ),
+        ({"xt": torch.randn(2, 5, 12, dtype=torch.float64).requires_grad_()}, ValueError, "torch.no_grad"),
+        ({"wt": torch.randn(40, 12, dtype=torch.float32)}, TypeError, "teacher head: weight dtype"),
+    ],
+)
+def test_bad_input_raises_before_any_kernel(monkeypatch, change, error, message):
+    import lightning_flce.distill.op as distill_op
+
+    monkeypatch.setattr(distill_op, "run_chunks", _no_kernel)
+    student, teacher, target, _ = make_problem()
+    call = {"xs": student[0], "ws": student[1], "xt": teacher[0], "wt": teacher[1], "target": target}
+    kwargs = {}
+    for name, value in change.items():
+        (call if name in call else kwargs)[name] = value
+    with pytest.raises(error, match=message):
+        fused_linear_distillation(*call.values(), **kwargs)
+
+
+def test_backward_twice_raises_and_grad_output_scales():
+    student, teacher, target, _ = make_problem()
+    args = (student[0], student[1], teacher[0], teacher[1], target)
+    loss = fused_linear_distillation(*args)
+    (3.0 * loss).backward(retain_graph=True)
+    (want,) = grads(3.0 * reference_loss(*args), student[:1])
+    assert relative_error(student[0].grad, want) < FP64_TOL
+    with pytest.raises(RuntimeError, match="twice through the same fused_linear_distillation"):
+        loss.backward()
+    loss = fused_linear_distillation(*args)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, student[0], create_graph=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiles_as_one_node(reduction):
+    student, teacher, target, extras = make_problem()
+    args, kwargs = resolve(student, teacher, target, extras, "all", "jsd_0.5")
+    kwargs.pop("student_bias")
+
+    def fn(xs, ws, bs):
+        loss = fused_linear_distillation(xs, ws, *args[2:], student_bias=bs, reduction=reduction, **kwargs)
+        return loss if reduction == "mean" else (loss * extras["grad_output"]).sum()
+
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*student)
+    want = reference_loss(*args, student_bias=student[2], reduction=reduction, **kwargs)
+    if reduction == "none":
+        want = (want * extras["grad_output"]).sum()
+    _check(got, want, student, student[2], FP64_TOL)
+
+
+def test_flop_counter():
+    """2 N V (H_s + H_t) for the logits GEMMs, 4 N V H_s for dX and dW (the "none" recompute is not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    student, teacher, target, _ = make_problem()
+    n, hs, ht, v = 10, 8, 12, 40
+    args = (student[0], student[1], teacher[0], teacher[1], target)
+    for reduction in ("mean", "none"):
+        with FlopCounterMode(display=False) as counter:
+            fused_linear_distillation(*args, reduction=reduction).sum().backward()
+        assert counter.get_total_flops() == 2 * n * v * (hs + ht) + 4 * n * v * hs
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        fused_linear_distillation(*args)
+    assert counter.get_total_flops() == 2 * n * v * (hs + ht)
+
+
+def test_triton_impl_dispatches_to_the_backends_distill_chunk(monkeypatch):
+    """impl="triton" runs lightning_flce.kernels.distill's distill_chunk (here a spy that delegates to the PyTorch
+    twin: the kernel itself runs in tests/test_distill_kernel.py and, through the op, in the interpreter tests
+    below)."""
+    pytest.importorskip("triton")
+    import lightning_flce.kernels as kernels
+    from lightning_flce.kernels import distill as distill_kernel
+
+    monkeypatch.setitem(
+        kernels.BACKENDS,
+        "triton",
+        dataclasses.replace(kernels.BACKENDS["triton"], usable=lambda device: True),
+    )
+    calls = []
+
+    def distill_chunk(*args, **kwargs):
+        calls.append(kwargs["divergence"])
+        return distill_torch.distill_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(distill_kernel, "distill_chunk", distill_chunk)
+    student, teacher, target, _ = make_problem(dtype=torch.float32)
+    args = (student[0], student[1], teacher[0], teacher[1], target)
+    got = fused_linear_distillation(*args, impl="triton", divergence="reverse_kl", chunk_size=4)
+    assert calls and set(calls) == {"reverse_kl"}
+    assert relative_error(got, reference_loss(*args, divergence="reverse_kl")) < FP32_TOL
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_fp16_bound_holds(divergence):
+    """The documented per-row bound of d divergence / dz_s (every element, and twice it for the row's sum) on
+    random and peaked distributions; reverse KL's within its documented assumption (log-ratios ~ log V)."""
+    from lightning_flce.losses.distillation import divergence_grad_bound
+
+    gen = torch.Generator().manual_seed(1)
+    v = 50
+    zs = torch.randn(64, v, generator=gen, dtype=torch.float64) * torch.linspace(0.1, 4, 64)[:, None].double()
+    zt = torch.randn(64, v, generator=gen, dtype=torch.float64) * 2
+    one = torch.ones(1, dtype=torch.float64)
+    grad = zs.clone()
+    distill_torch.distill_chunk(
+        grad, zt, torch.zeros(64, dtype=torch.int64), divergence=divergence, beta=0.3, student_inv_temperature=one,
+        teacher_inv_temperature=one, ce_inv_temperature=one, student_softcap=0.0, teacher_softcap=0.0,
+        hard_weight=0.0, token_scale=one, compute_grad=True,
+    )  # fmt: skip
+    bound = divergence_grad_bound(divergence, 0.3, v)
+    assert grad.abs().max() <= bound
+    assert grad.abs().sum(1).max() <= 2 * bound
+    if divergence == "jsd":
+        assert bound == pytest.approx(0.7 * (1 / math.e + math.log(v) - 2 * math.log(0.7)))
+
+
+def test_module_wraps_the_function():
+    student, teacher, target, extras = make_problem()
+    args = (student[0], student[1], teacher[0], teacher[1], target)
+    module = FusedLinearDistillationLoss(divergence="reverse_kl", temperature=0.8, hard_weight=0.2)
+    assert "reverse_kl" in repr(module)
+    got = module(*args, student_bias=student[2], token_weight=extras["token_weight"])
+    want = fused_linear_distillation(
+        *args, student_bias=student[2], token_weight=extras["token_weight"], divergence="reverse_kl",
+        temperature=0.8, hard_weight=0.2,
+    )  # fmt: skip
+    assert relative_error(got, want) == 0
+    with pytest.raises(ValueError, match="divergence"):
+        FusedLinearDistillationLoss(divergence="js")
+
+
+def test_module_takes_the_functions_options_under_their_names_and_defaults():
+    def keywords(function):
+        parameters = inspect.signature(function).parameters.values()
+        return {p.name: (p.default, p.annotation) for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+    function_options = keywords(fused_linear_distillation)
+    for name in FusedLinearDistillationLoss.PER_CALL:
+        function_options.pop(name)
+    assert keywords(FusedLinearDistillationLoss.__init__) == function_options
+    assert set(keywords(FusedLinearDistillationLoss.forward)) == set(FusedLinearDistillationLoss.PER_CALL)
+
+
+def test_chunk_rule_counts_the_teacher_buffer():
+    """At N 8192, H 4096, V 128256 (bf16, the GPU rule) the student's buffer alone gets 4096 rows; with the teacher's
+    beside it both buffers stay within the memory floor (dX + dW), in fewer rows."""
+    from lightning_flce.engine import chunk_rows
+
+    n, h, v = 8192, 4096, 128256
+    alone = chunk_rows(None, n, n, v, h, torch.bfloat16, True)
+    both = chunk_rows(None, n, n, v, h, torch.bfloat16, True, auxiliary_dtype=torch.bfloat16)
+    assert alone == 4096
+    assert both < alone and both * 2 * v * 2 <= (n + v) * h * 2
+    # the PyTorch path: the twin's workspace copies plus the teacher's buffer
+    alone = chunk_rows(None, n, n, v, h, torch.float32, False, distill_torch.WORKSPACE_COPIES)
+    both = chunk_rows(
+        None, n, n, v, h, torch.float32, False, distill_torch.WORKSPACE_COPIES, auxiliary_dtype=torch.float32
+    )
+    assert both < alone
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd_0.5"])
+def test_fp16_per_token_no_worse_than_unfused(divergence):
+    """fp16 "none": backward recomputes with the per-token grad_output as the token scale (the fp16 factor from its
+    per-token bound); gradients within the unfused fp16 loss's error."""
+    student, teacher, target, extras = make_problem(dtype=torch.float16, hs=64, ht=48, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    upstream = extras["grad_output"]
+    got = fused_linear_distillation(*args, reduction="none", chunk_size=4, impl="torch", **kwargs)
+    want = reference_loss(*args, reduction="none", **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
+    )
+    unfused = reference_loss(*args, reduction="none", **kwargs, **logits)
+    assert relative_error(got, want) <= 1.5 * relative_error(unfused, want) + 1e-6
+    tensors = (student[0], student[1], student[2])
+    pairs = zip(
+        grads((got * upstream).sum(), tensors),
+        grads((want * upstream).sum(), tensors),
+        grads((unfused * upstream).sum(), tensors),
+    )
+    for g, ref, plain in pairs:
+        assert g.dtype == torch.float16
+        assert relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(torch.float16).eps / 2
+
+
+def test_teacher_in_its_own_dtype():
+    """Outside autocast each head runs in its inputs' dtype: a bf16 teacher beside an fp32 student is the float64
+    formula of the bf16 teacher GEMM's logits (softmax in fp32)."""
+    student, teacher, target, extras = make_problem(dtype=torch.float32)
+    teacher = [t.bfloat16() for t in teacher]
+    args, kwargs = resolve(student, teacher, target, extras, "all", "jsd_0.5")
+    got = fused_linear_distillation(*args, chunk_size=4, **kwargs)
+    want = reference_loss(*args, teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]), **kwargs)
+    _check(got, want, student, student[2], FP32_TOL)

@@ -1,0 +1,121 @@
+"""The Triton distillation chunk kernel on a GPU at realistic shapes (256 rows of 32003 and 128256 columns),
+against the float64 reference of test_distill_kernel.py. Run on the GPU machine: ``pytest -m cuda``.
+
+Compiled, the kernel takes what the interpreter cannot check: vectorized loads over rows whose stride is
+no multiple of 16 bytes (V = 32003), libdevice's exp and log for fp32 logits, the fast exp for 16-bit ones,
+the per-block barrier of the 16-bit gradient in fp32 rows, and warps that run ahead of each other.
+Tolerances: the rows in fp32 (sums over 128K columns in blocks: 1e-5 relative, 2e-5 absolute on values
+of ~10); the gradient 1e-5 in relative norm in fp32, plus one unit in the last place of a 16-bit one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_distill_kernel import reference_distill
+
+pytestmark = pytest.mark.cuda
+
+ROWS_TOL = {"rtol": 1e-5, "atol": 2e-5}
+FP32_GRAD_TOL = 1e-5
+
+
+def _problem(vocab: int, dtype: torch.dtype, seed: int, n_rows: int = 256, padded: int = 0):
+    """Student logits of std 3, the teacher's a perturbed copy (so the divergences are O(0.1-1)), per-row
+    temperatures and token scales, a CE on its own inverse temperature; ``padded`` trailing -inf columns."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    student = torch.randn(n_rows, vocab, device="cuda", generator=gen) * 3
+    teacher = student + torch.randn(n_rows, vocab, device="cuda", generator=gen) * 2
+    if padded:
+        student[:, -padded:] = teacher[:, -padded:] = float("-inf")
+    target = torch.randint(0, vocab - padded, (n_rows,), device="cuda", generator=gen)
+
+    def per_row():
+        return torch.rand(n_rows, device="cuda", generator=gen) + 0.5
+
+    options = {
+        "student_inv_temperature": per_row(),
+        "teacher_inv_temperature": per_row(),
+        "ce_inv_temperature": per_row(),
+        "token_scale": per_row(),
+    }
+    return student.to(dtype), teacher.to(dtype), target, options
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def _check(got, want, grad):
+    for got_rows, want_rows in zip(got[:3], want[:3]):
+        torch.testing.assert_close(got_rows.double(), want_rows, **ROWS_TOL)
+    rounding = torch.finfo(grad.dtype).eps if grad.dtype != torch.float32 else 0.0
+    assert torch.isfinite(grad).all()
+    assert _relative_error(grad, want[3]) < FP32_GRAD_TOL + rounding
+
+
+def _options(divergence, hard_weight=0.4, student_softcap=0.0, teacher_softcap=0.0):
+    return {
+        "divergence": divergence,
+        "beta": 0.3,
+        "hard_weight": hard_weight,
+        "student_softcap": student_softcap,
+        "teacher_softcap": teacher_softcap,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("vocab", [32003, 128256])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", None])
+def test_kernel_against_float64(divergence, vocab, dtype):
+    """Every divergence with the hard-label CE mixed in (CE alone for None), in place over the student rows."""
+    from lightning_flce.kernels.distill import distill_chunk
+
+    student, teacher, target, per_row = _problem(vocab, dtype, seed=vocab % 97, padded=37)
+    options = {**_options(divergence, 1.0 if divergence is None else 0.4), **per_row}
+    want = reference_distill(student, teacher, target, **options)
+    grad = student.clone()
+    got = distill_chunk(grad, teacher, target, compute_grad=True, **options)
+    _check(got, want, grad)
+
+
+@pytest.mark.parametrize("vocab", [32003, 128256])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_fp32_rows_with_bf16_teacher_and_gradient_in_rows(divergence, vocab):
+    """fp32 student logits (the wide-logits path) with a bf16 teacher and softcaps on both sides, the bf16
+    gradient in the rows' second halves: bit for bit the gradient of a separate bf16 buffer (a missing
+    barrier would let a warp overwrite values another has yet to read), the reference's within bf16."""
+    from lightning_flce.kernels import gradient_in_logits_rows
+    from lightning_flce.kernels.distill import distill_chunk
+
+    student, teacher, target, per_row = _problem(vocab, torch.float32, seed=3)
+    teacher = teacher.bfloat16()
+    options = {**_options(divergence, 0.4, 30.0, 50.0), **per_row}
+    separate = torch.full(student.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    want_rows = distill_chunk(
+        student.clone(), teacher, target, compute_grad=True, grad_out=separate, **options
+    )
+    in_rows = student.clone()
+    grad = gradient_in_logits_rows(in_rows, torch.bfloat16)
+    got = distill_chunk(in_rows, teacher, target, compute_grad=True, grad_out=grad, **options)
+    for got_rows, want in zip(got, want_rows):
+        assert torch.equal(got_rows, want)
+    assert torch.equal(grad, separate)
+    _check(got, reference_distill(student, teacher, target, **options), grad)
+
+
+@pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
+def test_repeatable(divergence):
+    """The same inputs give bit-identical rows and gradients run after run (a moving result is a race)."""
+    from lightning_flce.kernels.distill import distill_chunk
+
+    student, teacher, target, per_row = _problem(128256, torch.bfloat16, seed=5, n_rows=512)
+    options = {**_options(divergence), **per_row}
+    runs = []
+    for _ in range(3):
+        grad = student.clone()
+        rows = distill_chunk(grad, teacher, target, compute_grad=True, **options)
+        runs.append((*rows, grad))
+    for run in runs[1:]:
+        for got, want in zip(run, runs[0]):
+            assert torch.equal(got, want)

@@ -1,0 +1,74 @@
+"""fused_linear_distillation on the Triton backend, end to end through Triton's interpreter (the CPU): the op, the
+engine's teacher head and the Triton chunk kernel (lightning_flce.kernels.distill) against the float64 formula.
+
+Run as a separate invocation, since the variable must be set before triton is imported:
+
+    TRITON_INTERPRET=1 pytest -m interpret tests/test_distill_interpret.py
+
+The kernel alone, over every option at the chunk level, is tested in tests/test_distill_kernel.py; here the
+front end's options reach it (fp32: within FP32_TOL of float64, as tests/test_distill.py's torch path; 16-bit: within
+the unfused 16-bit loss's own error).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_distill import FP32_TOL, _check, grads, make_problem, reference_loss, relative_error, resolve
+
+from lightning_flce import fused_linear_distillation
+
+pytestmark = pytest.mark.interpret
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize(
+    "option", ["plain", "all", "top_k_hard", "no_target", "hard_weight_1", "ignore_index"]
+)
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd_0.1"])
+def test_fp32_matches_float64(divergence, option, reduction):
+    student, teacher, target, extras = make_problem(dtype=torch.float32, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, option, divergence)
+    got = fused_linear_distillation(*args, reduction=reduction, chunk_size=4, impl="triton", **kwargs)
+    want = reference_loss(*args, reduction=reduction, **kwargs)
+    grad_output = extras["grad_output"] if reduction == "none" else None
+    _check(got, want, student, kwargs.get("student_bias"), FP32_TOL, grad_output)
+
+
+@pytest.mark.parametrize("precision", ["input", "fp32"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
+def test_bf16_no_worse_than_unfused(divergence, precision):
+    """bf16 heads: the 16-bit logits in place, or (``"fp32"``) fp32 logits with the bf16 gradient in their rows;
+    loss and gradients within 1.5x the unfused bf16 formula's error against float64."""
+    student, teacher, target, extras = make_problem(dtype=torch.bfloat16, hs=32, ht=24, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    got = fused_linear_distillation(*args, chunk_size=4, logits_precision=precision, impl="triton", **kwargs)
+    want = reference_loss(*args, **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
+    )
+    unfused = reference_loss(*args, **kwargs, **logits)
+    assert abs(got.double() - want).item() <= 1.5 * abs(unfused - want).item() + 1e-6
+    tensors = (student[0], student[1], student[2])
+    for g, ref, plain in zip(grads(got, tensors), grads(want, tensors), grads(unfused, tensors)):
+        assert g.dtype == torch.bfloat16
+        assert (
+            relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(torch.bfloat16).eps / 2
+        )
+
+
+def test_triton_and_torch_backends_agree():
+    """The two backends' losses and gradients on the same fp32 call (every option): within fp32 rounding."""
+    student, teacher, target, extras = make_problem(dtype=torch.float32, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", "jsd_0.5")
+    tensors = (student[0], student[1], kwargs["student_bias"])
+    results = []
+    for impl in ("torch", "triton"):
+        loss = fused_linear_distillation(*args, chunk_size=5, impl=impl, **kwargs)
+        results.append((loss, grads(loss, tensors)))
+    (loss_t, grads_t), (loss_k, grads_k) = results
+    assert relative_error(loss_k, loss_t) < 1e-6
+    for a, b in zip(grads_k, grads_t):
+        assert relative_error(a, b) < 1e-5
