@@ -47,6 +47,7 @@ from lightning_flce.console import rank_zero_info_line
 from lightning_flce.data.dataset import check_label_format
 from lightning_flce.head import unwrap_head
 from lightning_flce.head_discovery import is_hf_model, resolve_head
+from lightning_flce.losses.distillation import DIVERGENCES, Divergence
 from lightning_flce.mixin import NARROW_INT_DTYPES
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 from lightning_flce.models.hf import HFCausalLM
@@ -54,7 +55,6 @@ from lightning_flce.options import LogitsPrecision
 
 __all__ = ["DistillationModule", "HeadOperands", "final_hidden_states", "head_operands"]
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 TEACHER_PREFIX = "teacher."
 # the LightningModule of a checkpoint that does not record its class (LastStepCheckpoint records it)
 _DEFAULT_TEACHER_CLASS = "lightning_flce.models.gpt.TinyGPT"
@@ -202,7 +202,7 @@ class DistillationModule(pl.LightningModule):
         teacher: Optional[nn.Module] = None,
         teacher_checkpoint: Optional[str] = None,
         teacher_dtype: Optional[str] = None,
-        divergence: str = "jsd",
+        divergence: Divergence = "jsd",
         beta: float = 0.5,
         temperature: float = 1.0,
         temperature_squared: bool = False,

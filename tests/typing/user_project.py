@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import assert_type
 
 from lightning_flce import (
+    DistillationModule,
     FLCEHeadLoss,
     FLCEMemoryCallback,
     FLCEMixin,
@@ -230,3 +231,15 @@ assert_type(distill_loss, Tensor)
 fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, divergence="kl")  # type: ignore[arg-type]
 distill_module = FusedLinearDistillationLoss(divergence="jsd", beta=0.1, temperature=2.0)
 assert_type(distill_module, FusedLinearDistillationLoss)
+# the LightningModule: a smaller TinyGPT trained on a frozen one (docs/distill.md)
+distill_lm = DistillationModule(
+    student=TinyGPT(vocab_size=8192, d_model=64, n_layers=1),
+    teacher_checkpoint="lightning_logs/default/tinygpt/checkpoints/last.ckpt",
+    divergence="forward_kl",
+    temperature=2.0,
+    temperature_squared=True,
+    hard_weight=0.1,
+)
+assert_type(distill_lm, DistillationModule)
+assert_type(distill_lm.loss_weights, tuple[float, float])
+DistillationModule(student=tiny, teacher=tiny, divergence="kl")  # type: ignore[arg-type]
