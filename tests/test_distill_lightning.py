@@ -525,6 +525,19 @@ def save_module_checkpoint(module: pl.LightningModule, path: Path) -> Path:
 # average of the four micro-batch means is the mean over all their tokens
 DDP_BATCHES = [make_batch(20 + index) for index in range(4)]
 DDP_OPTIONS = {"divergence": "jsd", "beta": 0.4, "hard_weight": 0.2, "temperature": 1.5}
+# validation: rank r takes batches 2r and 2r + 1, with different numbers of ignored tokens (a token-weighted mean)
+DDP_VAL_BATCHES = [make_batch(30 + index, n_ignored=3 * index) for index in range(4)]
+
+
+class SaveValidation(pl.Callback):
+    """A DDP worker's callback: the validation metrics and the student they were computed with."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        saved = {"metrics": dict(pl_module.last_val_metrics), "student": pl_module.student.state_dict()}
+        torch.save(saved, Path(self.out_dir) / f"val{trainer.global_rank}.pt")
 
 
 class RankMicroBatches(torch.utils.data.Sampler):
@@ -547,11 +560,16 @@ def run_ddp(out_dir: str) -> None:
         precision="64-true",
         max_steps=1,
         accumulate_grad_batches=2,
-        callbacks=[SaveStep(out_dir)],
+        callbacks=[SaveStep(out_dir), SaveValidation(out_dir)],
         use_distributed_sampler=False,
+        limit_val_batches=2,
     )
     module = DistillationModule(student=tiny_student(), teacher=tiny_teacher(), **DDP_OPTIONS)
-    fit.fit(module, DataLoader(DDP_BATCHES, batch_size=None, sampler=RankMicroBatches()))
+    fit.fit(
+        module,
+        DataLoader(DDP_BATCHES, batch_size=None, sampler=RankMicroBatches()),
+        DataLoader(DDP_VAL_BATCHES, batch_size=None, sampler=RankMicroBatches()),
+    )
 
 
 @pytest.mark.slow
@@ -578,6 +596,18 @@ def test_ddp_two_ranks_with_accumulation_equals_one_batch_of_all(tmp_path):
         assert grads.keys() == expected.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[name], **TOL, msg=f"rank {rank}: {name}")
+    # validation after the step: the token means over both ranks' batches, equal on both ranks
+    validated = [torch.load(tmp_path / f"val{rank}.pt", weights_only=False) for rank in range(2)]
+    assert validated[0]["metrics"] == validated[1]["metrics"]
+    module.student.load_state_dict(validated[0]["student"])
+    every = {key: torch.cat([batch[key] for batch in DDP_VAL_BATCHES]) for key in DDP_VAL_BATCHES[0]}
+    with torch.no_grad():
+        divergence = reference_loss(module, every, hard_weight=0.0)
+        ce = reference_loss(module, every, hard_weight=1.0)
+    metrics = validated[0]["metrics"]
+    assert metrics["val/divergence"] == pytest.approx(float(divergence), rel=1e-9)
+    assert metrics["val/student_ce"] == pytest.approx(float(ce), rel=1e-9)
+    assert metrics["val/loss"] == pytest.approx(float(0.8 * divergence + 0.2 * ce), rel=1e-9)
 
 
 if __name__ == "__main__":
