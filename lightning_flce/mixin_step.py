@@ -1,4 +1,5 @@
-"""The Lightning wiring of ``flce_normalize``: the part of :class:`~lightning_flce.mixin.FLCEMixin` that counts
+"""The Lightning wiring of ``flce_normalize``: the part of :class:`~lightning_flce.mixin.FLCEMixin` (and of
+:class:`~lightning_flce.models.DistillationModule`, whose ``normalize`` it is) that counts
 each loss call's normalizer into the optimizer step, joins it to the step when Lightning back-propagates it, and
 rescales the gradients once after the step's last backward (before gradient clipping and the callbacks'
 ``on_before_optimizer_step``). The arithmetic (token totals, the fp16 divisor ``D``, the gradient scale) is
@@ -43,12 +44,20 @@ class StepNormalization(MixinBase):
     """The step normalization's part of the mixin: the one place a loss call's normalizer joins the step
     (:meth:`_flce_count_for_step`), the hooks that only it uses (``optimizer_step``, ``on_before_optimizer_step``,
     ``clip_gradients``), and its steps of the hooks it shares with the mixin's other parts, which
-    ``FLCEMixin``'s hooks call in order. ``FLCEMixin.__init__`` makes the state declared here."""
+    ``FLCEMixin``'s hooks call in order. ``FLCEMixin.__init__`` makes the state declared here.
+
+    A LightningModule without the mixin uses it the same way (``DistillationModule``): the part before
+    ``LightningModule`` in its bases, the state made in ``__init__``, and its ``on_fit_start``,
+    ``on_train_batch_start`` and ``on_before_backward`` calling ``_flce_start_fit_normalization`` and
+    ``_flce_add_normalize_callback``, ``_flce_start_micro_batch``, ``_flce_commit_micro_batch``; its training
+    loss goes through :meth:`_flce_count_for_step`."""
 
     #: the arithmetic of flce_normalize (token totals of the optimizer step, fp16 divisor, gradient scale)
     flce_step_normalizer: StepNormalizer
     _flce_unweighted_term_watch: UnweightedTermWatch
     _flce_last_loss_weight: Optional[Tensor]
+    #: the option that chose the mode, as the module's users spell it (in error messages)
+    _flce_normalize_option = "flce_normalize"
 
     @property
     def flce_normalize(self) -> str:
@@ -143,9 +152,10 @@ class StepNormalization(MixinBase):
         batches may differ); DeepSpeed keeps gradients where ``"step"`` cannot rescale them."""
         self.flce_step_normalizer.start_fit(fp16_gradients=self._flce_fp16_gradients())
         if self.flce_normalize == "step" and "DeepSpeed" in type(self.trainer.strategy).__name__:
+            option = self._flce_normalize_option
             raise ValueError(
-                "flce_normalize='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
-                " buffers; use flce_normalize='micro_batch' with DeepSpeed"
+                f"{option}='step' rescales param.grad, which DeepSpeed keeps in its own partitioned"
+                f" buffers; use {option}='micro_batch' with DeepSpeed"
             )
 
     def _flce_add_normalize_callback(self) -> None:

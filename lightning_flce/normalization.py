@@ -25,12 +25,14 @@ the forward free of hooks, so ``torch.compile`` traces a training step without a
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Literal, NamedTuple, Optional, get_args
 
 import torch
 from torch import Tensor
 
-NORMALIZE_MODES = ("step", "micro_batch")
+#: how a training loss is normalized: the token mean of the optimizer step, or of each micro-batch
+NormalizeMode = Literal["step", "micro_batch"]
+NORMALIZE_MODES: tuple[str, ...] = get_args(NormalizeMode)
 
 
 def power_of_two_at_least(value: float) -> float:

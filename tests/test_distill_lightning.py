@@ -343,30 +343,69 @@ def test_a_bfloat16_teacher_beside_a_float32_student():
     torch.testing.assert_close(loss.double(), expected, rtol=2e-2, atol=1e-4)
 
 
+ACCUMULATION_OPTIONS = {"divergence": "jsd", "hard_weight": 0.3}
+
+
+def fit_one_step(batches: list, accumulate: int, **options) -> tuple[dict, float]:
+    """The student's gradients at the optimizer step (float64, before AdamW) of one step over ``batches``, and
+    the ``train/loss`` logged for it."""
+    saved = {}
+
+    class Save(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            saved["grads"] = student_grads(pl_module)
+
+    module = DistillationModule(
+        student=tiny_student(), teacher=tiny_teacher(), **ACCUMULATION_OPTIONS, **options
+    )
+    fit = trainer(precision="64-true", max_steps=1, accumulate_grad_batches=accumulate, callbacks=[Save()])
+    fit.fit(module, DataLoader(batches, batch_size=None))
+    return saved["grads"], float(fit.callback_metrics["train/loss_step"])
+
+
 @requires_op
-def test_gradient_accumulation_equals_one_batch_of_both_in_float64():
+@pytest.mark.parametrize("normalize", ["step", "micro_batch"])
+def test_gradient_accumulation_equals_one_batch_of_both_in_float64(normalize):
     # equal token counts per micro-batch: the mean of the micro-batch means is the mean over both
     first, second = make_batch(5), make_batch(6)
     both = {key: torch.cat([first[key], second[key]]) for key in first}
-    grads = {}
+    accumulated, _ = fit_one_step([first, second], 2, normalize=normalize)
+    one, _ = fit_one_step([both], 1, normalize=normalize)
+    assert accumulated.keys() == one.keys()
+    for name, grad in one.items():
+        torch.testing.assert_close(accumulated[name], grad, **TOL, msg=name)
 
-    class Save(pl.Callback):
-        def __init__(self, name):
-            self.name = name
 
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            grads[self.name] = student_grads(pl_module)
+@requires_op
+@pytest.mark.parametrize("normalize", ["step", "micro_batch"])
+def test_accumulated_micro_batches_with_different_ignored_counts_in_float64(normalize):
+    # 22 and 15 of 24 tokens carry a loss: "step" weighs each token alike (the token mean over both), while
+    # "micro_batch" weighs each micro-batch alike (the mean of the two means)
+    first, second = make_batch(7, n_ignored=2), make_batch(8, n_ignored=9)
+    both = {key: torch.cat([first[key], second[key]]) for key in first}
+    grads, logged = fit_one_step([first, second], 2, normalize=normalize)
 
-    for name, batches, accumulate in (("accumulated", [first, second], 2), ("one", [both], 1)):
-        module = DistillationModule(
-            student=tiny_student(), teacher=tiny_teacher(), divergence="jsd", hard_weight=0.3
-        )
-        trainer(
-            precision="64-true", max_steps=1, accumulate_grad_batches=accumulate, callbacks=[Save(name)]
-        ).fit(module, DataLoader(batches, batch_size=None))
-    assert grads["accumulated"].keys() == grads["one"].keys()
-    for name, grad in grads["one"].items():
-        torch.testing.assert_close(grads["accumulated"][name], grad, **TOL, msg=name)
+    module = DistillationModule(
+        student=tiny_student(), teacher=tiny_teacher(), **ACCUMULATION_OPTIONS
+    ).double()
+    step_mean = reference_loss(module, both)
+    mean_of_means = (reference_loss(module, first) + reference_loss(module, second)) / 2
+    params = dict(module.student.named_parameters())
+    references = {}
+    for mode, loss in (("step", step_mean), ("micro_batch", mean_of_means)):
+        values = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
+        references[mode] = {name: grad for name, grad in zip(params, values) if grad is not None}
+    expected = references[normalize]
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, **TOL, msg=name)
+    # the two modes' gradients differ far beyond the tolerance on these batches (the test can tell them apart)
+    other = references["micro_batch" if normalize == "step" else "step"]
+    differences = [(grads[name] - grad).abs().max() / grad.abs().max() for name, grad in other.items()]
+    assert max(differences) > 1e-4
+    # the logged loss is the step's token mean in both modes (Lightning keeps a logged float as float32)
+    assert logged == pytest.approx(float(step_mean.detach()), rel=1e-6)
+    assert logged != pytest.approx(float(mean_of_means.detach()), rel=1e-6)
 
 
 @requires_op
@@ -414,6 +453,7 @@ def test_teacher_checkpoint_is_loaded_and_a_missing_one_explained(tmp_path):
         ({"temperature": 0.0}, "temperature"),
         ({"hard_weight": -0.1}, "hard_weight"),
         ({"top_k": 0}, "top_k"),
+        ({"normalize": "token"}, "normalize must be one of"),
         ({"teacher_dtype": "int8"}, "teacher_dtype"),
         ({"vocab_size": VOCAB + 1}, "vocabulary"),
     ],
@@ -521,9 +561,9 @@ def save_module_checkpoint(module: pl.LightningModule, path: Path) -> Path:
 
 # ------------------------------------------------------------------ DDP (2 gloo ranks)
 
-# rank 0 takes micro-batches 0 and 1, rank 1 takes 2 and 3; equal token counts (no ignored labels), so the
-# average of the four micro-batch means is the mean over all their tokens
-DDP_BATCHES = [make_batch(20 + index) for index in range(4)]
+# rank 0 takes micro-batches 0 and 1, rank 1 takes 2 and 3, with different numbers of ignored labels (rank 0
+# 3 of 48, rank 1 18): under normalize="step" the gradient is the mean over all their tokens
+DDP_BATCHES = [make_batch(20 + index, n_ignored=(0, 3, 7, 11)[index]) for index in range(4)]
 DDP_OPTIONS = {"divergence": "jsd", "beta": 0.4, "hard_weight": 0.2, "temperature": 1.5}
 # validation: rank r takes batches 2r and 2r + 1, with different numbers of ignored tokens (a token-weighted mean)
 DDP_VAL_BATCHES = [make_batch(30 + index, n_ignored=3 * index) for index in range(4)]
@@ -574,7 +614,7 @@ def run_ddp(out_dir: str) -> None:
 
 @pytest.mark.slow
 @requires_op
-def test_ddp_two_ranks_with_accumulation_equals_one_batch_of_all(tmp_path):
+def test_ddp_two_ranks_with_accumulation_and_different_ignored_counts_equals_one_batch_of_all(tmp_path):
     from ranks import clean_env
 
     result = subprocess.run(

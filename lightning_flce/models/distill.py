@@ -49,8 +49,10 @@ from lightning_flce.head import unwrap_head
 from lightning_flce.head_discovery import is_hf_model, resolve_head
 from lightning_flce.losses.distillation import DIVERGENCES, Divergence
 from lightning_flce.mixin import NARROW_INT_DTYPES
+from lightning_flce.mixin_step import StepNormalization
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 from lightning_flce.models.hf import HFCausalLM
+from lightning_flce.normalization import NORMALIZE_MODES, NormalizeMode, StepNormalizer, UnweightedTermWatch
 from lightning_flce.options import LogitsPrecision
 
 __all__ = ["DistillationModule", "HeadOperands", "final_hidden_states", "head_operands"]
@@ -117,7 +119,7 @@ def _fused_distillation(*args: Any, **kwargs: Any) -> Tensor:
     return fused_linear_distillation(*args, **kwargs)
 
 
-class DistillationModule(pl.LightningModule):
+class DistillationModule(StepNormalization, pl.LightningModule):
     r"""Trains ``student`` to match a frozen teacher's next-token distribution, with the fused linear
     distillation loss on both LM heads (:func:`~lightning_flce.fused_linear_distillation`).
 
@@ -141,12 +143,21 @@ class DistillationModule(pl.LightningModule):
     module's teacher back, so resuming (``--ckpt_path last``) and ``load_from_checkpoint`` rebuild the teacher
     from ``teacher`` / ``teacher_checkpoint`` as given.
 
-    **Normalization**: the training loss is each micro-batch's mean over its tokens that carry a loss; Lightning
-    averages micro-batches (gradient accumulation) and DDP averages ranks, so a micro-batch with few tokens
-    weighs as much as a full one. This is FLCEMixin's ``flce_normalize="micro_batch"``; the student's
-    ``flce_normalize`` option is not used (with unpadded batches of one length both modes agree).
+    **Normalization** (``normalize``, as :class:`~lightning_flce.mixin.FLCEMixin`'s ``flce_normalize``, whose
+    wiring it is: :class:`~lightning_flce.mixin_step.StepNormalization`): under ``"step"`` the training loss is
+    the mean over the tokens that carry a loss of the whole optimizer step, across the micro-batches of gradient
+    accumulation and the DDP ranks. Each micro-batch back-propagates its token sum (over a power of two ``D``
+    with fp16 gradients), and after the step's last backward one ``all_reduce`` sums the step's loss and
+    tokens over the ranks and the student's gradients are multiplied by
+    ``accumulate_grad_batches * world_size * D / tokens_of_step``. So overrides of ``on_fit_start``,
+    ``on_train_batch_start``, ``on_before_backward`` and of ``optimizer_step`` / ``on_before_optimizer_step``
+    must call ``super()``, another term added to the training step's loss is rescaled with it, and DeepSpeed
+    needs ``"micro_batch"``. Under ``"micro_batch"`` the loss is each micro-batch's token mean; Lightning
+    averages micro-batches and DDP ranks, so a micro-batch with few tokens weighs as much as a full one (with
+    unpadded batches of one length both modes agree). The student's own ``flce_normalize`` is not used.
 
-    **Logged**: ``train/loss`` (per step and epoch, in the progress bar); at the end of each validation
+    **Logged**: ``train/loss`` (the token mean of the optimizer step over its micro-batches and ranks, in both
+    modes; per step and epoch, in the progress bar); at the end of each validation
     ``val/loss`` (the training loss's formula), ``val/divergence``, ``val/student_ce`` (the student's plain
     cross-entropy on the labels), ``val/perplexity`` (its exp) and ``val/token_accuracy``, token-weighted over
     the whole validation and all ranks (one validation dataloader), and a console line with them.
@@ -176,6 +187,8 @@ class DistillationModule(pl.LightningModule):
             there; None: the whole vocabulary.
         chunk_size: tokens per chunk of the fused loss; None: the op chooses. (The student's own ``flce_*`` loss
             options are not used, but for ``flce_head``, ``flce_softcap`` and ``flce_ignore_index``.)
+        normalize: ``"step"``: the training loss is the token mean of the whole optimizer step (micro-batches
+            and ranks); ``"micro_batch"``: each micro-batch's token mean (see Normalization above).
         logits_precision: the precision of both heads' chunk logits (``"input"``, ``"fp32"``, ...).
         vocab_size: the data's vocabulary (``lightning-flce`` links the tokenizer's size to it): checked against
             both heads. None: not checked against the data (the two heads are always checked).
@@ -196,6 +209,8 @@ class DistillationModule(pl.LightningModule):
             temperature: 2.0
     """
 
+    _flce_normalize_option = "normalize"  # (StepNormalization's error messages)
+
     def __init__(
         self,
         student: nn.Module,
@@ -210,6 +225,7 @@ class DistillationModule(pl.LightningModule):
         top_k: Optional[int] = None,
         chunk_size: Optional[int] = None,
         logits_precision: LogitsPrecision = "input",
+        normalize: NormalizeMode = "step",
         vocab_size: Optional[int] = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
@@ -219,6 +235,8 @@ class DistillationModule(pl.LightningModule):
         _check_loss_options(divergence, beta, temperature, hard_weight, top_k)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if normalize not in NORMALIZE_MODES:
+            raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
         if (teacher is None) == (teacher_checkpoint is None):
             raise ValueError(
                 "DistillationModule takes exactly one of `teacher` (a module) and `teacher_checkpoint` (the path"
@@ -241,6 +259,10 @@ class DistillationModule(pl.LightningModule):
         self.flce_last_logits_bytes: Optional[int] = None
         self.flce_last_teacher_logits_shape: Optional[tuple[int, int]] = None
         self.flce_teacher_compute_dtype: Optional[torch.dtype] = None
+        #: the arithmetic of ``normalize`` (token totals of the optimizer step, fp16 divisor, gradient scale)
+        self.flce_step_normalizer = StepNormalizer(normalize)
+        self._flce_unweighted_term_watch = UnweightedTermWatch()
+        self._flce_last_loss_weight: Optional[Tensor] = None
         #: the metrics logged at the end of the last validation (``{"val/loss": ..., ...}``)
         self.last_val_metrics: dict[str, float] = {}
         self._val_sums: Optional[Tensor] = None
@@ -261,6 +283,9 @@ class DistillationModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         self._keep_teacher_dtype()
+        if self._trainer is not None:  # (the hook may be called alone, to cast the teacher back)
+            self._flce_start_fit_normalization()
+            self._flce_add_normalize_callback()
         # Lightning warns at the start of training when modules are in eval mode: the teacher's are, by design.
         # Silenced for exactly their count (a student module left in eval mode changes the count and still warns).
         teacher_modules = sum(1 for _ in self.teacher.modules())
@@ -311,11 +336,19 @@ class DistillationModule(pl.LightningModule):
         total = divergence_weight + ce_weight
         loss_sum = total * self._loss_sum(student_hidden, teacher_hidden, target, ce_weight / total)
         num_tokens = (target != self.ignore_index).sum()
-        loss = loss_sum / num_tokens.clamp(min=1)  # 0 with the graph connected when no token counts
-        self.log(
-            "train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=max(int(num_tokens), 1)
-        )
-        return loss
+        if self._flce_stage() != "train":  # called outside fit: the plain micro-batch mean, nothing to join
+            return loss_sum / num_tokens.clamp(min=1)
+        # the micro-batch mean (0 with the graph connected when no token counts), joined to the optimizer step;
+        # "step": its gradient is the token sum's over D, rescaled at the optimizer step (which logs train/loss)
+        return self._flce_count_for_step(loss_sum, num_tokens, capacity=target.numel())
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Optional[int]:
+        self._flce_start_micro_batch()
+        return super().on_train_batch_start(batch, batch_idx)
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        self._flce_commit_micro_batch(loss)
+        super().on_before_backward(loss)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         student_hidden, teacher_hidden, target = self._forward_both(batch)
