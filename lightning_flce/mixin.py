@@ -9,7 +9,7 @@ order; :mod:`lightning_flce.mixin_step` the step normalization (``flce_normalize
 """
 
 import inspect
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,7 @@ from lightning_flce.mixin_eval import EvalMetricsLogging
 from lightning_flce.mixin_rl import NARROW_INT_DTYPES, PolicyCalls
 from lightning_flce.mixin_step import StepNormalization
 from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch
-from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision
+from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision, NormalizeMode
 from lightning_flce.outputs import FLCEOutput
 from lightning_flce.per_token import check_per_token, shift_per_token
 from lightning_flce.rl.head_calls import policy_loss_module
@@ -228,7 +228,7 @@ class FLCEMixin(PolicyCalls, EvalMetricsLogging, StepNormalization, metaclass=Ch
         flce_logits_precision: LogitsPrecision = "input",
         flce_impl: ImplName = "auto",
         flce_naive: bool = False,
-        flce_normalize: Literal["step", "micro_batch"] = "step",
+        flce_normalize: NormalizeMode = "step",
         flce_loss_type: PolicyLossType = "grpo",
         flce_epsilon_low: float = 0.2,
         flce_epsilon_high: float = 0.2,

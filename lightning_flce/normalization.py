@@ -25,14 +25,12 @@ the forward free of hooks, so ``torch.compile`` traces a training step without a
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, NamedTuple, Optional, get_args
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-#: how a training loss is normalized: the token mean of the optimizer step, or of each micro-batch
-NormalizeMode = Literal["step", "micro_batch"]
-NORMALIZE_MODES: tuple[str, ...] = get_args(NormalizeMode)
+from lightning_flce.options import NORMALIZE_MODES
 
 
 def power_of_two_at_least(value: float) -> float:

@@ -58,6 +58,10 @@ WIDE_LOGITS_PRECISIONS = frozenset({"fp32", "fp32_compensated"})
 #: The dtype names ``accum_dtype`` takes besides a ``torch.dtype`` (so YAML and the CLI can set it).
 AccumDtypeName = Literal["float32", "float64", "bfloat16", "float16"]
 ACCUM_DTYPE_NAMES = get_args(AccumDtypeName)
+#: ``normalize`` (``FLCEMixin``'s ``flce_normalize``, ``DistillationModule``'s ``normalize``): a training loss as
+#: the token mean of the whole optimizer step, or of each micro-batch.
+NormalizeMode = Literal["step", "micro_batch"]
+NORMALIZE_MODES: tuple[str, ...] = get_args(NormalizeMode)
 #: What ``accum_dtype`` takes: a dtype, its name, or None (the op chooses).
 AccumDtype = Union[torch.dtype, AccumDtypeName, None]
 

@@ -52,8 +52,8 @@ from lightning_flce.mixin import NARROW_INT_DTYPES
 from lightning_flce.mixin_step import StepNormalization
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 from lightning_flce.models.hf import HFCausalLM
-from lightning_flce.normalization import NORMALIZE_MODES, NormalizeMode, StepNormalizer, UnweightedTermWatch
-from lightning_flce.options import LogitsPrecision
+from lightning_flce.normalization import StepNormalizer, UnweightedTermWatch
+from lightning_flce.options import NORMALIZE_MODES, LogitsPrecision, NormalizeMode
 
 __all__ = ["DistillationModule", "HeadOperands", "final_hidden_states", "head_operands"]
 
