@@ -30,8 +30,15 @@ from lightning_flce.mixin_checks import (
 from lightning_flce.mixin_eval import EvalMetricsLogging
 from lightning_flce.mixin_rl import NARROW_INT_DTYPES, PolicyCalls
 from lightning_flce.mixin_step import StepNormalization
-from lightning_flce.normalization import NORMALIZE_MODES, StepNormalizer, UnweightedTermWatch
-from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision, NormalizeMode
+from lightning_flce.normalization import StepNormalizer, UnweightedTermWatch
+from lightning_flce.options import (
+    NORMALIZE_MODES,
+    AccumDtype,
+    FLCEOptions,
+    ImplName,
+    LogitsPrecision,
+    NormalizeMode,
+)
 from lightning_flce.outputs import FLCEOutput
 from lightning_flce.per_token import check_per_token, shift_per_token
 from lightning_flce.rl.head_calls import policy_loss_module

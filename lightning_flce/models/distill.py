@@ -6,7 +6,8 @@ LitGPTCausalLM): the module takes its final hidden states (its ``hidden_states``
 logit transforms (softcap, logit scale) as the mixin does. The teacher is another such model, a Hugging Face
 causal LM, or a Lightning checkpoint of one (the main job's ``last.ckpt``); it is frozen, kept in eval mode, run
 under ``no_grad`` and optionally in its own dtype. What the module adds to the loss op is the Lightning side:
-the teacher's life cycle, the targets, the logging and the checkpoint.
+the teacher's life cycle, the targets, the loss as the token mean of the whole optimizer step (``normalize``,
+FLCEMixin's step normalization), the logging and the checkpoint.
 
 .. code-block:: python
 
