@@ -142,3 +142,14 @@ class SaveStep(Callback):
             result = {"grads": self.grads, "loss": loss, "world_size": trainer.world_size}
             torch.save(result, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
             self.grads = None
+
+
+def end_worker() -> None:
+    """The end of a DDP worker script, once it has saved its results: wait for the other ranks, then exit without
+    the process group's and the interpreter's teardown, in which gloo sometimes aborted a rank ("terminate called
+    without an active exception", exit code -6) after everything had been saved."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

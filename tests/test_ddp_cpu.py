@@ -12,7 +12,6 @@ unweighted token count of both ranks.
 """
 
 import copy
-import os
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
-from ranks import SaveStep, clean_env
+from ranks import SaveStep, clean_env, end_worker
 from torch.utils.data import DataLoader
 
 from lightning_flce.models.gpt import TinyGPT
@@ -151,10 +150,4 @@ def test_ddp_step_equals_one_process_on_the_global_batch(tmp_path, precision, we
 
 if __name__ == "__main__":
     run_ddp(sys.argv[1], sys.argv[2], bool(int(sys.argv[3])))
-    # Both ranks end here: skip gloo's teardown at interpreter exit, which sometimes aborted a rank
-    # ("terminate called without an active exception") after everything had been saved.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_worker()

@@ -652,7 +652,10 @@ def test_ddp_two_ranks_with_accumulation_and_different_ignored_counts_equals_one
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ranks import end_worker
+
     run_ddp(sys.argv[1])
+    end_worker()
 
 
 # ------------------------------------------------------------------ the `distill` config

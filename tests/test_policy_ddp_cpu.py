@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from ranks import SaveStep, clean_env
+from ranks import SaveStep, clean_env, end_worker
 from test_policy_mixin import TOL, PolicyLM, make_batch, one_call_grads
 from torch.utils.data import DataLoader
 
@@ -86,3 +86,4 @@ def test_ddp_policy_step_equals_one_call_on_both_ranks_sequences(tmp_path, loss_
 
 if __name__ == "__main__":
     run_ddp(sys.argv[1], sys.argv[2])
+    end_worker()
