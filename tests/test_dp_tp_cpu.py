@@ -25,7 +25,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
-from ranks import free_port, run_ranks, torchrun_env
+from ranks import end_worker, free_port, run_ranks, torchrun_env
 from test_fsdp2_cpu import FP32, VOCAB, _reference, needs_cpu_fsdp2, samples, tiny_gpt
 from torch.utils.data import DataLoader
 
@@ -140,3 +140,4 @@ def test_dp_x_vocab_parallel_step_equals_one_process_on_the_global_batch(ranks):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+    end_worker()

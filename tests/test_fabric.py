@@ -25,7 +25,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from ranks import free_port, run_ranks, torchrun_env
+from ranks import end_worker, free_port, run_ranks, torchrun_env
 from torch import nn
 
 from lightning_flce import FLCEHeadLoss
@@ -283,3 +283,4 @@ def test_example_main_trains(precision, capsys):
 
 if __name__ == "__main__":
     fsdp_worker(sys.argv[1])
+    end_worker()

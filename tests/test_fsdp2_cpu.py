@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
-from ranks import free_port, run_ranks, torchrun_env
+from ranks import end_worker, free_port, run_ranks, torchrun_env
 from torch.utils.data import DataLoader
 
 import lightning_flce.head
@@ -282,3 +282,4 @@ def test_fully_shard_lm_refuses_a_tied_head_as_its_own_unit():
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+    end_worker()

@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from ranks import run_ranks
+from ranks import end_worker, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -307,3 +307,4 @@ def test_unsupported_options_and_strategies_raise_on_every_rank(ranks):
 
 if __name__ == "__main__":
     worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    end_worker()
