@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -629,6 +629,99 @@ def saved_grad_input_dtype(
     ):
         return compute_dtype
     return x.dtype
+
+
+def saved_grad_dtypes(
+    x: Tensor,
+    weight: Tensor,
+    compute_dtype: torch.dtype,
+    accum_dtype: Optional[torch.dtype],
+    chunk_size: Optional[int],
+    large_chunks: bool,
+) -> Tuple[torch.dtype, torch.dtype]:
+    """(dX, dW) dtypes that a "gradients in forward" call keeps for backward (:func:`saved_grad_input_dtype`,
+    :func:`saved_grad_weight_dtype`); the fake implementations use them too."""
+    weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum_dtype, chunk_size, large_chunks)
+    return saved_grad_input_dtype(x, compute_dtype, weight_dtype), weight_dtype
+
+
+def token_rows(x: Tensor) -> int:
+    """The number of tokens (rows) of hidden states ``x`` [..., H] (0 for an empty hidden size)."""
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def run_valid_rows(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    loss: ChunkLoss,
+    *,
+    valid: Tensor,
+    ignore_index: int,
+    checks: Sequence[Tuple[Tensor, Callable[[], Exception]]] = (),
+    large_chunks: bool,
+    chunk_size: Optional[int],
+    compute_dtype: torch.dtype,
+    logits_precision: str,
+    triton_logits_gemm: bool,
+    needs: Tuple[bool, bool, bool],
+    accum_dtype: Optional[torch.dtype],
+    grad_input_dtype: torch.dtype,
+    keep_scaled: bool = False,
+    grad_weight_dtype: Optional[torch.dtype] = None,
+    auxiliary_dtype: Optional[torch.dtype] = None,
+) -> Tuple[Optional[Tensor], ...]:
+    """The front ends' way into :func:`run_chunks` on the rows that carry a loss (``valid``, [N] bool; the others' target
+    is ``ignore_index``): one host
+    sync for the target check, the caller's ``checks`` (a 0-d count of bad values and the error to raise when it is
+    not 0: temperatures, advantages) and the fp16 bounds, before any kernel; then the chunk size
+    (:func:`chunk_rows`, with the loss's workspace and any auxiliary head's buffer) and the chunk loop.
+    ``needs``: (dX, dW, d bias) asked for. Returns :func:`run_chunks`' tuple."""
+    vocab, hidden = weight.shape
+    target = target.reshape(-1)
+    extra = [count for count, _ in checks]
+    if any(needs) and compute_dtype == torch.float16:
+        extra += fp16_bound_stats(
+            x.reshape(-1, hidden), loss, keep_scaled=keep_scaled, weight_dtype=weight.dtype
+        )
+    n_valid, values = check_targets(target, valid, vocab, ignore_index, extra)
+    for value, (_, error) in zip(values, checks):
+        if value:
+            raise error()
+    fp16_bounds = values[len(checks) :]
+    rows = chunk_rows(
+        chunk_size,
+        token_rows(x),
+        n_valid,
+        vocab,
+        hidden,
+        compute_dtype,
+        large_chunks,
+        loss.workspace_copies,
+        auxiliary_dtype=auxiliary_dtype,
+    )
+    return run_chunks(
+        x,
+        weight,
+        target,
+        bias,
+        loss,
+        rows=valid_rows(valid, n_valid),
+        n_valid=n_valid,
+        chunk_size=rows,
+        compute_dtype=compute_dtype,
+        logits_precision=logits_precision,
+        triton_logits_gemm=triton_logits_gemm,
+        need_grad_input=needs[0],
+        need_grad_weight=needs[1],
+        need_grad_bias=needs[2],
+        accum_dtype=accum_dtype,
+        grad_input_dtype=grad_input_dtype,
+        keep_scaled=keep_scaled,
+        fp16_bounds=fp16_bounds or None,
+        grad_weight_dtype=grad_weight_dtype,
+    )
 
 
 def _has_full_rate_fp64(device: torch.device) -> bool:

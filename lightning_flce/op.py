@@ -35,8 +35,8 @@ from lightning_flce.engine import (
     fp16_bound_stats,
     inverse_scales,
     run_chunks,
-    saved_grad_input_dtype,
-    saved_grad_weight_dtype,
+    saved_grad_dtypes,
+    token_rows,
     valid_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
@@ -128,10 +128,6 @@ def _large_chunks(args) -> bool:
     return BACKENDS[args.backend].large_chunks
 
 
-def _n_rows(x: Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
-
-
 def _chunk_loop(
     args,
     *,
@@ -182,7 +178,7 @@ def _chunk_loop(
     vocab, hidden = weight.shape
     chunk_size = chunk_rows(
         args.chunk_size,
-        _n_rows(x),
+        token_rows(x),
         n_valid,
         vocab,
         hidden,
@@ -219,15 +215,9 @@ def _chunk_loop(
 
 def _saved_dtypes(args) -> Tuple[torch.dtype, torch.dtype]:
     """(dX, dW) dtypes that "mean"/"sum" forward keeps for backward (see the engine's ``saved_grad_*``)."""
-    grad_weight_dtype = saved_grad_weight_dtype(
-        args.x,
-        args.weight,
-        args.compute_dtype,
-        args.accum_dtype,
-        args.chunk_size,
-        _large_chunks(args),
+    return saved_grad_dtypes(
+        args.x, args.weight, args.compute_dtype, args.accum_dtype, args.chunk_size, _large_chunks(args)
     )
-    return saved_grad_input_dtype(args.x, args.compute_dtype, grad_weight_dtype), grad_weight_dtype
 
 
 def _token_scales(args, reduction: str) -> Tuple[Tensor, Tensor]:
@@ -279,7 +269,7 @@ def _forward(*values) -> Tuple[Tensor, ...]:
 def _forward_fake(*values) -> Tuple[Tensor, ...]:
     args = ForwardArgs(*values)
     x, weight, bias = args.x, args.weight, args.bias
-    n_rows = _n_rows(x)
+    n_rows = token_rows(x)
     grads_now = args.reduction != "none"
     needs_any = args.need_grad_input or args.need_grad_weight or args.need_grad_bias
     loss_dtype = softmax_dtype(args.compute_dtype)

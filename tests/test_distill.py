@@ -364,9 +364,9 @@ def _no_kernel(*args, **kwargs):
     ],
 )
 def test_bad_input_raises_before_any_kernel(monkeypatch, change, error, message):
-    import lightning_flce.distill.op as distill_op
+    import lightning_flce.engine as engine
 
-    monkeypatch.setattr(distill_op, "run_chunks", _no_kernel)
+    monkeypatch.setattr(engine, "run_chunks", _no_kernel)
     student, teacher, target, _ = make_problem()
     call = {"xs": student[0], "ws": student[1], "xt": teacher[0], "wt": teacher[1], "target": target}
     kwargs = {}

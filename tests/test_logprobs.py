@@ -221,12 +221,10 @@ def test_all_ignored_and_no_grad():
 )
 def test_bad_temperature_raises_before_any_kernel(monkeypatch, temperature, error, message):
     import lightning_flce.engine as engine
-    import lightning_flce.rl.logprobs_op as logprobs_op
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel ran")
 
-    monkeypatch.setattr(logprobs_op, "run_chunks", no_kernel)
     monkeypatch.setattr(engine, "run_chunks", no_kernel)
     x, w, t, *_ = make_problem((12,))
     with pytest.raises(error, match=message):

@@ -219,12 +219,12 @@ def test_backward_twice_raises_and_grad_output_scales():
     ],
 )
 def test_bad_input_raises_before_any_kernel(monkeypatch, change, error, message):
-    import lightning_flce.rl.policy_op as policy_op
+    import lightning_flce.engine as engine
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel ran")
 
-    monkeypatch.setattr(policy_op, "run_chunks", no_kernel)
+    monkeypatch.setattr(engine, "run_chunks", no_kernel)
     x, w, target, bias, extras = make_problem()
     kwargs = {**resolve({}, extras, "grpo"), **change}
     with pytest.raises(error, match=message):

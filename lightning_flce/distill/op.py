@@ -22,15 +22,11 @@ from torch import Tensor
 
 from lightning_flce.chunk_loss import AuxiliaryHead
 from lightning_flce.engine import (
-    check_targets,
-    chunk_rows,
-    fp16_bound_stats,
     inverse_scales,
     register_forward_grads_autograd,
-    run_chunks,
-    saved_grad_input_dtype,
-    saved_grad_weight_dtype,
-    valid_rows,
+    run_valid_rows,
+    saved_grad_dtypes,
+    token_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.distillation import TEACHER_LOGITS, DistillationChunkLoss
@@ -47,20 +43,13 @@ _NAMES = [part.split()[-1] for part in _ARGS.split(",")]
 _N_TENSORS = 9  # x ... inv_temperature: saved for the recompute of "none"'s backward
 
 
-def _n_rows(x: Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
-
-
 def _needs(a) -> Tuple[bool, bool, bool]:
     return a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"]
 
 
 def _saved_dtypes(a) -> Tuple[torch.dtype, torch.dtype]:
     large = BACKENDS[a["backend"]].large_chunks
-    weight_dtype = saved_grad_weight_dtype(
-        a["x"], a["weight"], a["compute_dtype"], None, a["chunk_size"], large
-    )
-    return saved_grad_input_dtype(a["x"], a["compute_dtype"], weight_dtype), weight_dtype
+    return saved_grad_dtypes(a["x"], a["weight"], a["compute_dtype"], None, a["chunk_size"], large)
 
 
 def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
@@ -93,46 +82,27 @@ def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
         teacher_inv_temperature=inv_t * a["teacher_logit_scale"],
         ce_inv_temperature=torch.full((1,), a["student_logit_scale"], dtype=dtype, device=x.device),
     )
-    extra = [bad_temperatures(inv_t, valid).sum()]
-    if any(needs) and compute_dtype == torch.float16:
-        extra += fp16_bound_stats(
-            x.reshape(-1, hidden), loss, keep_scaled=keep_scaled, weight_dtype=weight.dtype
-        )
-    n_valid, (n_bad_temperature, *fp16_bounds) = check_targets(target, valid, vocab, a["ignore_index"], extra)
-    if n_bad_temperature:
-        raise temperature_error(inv_t, valid)
-    rows = chunk_rows(
-        a["chunk_size"],
-        _n_rows(x),
-        n_valid,
-        vocab,
-        hidden,
-        compute_dtype,
-        backend.large_chunks,
-        loss.workspace_copies,
-        auxiliary_dtype=a["teacher_compute_dtype"],
-    )
     grad_input_dtype, grad_weight_dtype = _saved_dtypes(a) if keep_scaled else (x.dtype, None)
-    return run_chunks(
+    return run_valid_rows(
         x,
         weight,
         target,
         a["bias"],
         loss,
-        rows=valid_rows(valid, n_valid),
-        n_valid=n_valid,
-        chunk_size=rows,
+        valid=valid,
+        ignore_index=a["ignore_index"],
+        checks=[(bad_temperatures(inv_t, valid).sum(), lambda: temperature_error(inv_t, valid))],
+        large_chunks=backend.large_chunks,
+        chunk_size=a["chunk_size"],
         compute_dtype=compute_dtype,
         logits_precision=a["logits_precision"],
         triton_logits_gemm=a["backend"] == "triton",
-        need_grad_input=needs[0],
-        need_grad_weight=needs[1],
-        need_grad_bias=needs[2],
+        needs=needs,
         accum_dtype=None,
         grad_input_dtype=grad_input_dtype,
         keep_scaled=keep_scaled,
-        fp16_bounds=fp16_bounds if fp16_bounds else None,
         grad_weight_dtype=grad_weight_dtype,
+        auxiliary_dtype=a["teacher_compute_dtype"],
     )
 
 
@@ -163,7 +133,7 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
     a = dict(zip(_NAMES, values))
     x, weight, bias = a["x"], a["weight"], a["bias"]
     dtype = softmax_dtype(a["compute_dtype"])
-    n_rows = _n_rows(x)
+    n_rows = token_rows(x)
     needs = _needs(a)
     grad_input_dtype, grad_weight_dtype = _saved_dtypes(a)
     scaled = a["compute_dtype"] == torch.float16 and any(needs)
@@ -222,7 +192,7 @@ def _forward_per_token_fake(*values) -> Tuple[Tensor, Tensor, Tensor]:
     a = dict(zip(_NAMES, values))
     x = a["x"]
     dtype = softmax_dtype(a["compute_dtype"])
-    n_rows = _n_rows(x)
+    n_rows = token_rows(x)
     return (
         x.new_empty(n_rows, dtype=dtype),
         x.new_empty(n_rows, dtype=dtype),

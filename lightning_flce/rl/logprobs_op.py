@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from lightning_flce.engine import check_targets, chunk_rows, fp16_bound_stats, run_chunks, valid_rows
+from lightning_flce.engine import run_valid_rows, token_rows
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.logprobs import LogProbsChunkLoss
 
@@ -25,10 +25,6 @@ _ARGS = (
     " str backend, bool return_entropy, bool need_grad_input, bool need_grad_weight, bool need_grad_bias"
 )
 _N_TENSORS = 5  # x, weight, target, bias, inv_temperature: saved for backward
-
-
-def _n_rows(x: Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def bad_temperatures(inv_temperature: Tensor, valid: Tensor) -> Tensor:
@@ -70,7 +66,7 @@ def _run(
     (logprobs [N], entropy [N] or empty, dX, dW, d bias) (gradients None where not asked for)."""
     target = target.reshape(-1)
     valid = target != ignore_index
-    vocab, hidden = weight.shape
+    vocab = weight.shape[0]
     kernels = BACKENDS[backend].kernels()
     loss = LogProbsChunkLoss(
         kernels,
@@ -81,41 +77,29 @@ def _run(
         grad_logprobs=grad_logprobs,
         grad_entropy=grad_entropy,
     )
-    compute_grad = need_grad_input or need_grad_weight or need_grad_bias
-    extra = [bad_temperatures(inv_temperature, valid).sum()]
-    if compute_grad and compute_dtype == torch.float16:
-        extra += fp16_bound_stats(x.reshape(-1, hidden), loss, keep_scaled=False, weight_dtype=weight.dtype)
-    n_valid, (n_bad_temperature, *fp16_bounds) = check_targets(target, valid, vocab, ignore_index, extra)
-    if n_bad_temperature:
-        raise temperature_error(inv_temperature, valid)
-    rows = chunk_rows(
-        chunk_size,
-        _n_rows(x),
-        n_valid,
-        vocab,
-        hidden,
-        compute_dtype,
-        BACKENDS[backend].large_chunks,
-        loss.workspace_copies,
-    )
-    logprobs, entropy, grad_input, grad_weight, grad_bias, _ = run_chunks(
+    backend_entry = BACKENDS[backend]
+    logprobs, entropy, grad_input, grad_weight, grad_bias, _ = run_valid_rows(
         x,
         weight,
         target,
         bias,
         loss,
-        rows=valid_rows(valid, n_valid),
-        n_valid=n_valid,
-        chunk_size=rows,
+        valid=valid,
+        ignore_index=ignore_index,
+        checks=[
+            (
+                bad_temperatures(inv_temperature, valid).sum(),
+                lambda: temperature_error(inv_temperature, valid),
+            )
+        ],
+        large_chunks=backend_entry.large_chunks,
+        chunk_size=chunk_size,
         compute_dtype=compute_dtype,
         logits_precision=logits_precision,
         triton_logits_gemm=backend == "triton",
-        need_grad_input=need_grad_input,
-        need_grad_weight=need_grad_weight,
-        need_grad_bias=need_grad_bias,
+        needs=(need_grad_input, need_grad_weight, need_grad_bias),
         accum_dtype=accum_dtype,
         grad_input_dtype=x.dtype,
-        fp16_bounds=fp16_bounds if fp16_bounds else None,
     )
     if grad_input is not None:
         grad_input = grad_input.view(x.shape)
@@ -132,7 +116,7 @@ def _forward(x, weight, target, bias, inv_temperature, *options) -> Tuple[Tensor
 def _forward_fake(x, weight, target, bias, inv_temperature, *options) -> Tuple[Tensor, Tensor]:
     compute_dtype, return_entropy = options[3], options[7]
     dtype = softmax_dtype(compute_dtype)
-    n_rows = _n_rows(x)
+    n_rows = token_rows(x)
     return x.new_empty(n_rows, dtype=dtype), x.new_empty(n_rows if return_entropy else 0, dtype=dtype)
 
 

@@ -15,15 +15,11 @@ import torch
 from torch import Tensor
 
 from lightning_flce.engine import (
-    check_targets,
-    chunk_rows,
-    fp16_bound_stats,
     inverse_scales,
     register_forward_grads_autograd,
-    run_chunks,
-    saved_grad_input_dtype,
-    saved_grad_weight_dtype,
-    valid_rows,
+    run_valid_rows,
+    saved_grad_dtypes,
+    token_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.policy import PolicyChunkLoss
@@ -39,16 +35,15 @@ _ARGS = (
 _NAMES = [part.split()[-1] for part in _ARGS.split(",")]
 
 
-def _n_rows(x: Tensor) -> int:
-    return x.numel() // x.shape[-1] if x.shape[-1] else 0
-
-
 def _saved_dtypes(a) -> Tuple[torch.dtype, torch.dtype]:
     large = BACKENDS[a["backend"]].large_chunks
-    weight_dtype = saved_grad_weight_dtype(
+    return saved_grad_dtypes(
         a["x"], a["weight"], a["compute_dtype"], a["accum_dtype"], a["chunk_size"], large
     )
-    return saved_grad_input_dtype(a["x"], a["compute_dtype"], weight_dtype), weight_dtype
+
+
+def _advantages_error(count: Tensor) -> ValueError:
+    return ValueError(f"advantages must be finite: {int(count)} counted token(s) have NaN or Inf")
 
 
 def _forward(*values) -> Tuple[Tensor, ...]:
@@ -78,54 +73,29 @@ def _forward(*values) -> Tuple[Tensor, ...]:
             entropy_coef=a["entropy_coef"],
         )
         inv_t = a["inv_temperature"]
-        # one host sync for the targets, the temperatures, the advantages and the fp16 bounds
-        extra = [
-            bad_temperatures(inv_t, valid).sum(),
-            (~torch.isfinite(a["advantages"]) & valid).sum(),
-        ]
-        if any(needs) and compute_dtype == torch.float16:
-            extra += fp16_bound_stats(
-                x.reshape(-1, hidden), loss, keep_scaled=True, weight_dtype=weight.dtype
-            )
-        n_valid, (n_bad_temperature, n_bad_advantages, *fp16_bounds) = check_targets(
-            target, valid, vocab, a["ignore_index"], extra
-        )
-        if n_bad_temperature:
-            raise temperature_error(inv_t, valid)
-        if n_bad_advantages:
-            raise ValueError(
-                f"advantages must be finite: {int(n_bad_advantages)} counted token(s) have NaN or Inf"
-            )
+        bad_advantages = (~torch.isfinite(a["advantages"]) & valid).sum()
         backend = BACKENDS[a["backend"]]
-        rows = chunk_rows(
-            a["chunk_size"],
-            _n_rows(x),
-            n_valid,
-            vocab,
-            hidden,
-            compute_dtype,
-            backend.large_chunks,
-            loss.workspace_copies,
-        )
-        logprobs, entropy, per_token_loss, gx, gw, gb, scales = run_chunks(
+        logprobs, entropy, per_token_loss, gx, gw, gb, scales = run_valid_rows(
             x,
             weight,
             target,
             a["bias"],
             loss,
-            rows=valid_rows(valid, n_valid),
-            n_valid=n_valid,
-            chunk_size=rows,
+            valid=valid,
+            ignore_index=a["ignore_index"],
+            checks=[
+                (bad_temperatures(inv_t, valid).sum(), lambda: temperature_error(inv_t, valid)),
+                (bad_advantages, lambda: _advantages_error(bad_advantages)),
+            ],
+            large_chunks=backend.large_chunks,
+            chunk_size=a["chunk_size"],
             compute_dtype=compute_dtype,
             logits_precision=a["logits_precision"],
             triton_logits_gemm=a["backend"] == "triton",
-            need_grad_input=needs[0],
-            need_grad_weight=needs[1],
-            need_grad_bias=needs[2],
+            needs=needs,
             accum_dtype=a["accum_dtype"],
             grad_input_dtype=grad_input_dtype,
             keep_scaled=True,
-            fp16_bounds=fp16_bounds if fp16_bounds else None,
             grad_weight_dtype=grad_weight_dtype,
         )
     inverse = (
@@ -141,7 +111,7 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
     a = dict(zip(_NAMES, values))
     x, weight, bias = a["x"], a["weight"], a["bias"]
     dtype = softmax_dtype(a["compute_dtype"])
-    n_rows = _n_rows(x)
+    n_rows = token_rows(x)
     needs = (a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"])
     grad_input_dtype, grad_weight_dtype = _saved_dtypes(a)
     scaled = a["compute_dtype"] == torch.float16 and any(needs)
