@@ -806,7 +806,7 @@ def double_backward_error(
             "Compute a gradient penalty on the unfused loss (F.cross_entropy(F.linear(x, W), t)) for the steps"
             " that need it"
         )
-    return f"{op} does not support double backward (create_graph=True): {why} without a graph. {alternative}"
+    return f"{op} does not support double backward (create_graph=True): {why} without a graph. {alternative}".rstrip()
 
 
 #: What a second backward through a "mean"/"sum" call of the cross-entropy should do instead.
@@ -836,6 +836,19 @@ def check_single_backward(
             f" {repeat_hint}"
         )
     ctx.grads_handed_out = True
+
+
+def refuse_double_backward(
+    backward_op, op: str, why: str = "its backward recomputes the chunks", alternative: Optional[str] = ""
+) -> None:
+    """Register, as the autograd of a recomputing backward op (``"none"``'s, the log-probabilities'), an error:
+    it is reached only by differentiating the gradients it returned (``create_graph=True``, then a second
+    backward), which carry no graph. ``alternative``: what to do instead (None: the cross-entropy's hint)."""
+
+    def refuse(ctx, *grads):
+        raise RuntimeError(double_backward_error(why, op, alternative))
+
+    backward_op.register_autograd(refuse, setup_context=lambda ctx, inputs, output: None)
 
 
 def register_forward_grads_autograd(

@@ -30,10 +30,10 @@ from lightning_flce.engine import (
     check_single_backward,
     check_targets,
     chunk_rows,
-    double_backward_error,
     finish_saved_grads,
     fp16_bound_stats,
     inverse_scales,
+    refuse_double_backward,
     run_chunks,
     saved_grad_dtypes,
     token_rows,
@@ -375,12 +375,12 @@ def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
 flce_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _refuse_double_backward(ctx, *grads):
-    # Reached only by differentiating reduction="none"'s gradients (create_graph=True, then a second backward).
-    raise RuntimeError(double_backward_error("its reduction='none' backward recomputes the chunks"))
-
-
-flce_backward.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+refuse_double_backward(
+    flce_backward,
+    "fused linear cross-entropy",
+    why="its reduction='none' backward recomputes the chunks",
+    alternative=None,
+)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch import Tensor
 from lightning_flce.chunk_loss import AuxiliaryHead
 from lightning_flce.engine import (
     inverse_scales,
+    refuse_double_backward,
     register_forward_grads_autograd,
     run_valid_rows,
     saved_grad_dtypes,
@@ -264,16 +265,7 @@ def _backward_per_token(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]
 flce_distill_per_token.register_autograd(_backward_per_token, setup_context=_setup_context_per_token)
 
 
-def _refuse_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "fused_linear_distillation does not support double backward (create_graph=True): its backward recomputes"
-        " the chunks without a graph"
-    )
-
-
-flce_distill_backward.register_autograd(
-    _refuse_double_backward, setup_context=lambda ctx, inputs, output: None
-)
+refuse_double_backward(flce_distill_backward, "fused_linear_distillation")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from lightning_flce.engine import run_valid_rows, token_rows
+from lightning_flce.engine import refuse_double_backward, run_valid_rows, token_rows
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.logprobs import LogProbsChunkLoss
 
@@ -190,16 +190,7 @@ def _backward(ctx, grad_logprobs, grad_entropy) -> Tuple[Optional[Tensor], ...]:
 flce_logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _refuse_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "fused_linear_logprobs does not support double backward (create_graph=True): its backward recomputes the"
-        " chunks without a graph"
-    )
-
-
-flce_logprobs_backward.register_autograd(
-    _refuse_double_backward, setup_context=lambda ctx, inputs, output: None
-)
+refuse_double_backward(flce_logprobs_backward, "fused_linear_logprobs")
 
 
 # ----------------------------------------------------------------------------------------------
