@@ -50,6 +50,13 @@ _CHUNK_ALIGN = 64
 # chunk's dW GEMM on an H100/H200 (2 rows H V FLOP at ~800 TFLOP/s vs ~4.2 TB/s); the profile of the
 # quarter-floor rule showed it as the largest loss (results/*_run8_*: dW 30% over its FLOP floor).
 _MIN_TRITON_CHUNK_ROWS = 4096
+# A chunk loss with an auxiliary head (two [C, V] buffers) and a 16-bit dW accumulator (an explicit
+# ``accum_dtype`` equal to the 16-bit weight's dtype: the memory-lean choice) lets its buffers grow to this share
+# of the floor only. With an fp32 accumulator the buffers may take the whole floor for free (the peak is then the
+# accumulator plus backward's cast to the weight's dtype: about 3 floors); a 16-bit one leaves the buffers as the
+# peak's only term over dW + dX, so they set it: 1.75 floors (Liger's fused JSD, chunked by 1024 rows, peaks at
+# 1.87 floors at N 8192, H 4096, V 128256; issue 37).
+_NARROW_ACCUMULATOR_FLOOR_SHARE = 0.75
 _FLOOR_LIMITED_ALIGN = 256
 # The PyTorch path works on a few copies of a chunk in the softmax dtype (fp32, or fp64; the chunk loss's
 # workspace_copies), and needs larger chunks than the GPU to keep its GEMMs efficient (CPU, 4096x1024x32000
@@ -118,6 +125,7 @@ def default_chunk_size(
     large_chunks: bool,
     workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
     auxiliary_itemsize: int = 0,
+    floor_share: float = 1.0,
 ) -> int:
     """Tokens per chunk.
 
@@ -128,6 +136,8 @@ def default_chunk_size(
     ``workspace_copies`` of the logits in the softmax dtype (its PyTorch twin's workspace). A chunk loss with an
     :class:`~lightning_flce.chunk_loss.AuxiliaryHead` adds its logits buffer, ``auxiliary_itemsize`` bytes a
     logit, to every row's cost (its softmax-dtype copies are part of the twin's ``workspace_copies``).
+    ``floor_share``: the share of the floor the buffers may grow to on the GPU (``_NARROW_ACCUMULATOR_FLOOR_SHARE``
+    for two buffers beside a 16-bit accumulator).
     """
     floor_bytes = (n_rows + vocab) * hidden * itemsize
     min_bytes = _MIN_CHUNK_BYTES if large_chunks else _TORCH_PATH_MIN_CHUNK_BYTES
@@ -136,13 +146,14 @@ def default_chunk_size(
     bytes_per_row += vocab * auxiliary_itemsize
     align = _CHUNK_ALIGN
     wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row
+    cap = int(floor_bytes * floor_share)
     if large_chunks and wanted > budget:
-        if wanted <= floor_bytes:
+        if wanted <= cap:
             budget = wanted
-        elif floor_bytes > budget:
+        elif cap > budget:
             # Limited by the floor: whole multiples of 256 rows. cuBLAS's fp16 dX GEMM came out 1.3x less
             # accurate than naive's at 576 rows (4096 x 512 x 32003, sum/none); 512 and 768 rows matched it.
-            budget, align = floor_bytes, _FLOOR_LIMITED_ALIGN
+            budget, align = cap, _FLOOR_LIMITED_ALIGN
     budget = min(budget, _MAX_CHUNK_BYTES)
     rows = max(_CHUNK_ALIGN, budget // bytes_per_row // align * align)
     return int(min(rows, max(n_rows, 1)))
@@ -158,6 +169,7 @@ def chunk_rows(
     large_chunks: bool,
     workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
     auxiliary_dtype: Optional[torch.dtype] = None,
+    narrow_accumulator: bool = False,
 ) -> int:
     """Rows per chunk: a user's ``chunk_size`` as given; else :func:`default_chunk_size` of the call's shape
     (``n_rows`` tokens, ignored ones included, so the fake implementation knows it too), balanced over the
@@ -166,15 +178,20 @@ def chunk_rows(
     so it is exactly one default chunk buffer more (and :data:`RELATIVE_16BIT_LOGITS`'s 16-bit buffer is the
     default's). ``auxiliary_dtype``: the compute dtype of the chunk loss's
     :class:`~lightning_flce.chunk_loss.AuxiliaryHead` (None: none), whose buffer every row then also costs
-    (counted as the main head's: in its compute dtype)."""
+    (counted as the main head's: in its compute dtype). ``narrow_accumulator``: dW accumulates in the 16-bit
+    weight's dtype by the caller's choice, so the two buffers of an auxiliary head get a smaller share of the
+    floor (``_NARROW_ACCUMULATOR_FLOOR_SHARE``)."""
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     auxiliary_itemsize = (
         0 if auxiliary_dtype is None else torch.empty((), dtype=auxiliary_dtype).element_size()
     )
+    floor_share = (
+        _NARROW_ACCUMULATOR_FLOOR_SHARE if narrow_accumulator and auxiliary_dtype is not None else 1.0
+    )
     max_rows = default_chunk_size(
-        n_rows, vocab, hidden, itemsize, large_chunks, workspace_copies, auxiliary_itemsize
+        n_rows, vocab, hidden, itemsize, large_chunks, workspace_copies, auxiliary_itemsize, floor_share
     )
     align = _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN
     return balanced_chunk_rows(n_valid, max_rows, align)
@@ -600,17 +617,32 @@ def saved_grad_weight_dtype(
     accum_dtype: Optional[torch.dtype],
     chunk_size: Optional[int],
     large_chunks: bool,
+    *,
+    workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
+    auxiliary_dtype: Optional[torch.dtype] = None,
 ) -> torch.dtype:
     """The dtype of the dW that "mean"/"sum" forward keeps for backward: its accumulator's, uncast.
 
     Backward casts it to the weight's dtype with grad_output folded into the same pass, instead of a cast
     in forward and a scaling pass in backward (fp16, whose grad_output is a loss scale, and any loss
     scaled before backward, e.g. gradient accumulation). The dtype follows the chunk count of the shape
-    (every row valid), which the fake implementation knows; masked rows only lower the real count.
+    (every row valid), which the fake implementation knows; masked rows only lower the real count. The chunk
+    loss's ``workspace_copies`` and ``auxiliary_dtype`` are those :func:`run_valid_rows` gives :func:`chunk_rows`:
+    a count from another rule could keep a 16-bit accumulator for a call that runs in several chunks.
     """
     n_rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     vocab, hidden = weight.shape
-    rows = chunk_rows(chunk_size, n_rows, n_rows, vocab, hidden, compute_dtype, large_chunks)
+    rows = chunk_rows(
+        chunk_size,
+        n_rows,
+        n_rows,
+        vocab,
+        hidden,
+        compute_dtype,
+        large_chunks,
+        workspace_copies,
+        auxiliary_dtype=auxiliary_dtype,
+    )
     return accumulator_dtype(accum_dtype, weight, compute_dtype, n_chunks=-(-n_rows // rows))
 
 
@@ -638,10 +670,22 @@ def saved_grad_dtypes(
     accum_dtype: Optional[torch.dtype],
     chunk_size: Optional[int],
     large_chunks: bool,
+    *,
+    workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
+    auxiliary_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.dtype, torch.dtype]:
     """(dX, dW) dtypes that a "gradients in forward" call keeps for backward (:func:`saved_grad_input_dtype`,
     :func:`saved_grad_weight_dtype`); the fake implementations use them too."""
-    weight_dtype = saved_grad_weight_dtype(x, weight, compute_dtype, accum_dtype, chunk_size, large_chunks)
+    weight_dtype = saved_grad_weight_dtype(
+        x,
+        weight,
+        compute_dtype,
+        accum_dtype,
+        chunk_size,
+        large_chunks,
+        workspace_copies=workspace_copies,
+        auxiliary_dtype=auxiliary_dtype,
+    )
     return saved_grad_input_dtype(x, compute_dtype, weight_dtype), weight_dtype
 
 
@@ -700,6 +744,10 @@ def run_valid_rows(
         large_chunks,
         loss.workspace_copies,
         auxiliary_dtype=auxiliary_dtype,
+        # only a dtype the caller chose: the automatic one depends on the chunk count
+        narrow_accumulator=accum_dtype is not None
+        and accum_dtype == weight.dtype
+        and accum_dtype in LOW_PRECISION,
     )
     return run_chunks(
         x,

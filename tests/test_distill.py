@@ -361,6 +361,8 @@ def _no_kernel(*args, **kwargs):
         ),
         ({"xt": torch.randn(2, 5, 12, dtype=torch.float64).requires_grad_()}, ValueError, "torch.no_grad"),
         ({"wt": torch.randn(40, 12, dtype=torch.float32)}, TypeError, "teacher head: weight dtype"),
+        ({"accum_dtype": torch.float16}, ValueError, "accum_dtype must be None, torch.float32"),
+        ({"accum_dtype": "int8"}, ValueError, "accum_dtype must be a torch.dtype"),
     ],
 )
 def test_bad_input_raises_before_any_kernel(monkeypatch, change, error, message):
@@ -554,3 +556,107 @@ def test_teacher_in_its_own_dtype():
     got = fused_linear_distillation(*args, chunk_size=4, **kwargs)
     want = reference_loss(*args, teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]), **kwargs)
     _check(got, want, student, student[2], FP32_TOL)
+
+
+def _spy_accumulators(monkeypatch) -> list:
+    """(rows per chunk, rows that ran, the dW accumulator's dtype) of every chunk loop: the dtype "mean"/"sum"
+    keep dW in, or the one run_chunks accumulates in before its cast ("none"'s backward)."""
+    import lightning_flce.engine as engine
+
+    seen = []
+    run_chunks = engine.run_chunks
+
+    def spy(*args, **kwargs):
+        rows, n_valid = kwargs["chunk_size"], kwargs["n_valid"]
+        accumulator = kwargs["grad_weight_dtype"] or engine.accumulator_dtype(
+            kwargs["accum_dtype"], args[1], kwargs["compute_dtype"], n_chunks=-(-n_valid // rows)
+        )
+        seen.append((rows, n_valid, accumulator))
+        return run_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "run_chunks", spy)
+    return seen
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
+def test_accum_dtype_of_the_weight_rounds_dw_once_per_chunk(monkeypatch, divergence, reduction):
+    """bf16 over 8 chunks: the default accumulates dW in fp32 (within 1.5x the unfused bf16 loss's error, as
+    test_16bit_no_worse_than_unfused); ``accum_dtype=torch.bfloat16`` in bf16, rounding the running sum once per
+    chunk: dW within the unfused error plus sqrt(chunks) bf16 roundings (u = 2^-8 each), while the loss and dX
+    are bit for bit the default's (the accumulator touches dW only)."""
+    seen = _spy_accumulators(monkeypatch)
+    student, teacher, target, extras = make_problem(shape=(64,), dtype=torch.bfloat16, hs=64, ht=48, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    upstream = extras["grad_output"] if reduction == "none" else None
+    tensors = (student[0], student[1])
+
+    def gradients(loss):
+        return grads(loss if upstream is None else (loss * upstream).sum(), tensors)
+
+    results = {}
+    for accum_dtype in (None, torch.bfloat16):
+        seen.clear()
+        loss = fused_linear_distillation(
+            *args, chunk_size=8, accum_dtype=accum_dtype, reduction=reduction, impl="torch", **kwargs
+        )
+        results[accum_dtype] = (loss, *gradients(loss))
+        rows, n_valid, accumulator = seen[-1]
+        assert accumulator == (torch.float32 if accum_dtype is None else torch.bfloat16)
+    n_chunks = -(-n_valid // rows)
+    assert n_chunks == 8
+    want = reference_loss(*args, reduction=reduction, **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
+    )
+    unfused = reference_loss(*args, reduction=reduction, **kwargs, **logits)
+    (_, ref_dw), (_, plain_dw) = gradients(want), gradients(unfused)
+    default, narrow = results[None], results[torch.bfloat16]
+    assert torch.equal(default[0], narrow[0]) and torch.equal(default[1], narrow[1])
+    assert narrow[2].dtype == torch.bfloat16
+    eps = torch.finfo(torch.bfloat16).eps
+    assert relative_error(default[2], ref_dw) <= 1.5 * relative_error(plain_dw, ref_dw) + eps / 2
+    assert relative_error(narrow[2], ref_dw) <= relative_error(plain_dw, ref_dw) + n_chunks**0.5 * eps / 2
+    # and it is measurably the less exact one (8 roundings of the running sum against one)
+    assert relative_error(narrow[2], ref_dw) > relative_error(default[2], ref_dw)
+
+
+def test_saved_accumulator_follows_the_distillation_chunk_rule(monkeypatch):
+    """The dtype "mean" keeps dW in comes from the chunk count of the distillation's own rule (its twin's
+    workspace and the teacher's buffer): at 2000 rows, V 4096, H 64 in bf16 the cross-entropy's rule would take
+    one chunk (and keep a bf16 accumulator), the distillation's takes two, so dW accumulates in fp32."""
+    from lightning_flce.engine import chunk_rows
+
+    n, v, h = 2000, 4096, 64
+    assert chunk_rows(None, n, n, v, h, torch.bfloat16, False) >= n
+    seen = _spy_accumulators(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(n, h, generator=gen).bfloat16().requires_grad_()
+    ws = (torch.randn(v, h, generator=gen) / h**0.5).bfloat16().requires_grad_()
+    xt, wt = (
+        torch.randn(n, h, generator=gen).bfloat16(),
+        (torch.randn(v, h, generator=gen) / h**0.5).bfloat16(),
+    )
+    fused_linear_distillation(xs, ws, xt, wt, divergence="forward_kl", impl="torch").backward()
+    rows, n_valid, accumulator = seen[-1]
+    assert rows < n_valid == n and accumulator == torch.float32
+    assert ws.grad.dtype == torch.bfloat16
+
+
+def test_chunk_rule_with_a_bf16_accumulator_gives_the_buffers_three_quarters_of_the_floor():
+    """``accum_dtype`` = the 16-bit weight's dtype: dW + dX + both buffers stay within 1.75 memory floors at the
+    issue's three shapes (Liger's fused JSD peaks at 1.87 at the first), while the fp32 accumulator's rule is
+    unchanged; a loss without an auxiliary head ignores the flag."""
+    from lightning_flce.engine import chunk_rows
+
+    for n, h, v in [(8192, 4096, 128256), (8192, 3584, 151936), (8192, 2304, 256000)]:
+        floor = (n + v) * h * 2
+        wide = chunk_rows(None, n, n, v, h, torch.bfloat16, True, auxiliary_dtype=torch.bfloat16)
+        narrow = chunk_rows(
+            None, n, n, v, h, torch.bfloat16, True, auxiliary_dtype=torch.bfloat16, narrow_accumulator=True
+        )
+        assert narrow < wide and 2 * narrow * v * 2 <= 0.75 * floor
+        assert v * h * 2 + n * h * 2 + 2 * narrow * v * 2 <= 1.75 * floor
+        alone = chunk_rows(None, n, n, v, h, torch.bfloat16, True)
+        assert chunk_rows(None, n, n, v, h, torch.bfloat16, True, narrow_accumulator=True) == alone

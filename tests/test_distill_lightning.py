@@ -455,12 +455,35 @@ def test_teacher_checkpoint_is_loaded_and_a_missing_one_explained(tmp_path):
         ({"top_k": 0}, "top_k"),
         ({"normalize": "token"}, "normalize must be one of"),
         ({"teacher_dtype": "int8"}, "teacher_dtype"),
+        ({"accum_dtype": "int8"}, "accum_dtype must be"),
         ({"vocab_size": VOCAB + 1}, "vocabulary"),
     ],
 )
 def test_bad_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DistillationModule(student=tiny_student(), teacher=tiny_teacher(), **kwargs)
+
+
+@requires_op
+def test_accum_dtype_reaches_the_loss(monkeypatch):
+    """``accum_dtype`` is the op's: the module passes it (as a dtype's name, from YAML) to every loss call."""
+    import lightning_flce.models.distill as distill_module
+
+    calls = []
+    fused = distill_module._fused_distillation
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("accum_dtype"))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(distill_module, "_fused_distillation", spy)
+    module = DistillationModule(
+        student=tiny_student(), teacher=tiny_teacher(), accum_dtype="float64"
+    ).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        module.training_step(make_batch(3), 0).backward()
+    assert calls == ["float64"]
 
 
 def test_vocabularies_must_match_and_exactly_one_teacher():

@@ -18,7 +18,7 @@ from lightning_flce.distill.op import flce_distill, flce_distill_per_token
 from lightning_flce.functional import checked_call
 from lightning_flce.kernels import LOW_PRECISION, softmax_dtype
 from lightning_flce.losses.distillation import DIVERGENCES, Divergence
-from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision, Reduction
+from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision, Reduction
 from lightning_flce.rl.logprobs import inverse_temperature
 from lightning_flce.validation import check_inputs, class_indices
 
@@ -47,6 +47,7 @@ def fused_linear_distillation(
     student_logit_scale: float = 1.0,
     teacher_logit_scale: float = 1.0,
     logits_precision: LogitsPrecision = "input",
+    accum_dtype: AccumDtype = None,
     chunk_size: Optional[int] = None,
     impl: ImplName = "auto",
 ) -> Tensor:
@@ -91,6 +92,11 @@ def fused_linear_distillation(
         student_logit_scale, teacher_logit_scale: positive factors of each side's logits (before the softcap).
         logits_precision: both heads' logits GEMMs, as :func:`~lightning_flce.fused_linear_cross_entropy`'s
             (``"input"``, ``"fp32"``, ``"fp32_head"``, ``"fp32_compensated"``).
+        accum_dtype: the student's dW accumulator over chunks, as :func:`~lightning_flce.fused_linear_cross_entropy`'s
+            (a ``torch.dtype`` or its name). None: fp32 for 16-bit GEMMs over several chunks (dW rounded once);
+            the weight's own dtype (``torch.bfloat16``) drops the [V, H] fp32 accumulator and its cast in
+            backward (V H 4 bytes less at the peak, 2 GiB at V = 128256, H = 4096; Liger's accumulation), and
+            rounds dW once per chunk.
         chunk_size: tokens per chunk (None: from a memory budget that counts both heads' chunk buffers).
         impl: ``"triton"``, ``"torch"`` or ``"auto"`` (the top-k divergence runs in PyTorch on either).
 
@@ -127,6 +133,7 @@ def fused_linear_distillation(
         reduction=reduction,
         token_weight=token_weight,
         logits_precision=logits_precision,
+        accum_dtype=accum_dtype,
         chunk_size=chunk_size,
         impl=impl,
     )
@@ -173,6 +180,7 @@ def fused_linear_distillation(
         options.logits_precision,
         compute_dtype,
         teacher_dtype,
+        options.accum_dtype,
         options.chunk_size or 0,
         backend.name,
         grad_enabled and student_input.requires_grad,
@@ -306,6 +314,7 @@ class FusedLinearDistillationLoss(torch.nn.Module):
         student_logit_scale: float = 1.0,
         teacher_logit_scale: float = 1.0,
         logits_precision: LogitsPrecision = "input",
+        accum_dtype: AccumDtype = None,
         chunk_size: Optional[int] = None,
         impl: ImplName = "auto",
     ) -> None:
@@ -327,6 +336,7 @@ class FusedLinearDistillationLoss(torch.nn.Module):
             student_logit_scale=student_logit_scale,
             teacher_logit_scale=teacher_logit_scale,
             logits_precision=logits_precision,
+            accum_dtype=accum_dtype,
             chunk_size=chunk_size,
             impl=impl,
         )

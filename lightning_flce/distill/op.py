@@ -38,7 +38,7 @@ _ARGS = (
     " Tensor target, Tensor token_scale, Tensor inv_temperature, str divergence, float beta, float hard_weight,"
     " int top_k, int ignore_index, float student_softcap, float teacher_softcap, float student_logit_scale,"
     " float teacher_logit_scale, str logits_precision, ScalarType compute_dtype, ScalarType teacher_compute_dtype,"
-    " int chunk_size, str backend, bool need_grad_input, bool need_grad_weight, bool need_grad_bias"
+    " ScalarType? accum_dtype, int chunk_size, str backend, bool need_grad_input, bool need_grad_weight, bool need_grad_bias"
 )
 _NAMES = [part.split()[-1] for part in _ARGS.split(",")]
 _N_TENSORS = 9  # x ... inv_temperature: saved for the recompute of "none"'s backward
@@ -50,7 +50,16 @@ def _needs(a) -> Tuple[bool, bool, bool]:
 
 def _saved_dtypes(a) -> Tuple[torch.dtype, torch.dtype]:
     large = BACKENDS[a["backend"]].large_chunks
-    return saved_grad_dtypes(a["x"], a["weight"], a["compute_dtype"], None, a["chunk_size"], large)
+    return saved_grad_dtypes(
+        a["x"],
+        a["weight"],
+        a["compute_dtype"],
+        a["accum_dtype"],
+        a["chunk_size"],
+        large,
+        workspace_copies=DistillationChunkLoss.workspace_copies,
+        auxiliary_dtype=a["teacher_compute_dtype"],
+    )
 
 
 def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
@@ -99,7 +108,7 @@ def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
         logits_precision=a["logits_precision"],
         triton_logits_gemm=a["backend"] == "triton",
         needs=needs,
-        accum_dtype=None,
+        accum_dtype=a["accum_dtype"],
         grad_input_dtype=grad_input_dtype,
         keep_scaled=keep_scaled,
         grad_weight_dtype=grad_weight_dtype,

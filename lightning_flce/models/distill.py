@@ -54,7 +54,7 @@ from lightning_flce.mixin_step import StepNormalization
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 from lightning_flce.models.hf import HFCausalLM
 from lightning_flce.normalization import StepNormalizer, UnweightedTermWatch
-from lightning_flce.options import NORMALIZE_MODES, LogitsPrecision, NormalizeMode
+from lightning_flce.options import NORMALIZE_MODES, AccumDtype, FLCEOptions, LogitsPrecision, NormalizeMode
 
 __all__ = ["DistillationModule", "HeadOperands", "final_hidden_states", "head_operands"]
 
@@ -191,6 +191,9 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         normalize: ``"step"``: the training loss is the token mean of the whole optimizer step (micro-batches
             and ranks); ``"micro_batch"``: each micro-batch's token mean (see Normalization above).
         logits_precision: the precision of both heads' chunk logits (``"input"``, ``"fp32"``, ...).
+        accum_dtype: the student's head-weight gradient accumulator over chunks (``"float32"``, ``"bfloat16"``,
+            ...; ``accum_dtype`` of :func:`~lightning_flce.fused_linear_distillation`). None: the op chooses (fp32
+            for 16-bit GEMMs); the weight's own dtype saves its [V, H] fp32 accumulator.
         vocab_size: the data's vocabulary (``lightning-flce`` links the tokenizer's size to it): checked against
             both heads. None: not checked against the data (the two heads are always checked).
         lr: peak learning rate of AdamW (the student's parameters).
@@ -226,6 +229,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         top_k: Optional[int] = None,
         chunk_size: Optional[int] = None,
         logits_precision: LogitsPrecision = "input",
+        accum_dtype: AccumDtype = None,
         normalize: NormalizeMode = "step",
         vocab_size: Optional[int] = None,
         lr: float = 3e-3,
@@ -234,6 +238,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     ) -> None:
         super().__init__()
         _check_loss_options(divergence, beta, temperature, hard_weight, top_k)
+        FLCEOptions.of(accum_dtype=accum_dtype)  # a dtype's name: checked now, not at the first step
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if normalize not in NORMALIZE_MODES:
@@ -475,6 +480,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             student_logit_scale=student.logit_scale,
             teacher_logit_scale=teacher.logit_scale,
             logits_precision=hp.logits_precision,
+            accum_dtype=hp.accum_dtype,
             chunk_size=hp.chunk_size,
         )
 

@@ -230,6 +230,9 @@ distill_loss = fused_linear_distillation(
 assert_type(distill_loss, Tensor)
 fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, divergence="kl")  # type: ignore[arg-type]
 distill_module = FusedLinearDistillationLoss(divergence="jsd", beta=0.1, temperature=2.0)
+FusedLinearDistillationLoss(accum_dtype=torch.bfloat16)  # the memory-lean accumulator
+FusedLinearDistillationLoss(accum_dtype="bfloat16")
+FusedLinearDistillationLoss(accum_dtype="bf16")  # type: ignore[arg-type]
 assert_type(distill_module, FusedLinearDistillationLoss)
 # the LightningModule: a smaller TinyGPT trained on a frozen one (docs/distill.md)
 distill_lm = DistillationModule(
