@@ -160,6 +160,30 @@ def _build_flce_accum_bf16(device: torch.device, divergence: str, beta: float, t
     return _build_flce(device, divergence, beta, temperature, accum_dtype=torch.bfloat16)
 
 
+def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
+    """A builder of the default loss with ``engine.AUXILIARY_BLOCK_ROWS`` set to ``rows`` during each call (the
+    chunk rule and the chunk loop read it then; "mean" computes its gradients in forward): the teacher's block
+    size against the default's, in the same run. ``rows`` above any chunk is the rule before teacher blocks
+    (both buffers a chunk's rows)."""
+
+    def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
+        from lightning_flce import engine
+
+        loss_fn = _build_flce(device, divergence, beta, temperature)
+
+        def fn(xs, ws, xt, wt, target):
+            default = engine.AUXILIARY_BLOCK_ROWS
+            engine.AUXILIARY_BLOCK_ROWS = rows
+            try:
+                return loss_fn(xs, ws, xt, wt, target)
+            finally:
+                engine.AUXILIARY_BLOCK_ROWS = default
+
+        return fn
+
+    return build
+
+
 # name -> (call, builder, needs CUDA)
 PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
     "unfused": (
@@ -188,6 +212,18 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         "lightning_flce.fused_linear_distillation(divergence, beta, temperature, hard_weight=0.0, "
         "accum_dtype=torch.bfloat16)",
         _build_flce_accum_bf16,
+        False,
+    ),
+    # the teacher's block size (engine.AUXILIARY_BLOCK_ROWS, 256 by default), measured beside the default
+    "flce_teacher_block_512": (
+        "flce with engine.AUXILIARY_BLOCK_ROWS = 512 (the teacher's GEMM and the row kernel on 512-row blocks)",
+        _teacher_blocks(512),
+        False,
+    ),
+    "flce_teacher_unblocked": (
+        "flce with the teacher's buffer a whole chunk (AUXILIARY_BLOCK_ROWS above any chunk: the chunk rule then "
+        "gives the two buffers the floor together, about half the default's rows)",
+        _teacher_blocks(1 << 30),
         False,
     ),
 }

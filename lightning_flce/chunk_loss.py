@@ -20,8 +20,10 @@ needs to know of a loss it declares as data:
 - :meth:`ChunkLoss.tile_stats_suffice`: whether it can take each row's LSE and target logit from the
   compensated logits GEMM's tile statistics instead of a first pass over the logits;
 - :meth:`ChunkLoss.auxiliary_head`: a second, frozen head (:class:`AuxiliaryHead`: a distillation teacher) whose
-  logits the engine computes per chunk for the same rows, without a gradient, into a second reused buffer, and
-  passes in ``side[name]``.
+  logits the engine computes for the same rows, without a gradient, into a second reused buffer, and passes in
+  ``side[name]``; on the GPU it runs the head and the loss on blocks of the chunk's rows
+  (:data:`lightning_flce.engine.AUXILIARY_BLOCK_ROWS`), so a loss with an auxiliary head sees each block as a
+  chunk (its per-row outputs and logit gradient must not depend on the other rows).
 
 The plug-ins so far: the cross-entropy (:mod:`lightning_flce.losses.cross_entropy`), the per-token
 log-probabilities and entropy (:mod:`lightning_flce.losses.logprobs`) and the policy losses built on them

@@ -50,6 +50,16 @@ _CHUNK_ALIGN = 64
 # chunk's dW GEMM on an H100/H200 (2 rows H V FLOP at ~800 TFLOP/s vs ~4.2 TB/s); the profile of the
 # quarter-floor rule showed it as the largest loss (results/*_run8_*: dW 30% over its FLOP floor).
 _MIN_TRITON_CHUNK_ROWS = 4096
+#: On the GPU (backends with ``large_chunks``) a chunk loss's auxiliary head (a distillation teacher) runs on the
+#: chunk in blocks of at most this many rows: its logits GEMM and the chunk loss go block by block, while the main
+#: head's logits, dX and dW GEMMs keep the chunk's rows. Its buffer is then a fixed 256 x V, and the main head's
+#: chunk gets the rest of the memory budget, instead of half of it (at the issue's shapes the cross-entropy's own
+#: rows). Each chunk fewer is one read and write less of the whole fp32 dW accumulator, about 2% of the
+#: FLOP floor of a distillation step at N = 8192 (see _MIN_TRITON_CHUNK_ROWS); at the issue's shapes 2 / 3 / 4
+#: chunks instead of 4 / 5 / 8 (tests/test_distill.py). 256 rows keep the teacher's GEMM at 1000 or more output
+#: tiles of 128 x 256 for V >= 128K, and one launch of the row kernel at about one program per SM slot (two
+#: programs an SM at its 64 registers, 132 SMs).
+AUXILIARY_BLOCK_ROWS = 256
 # A chunk loss with an auxiliary head (two [C, V] buffers) and a 16-bit dW accumulator (an explicit
 # ``accum_dtype`` equal to the 16-bit weight's dtype: the memory-lean choice) lets its buffers grow to this share
 # of the floor only. With an fp32 accumulator the buffers may take the whole floor for free (the peak is then the
@@ -126,6 +136,7 @@ def default_chunk_size(
     workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
     auxiliary_itemsize: int = 0,
     floor_share: float = 1.0,
+    auxiliary_block_rows: Optional[int] = None,
 ) -> int:
     """Tokens per chunk.
 
@@ -137,15 +148,31 @@ def default_chunk_size(
     :class:`~lightning_flce.chunk_loss.AuxiliaryHead` adds its logits buffer, ``auxiliary_itemsize`` bytes a
     logit, to every row's cost (its softmax-dtype copies are part of the twin's ``workspace_copies``).
     ``floor_share``: the share of the floor the buffers may grow to on the GPU (``_NARROW_ACCUMULATOR_FLOOR_SHARE``
-    for two buffers beside a 16-bit accumulator).
+    for two buffers beside a 16-bit accumulator). ``auxiliary_block_rows``: the auxiliary head runs in blocks of
+    that many rows (:data:`AUXILIARY_BLOCK_ROWS`), so its buffer is a fixed cost, not a cost per row of the chunk.
     """
     floor_bytes = (n_rows + vocab) * hidden * itemsize
     min_bytes = _MIN_CHUNK_BYTES if large_chunks else _TORCH_PATH_MIN_CHUNK_BYTES
     budget = max(floor_bytes // 4, min_bytes)
     bytes_per_row = vocab * (itemsize if large_chunks else workspace_copies * max(itemsize, 4))
-    bytes_per_row += vocab * auxiliary_itemsize
+    auxiliary_row_bytes = vocab * auxiliary_itemsize
+    block_bytes = 0
+    if auxiliary_block_rows is None:
+        bytes_per_row += auxiliary_row_bytes
+    else:
+        block_bytes = auxiliary_block_rows * auxiliary_row_bytes
+
+    def rows_within(budget_bytes: int) -> int:
+        if block_bytes:
+            rows = (budget_bytes - block_bytes) // bytes_per_row
+            if rows >= int(auxiliary_block_rows or 0):
+                return rows
+            # a chunk smaller than a block is one block: the auxiliary buffer has the chunk's rows
+            return budget_bytes // (bytes_per_row + auxiliary_row_bytes)
+        return budget_bytes // bytes_per_row
+
     align = _CHUNK_ALIGN
-    wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row
+    wanted = _MIN_TRITON_CHUNK_ROWS * bytes_per_row + block_bytes
     cap = int(floor_bytes * floor_share)
     if large_chunks and wanted > budget:
         if wanted <= cap:
@@ -155,8 +182,14 @@ def default_chunk_size(
             # accurate than naive's at 576 rows (4096 x 512 x 32003, sum/none); 512 and 768 rows matched it.
             budget, align = cap, _FLOOR_LIMITED_ALIGN
     budget = min(budget, _MAX_CHUNK_BYTES)
-    rows = max(_CHUNK_ALIGN, budget // bytes_per_row // align * align)
+    rows = max(_CHUNK_ALIGN, rows_within(budget) // align * align)
     return int(min(rows, max(n_rows, 1)))
+
+
+def auxiliary_block_rows(large_chunks: bool) -> Optional[int]:
+    """Rows per block of an auxiliary head within a chunk: :data:`AUXILIARY_BLOCK_ROWS` on the GPU; None (the whole
+    chunk) on the PyTorch path, whose chunk rule already counts its twin's workspace per row."""
+    return AUXILIARY_BLOCK_ROWS if large_chunks else None
 
 
 def chunk_rows(
@@ -177,8 +210,9 @@ def chunk_rows(
     fp32 buffer holds the 16-bit gradient in its own rows (:func:`~lightning_flce.kernels.gradient_in_logits_rows`),
     so it is exactly one default chunk buffer more (and :data:`RELATIVE_16BIT_LOGITS`'s 16-bit buffer is the
     default's). ``auxiliary_dtype``: the compute dtype of the chunk loss's
-    :class:`~lightning_flce.chunk_loss.AuxiliaryHead` (None: none), whose buffer every row then also costs
-    (counted as the main head's: in its compute dtype). ``narrow_accumulator``: dW accumulates in the 16-bit
+    :class:`~lightning_flce.chunk_loss.AuxiliaryHead` (None: none), whose buffer is counted too (as the main head's:
+    in its compute dtype): per row of the chunk on the PyTorch path, as one block of :func:`auxiliary_block_rows`
+    on the GPU. ``narrow_accumulator``: dW accumulates in the 16-bit
     weight's dtype by the caller's choice, so the two buffers of an auxiliary head get a smaller share of the
     floor (``_NARROW_ACCUMULATOR_FLOOR_SHARE``)."""
     if chunk_size:
@@ -191,7 +225,15 @@ def chunk_rows(
         _NARROW_ACCUMULATOR_FLOOR_SHARE if narrow_accumulator and auxiliary_dtype is not None else 1.0
     )
     max_rows = default_chunk_size(
-        n_rows, vocab, hidden, itemsize, large_chunks, workspace_copies, auxiliary_itemsize, floor_share
+        n_rows,
+        vocab,
+        hidden,
+        itemsize,
+        large_chunks,
+        workspace_copies,
+        auxiliary_itemsize,
+        floor_share,
+        auxiliary_block_rows(large_chunks) if auxiliary_dtype is not None else None,
     )
     align = _FLOOR_LIMITED_ALIGN if large_chunks else _CHUNK_ALIGN
     return balanced_chunk_rows(n_valid, max_rows, align)
@@ -329,6 +371,7 @@ def run_chunks(
     keep_scaled: bool = False,
     fp16_bounds: Optional[Sequence[float]] = None,
     grad_weight_dtype: Optional[torch.dtype] = None,
+    auxiliary_block_rows: Optional[int] = None,
 ) -> Tuple[Optional[Tensor], ...]:
     """The chunk loop shared by every chunk loss and front end (:mod:`lightning_flce.op`,
     :mod:`lightning_flce.parallel`, :mod:`lightning_flce.rl.logprobs_op`, :mod:`lightning_flce.rl.policy_op`).
@@ -354,7 +397,9 @@ def run_chunks(
     backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`),
     and where ``loss.tile_stats_suffice()`` its tile statistics may replace the chunk kernel's first pass.
     A ``loss.auxiliary_head()`` (a distillation teacher) gets its chunk logits computed beside the main head's, for
-    the same rows and with the same ``logits_precision``, without a gradient (:class:`_AuxiliaryLogits`).
+    the same rows and with the same ``logits_precision``, without a gradient (:class:`_AuxiliaryLogits`); with
+    ``auxiliary_block_rows`` its GEMM and the chunk loss run on blocks of at most that many of the chunk's rows
+    (the loss sees each block as a chunk of its own; :data:`AUXILIARY_BLOCK_ROWS`).
     """
     hidden = x.shape[-1]
     vocab = weight.shape[0]
@@ -472,21 +517,35 @@ def run_chunks(
         grad_logits = logits
         if logits_dtype != compute_dtype and (need_grad_input or need_grad_weight):
             grad_logits = gradient_in_logits_rows(logits, compute_dtype)
-        side_c = gather_side_inputs(side, per_token_inputs, chunk_rows_)
-        if auxiliary_logits is not None:
-            side_c = {**side_c, auxiliary_logits.name: auxiliary_logits(chunk_rows_, end - start)}
-        out = loss(
-            logits,
-            t_c,
-            chunk_rows_,
-            side_c,
-            compute_grad=compute_grad,
-            grad_out=grad_logits if grad_logits is not logits else None,
-            tile_lse=tile_lse_c,
-        )
-        for i in active_outputs:
-            value = out[i] / scales.logits if i in unscaled_outputs else out[i]
-            _write_rows(outputs[i], chunk_rows_, value)
+        # The loss on the chunk, or with an auxiliary head on blocks of its rows (each block's auxiliary logits
+        # computed into the block-sized buffer just before the loss reads them).
+        n_chunk = end - start
+        blocked = auxiliary_logits is not None and auxiliary_block_rows and tile_lse_c is None
+        block = auxiliary_block_rows if blocked else n_chunk
+        for block_start in range(0, n_chunk, block):
+            block_end = min(block_start + block, n_chunk)
+            whole = block_end - block_start == n_chunk
+            block_rows_ = chunk_rows_ if whole else _sub_rows(chunk_rows_, block_start, block_end)
+            side_c = gather_side_inputs(side, per_token_inputs, block_rows_)
+            if auxiliary_logits is not None:
+                side_c = {
+                    **side_c,
+                    auxiliary_logits.name: auxiliary_logits(block_rows_, block_end - block_start),
+                }
+            block_slice = slice(block_start, block_end)
+            grad_out = None if grad_logits is logits else grad_logits[block_slice]
+            out = loss(
+                logits[block_slice],
+                t_c[block_slice],
+                block_rows_,
+                side_c,
+                compute_grad=compute_grad,
+                grad_out=grad_out,
+                tile_lse=tile_lse_c if whole else None,
+            )
+            for i in active_outputs:
+                value = out[i] / scales.logits if i in unscaled_outputs else out[i]
+                _write_rows(outputs[i], block_rows_, value)
 
         if need_grad_input:
             _write_grad_input(grad_input, chunk_rows_, grad_logits, weight_for_grad_input, scales)
@@ -769,6 +828,7 @@ def run_valid_rows(
         keep_scaled=keep_scaled,
         fp16_bounds=fp16_bounds or None,
         grad_weight_dtype=grad_weight_dtype,
+        auxiliary_block_rows=auxiliary_block_rows(large_chunks),
     )
 
 
@@ -781,6 +841,13 @@ def _has_full_rate_fp64(device: torch.device) -> bool:
         (9, 0),
         (10, 0),
     )
+
+
+def _sub_rows(rows, start: int, end: int):
+    """Rows ``start:end`` of a chunk's ``rows`` (a slice of the call's rows, or an index tensor)."""
+    if isinstance(rows, slice):
+        return slice(rows.start + start, rows.start + end)
+    return rows[start:end]
 
 
 def _write_rows(dest: Tensor, rows, values: Tensor) -> None:

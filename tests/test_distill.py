@@ -504,15 +504,23 @@ def test_module_takes_the_functions_options_under_their_names_and_defaults():
 
 
 def test_chunk_rule_counts_the_teacher_buffer():
-    """At N 8192, H 4096, V 128256 (bf16, the GPU rule) the student's buffer alone gets 4096 rows; with the teacher's
-    beside it both buffers stay within the memory floor (dX + dW), in fewer rows."""
-    from lightning_flce.engine import chunk_rows
+    """The GPU rule: the teacher runs in blocks of AUXILIARY_BLOCK_ROWS, so its buffer is one block, counted with
+    the student's chunk buffer within the memory floor (dX + dW): at N 8192, H 4096, V 128256 (bf16) the student
+    keeps the cross-entropy's 4096 rows (2 chunks), and at the issue's other two shapes its rows too (3 and 4
+    chunks; two full-chunk buffers took 4, 5 and 8)."""
+    from lightning_flce.engine import AUXILIARY_BLOCK_ROWS, chunk_rows
 
+    for (n, h, v), chunks in zip(
+        [(8192, 4096, 128256), (8192, 3584, 151936), (8192, 2304, 256000)], [2, 3, 4]
+    ):
+        alone = chunk_rows(None, n, n, v, h, torch.bfloat16, True)
+        both = chunk_rows(None, n, n, v, h, torch.bfloat16, True, auxiliary_dtype=torch.bfloat16)
+        assert both == alone and -(-n // both) == chunks
+        assert (both + AUXILIARY_BLOCK_ROWS) * v * 2 <= (n + v) * h * 2
+    # a chunk smaller than a block is one block: both buffers with the chunk's rows
+    small = chunk_rows(None, 512, 512, 50000, 64, torch.bfloat16, True, auxiliary_dtype=torch.bfloat16)
+    assert small < AUXILIARY_BLOCK_ROWS and small * 2 * 50000 * 2 <= 32 * 2**20  # the rule's smallest budget
     n, h, v = 8192, 4096, 128256
-    alone = chunk_rows(None, n, n, v, h, torch.bfloat16, True)
-    both = chunk_rows(None, n, n, v, h, torch.bfloat16, True, auxiliary_dtype=torch.bfloat16)
-    assert alone == 4096
-    assert both < alone and both * 2 * v * 2 <= (n + v) * h * 2
     # the PyTorch path: the twin's workspace copies plus the teacher's buffer
     alone = chunk_rows(None, n, n, v, h, torch.float32, False, distill_torch.WORKSPACE_COPIES)
     both = chunk_rows(
@@ -645,10 +653,10 @@ def test_saved_accumulator_follows_the_distillation_chunk_rule(monkeypatch):
 
 
 def test_chunk_rule_with_a_bf16_accumulator_gives_the_buffers_three_quarters_of_the_floor():
-    """``accum_dtype`` = the 16-bit weight's dtype: dW + dX + both buffers stay within 1.75 memory floors at the
-    issue's three shapes (Liger's fused JSD peaks at 1.87 at the first), while the fp32 accumulator's rule is
-    unchanged; a loss without an auxiliary head ignores the flag."""
-    from lightning_flce.engine import chunk_rows
+    """``accum_dtype`` = the 16-bit weight's dtype: dW + dX + both buffers (the student's chunk, the teacher's block)
+    stay within 1.75 memory floors at the issue's three shapes (Liger's fused JSD peaks at 1.87 at the first),
+    while the fp32 accumulator's rule is unchanged; a loss without an auxiliary head ignores the flag."""
+    from lightning_flce.engine import AUXILIARY_BLOCK_ROWS, chunk_rows
 
     for n, h, v in [(8192, 4096, 128256), (8192, 3584, 151936), (8192, 2304, 256000)]:
         floor = (n + v) * h * 2
@@ -656,7 +664,68 @@ def test_chunk_rule_with_a_bf16_accumulator_gives_the_buffers_three_quarters_of_
         narrow = chunk_rows(
             None, n, n, v, h, torch.bfloat16, True, auxiliary_dtype=torch.bfloat16, narrow_accumulator=True
         )
-        assert narrow < wide and 2 * narrow * v * 2 <= 0.75 * floor
-        assert v * h * 2 + n * h * 2 + 2 * narrow * v * 2 <= 1.75 * floor
+        buffers = (narrow + AUXILIARY_BLOCK_ROWS) * v * 2
+        assert narrow < wide and buffers <= 0.75 * floor
+        assert v * h * 2 + n * h * 2 + buffers <= 1.75 * floor
         alone = chunk_rows(None, n, n, v, h, torch.bfloat16, True)
         assert chunk_rows(None, n, n, v, h, torch.bfloat16, True, narrow_accumulator=True) == alone
+
+
+def _spy_loss_rows(monkeypatch) -> list:
+    """The row count of every distillation chunk-loss call."""
+    from lightning_flce.losses.distillation import DistillationChunkLoss
+
+    seen = []
+    call = DistillationChunkLoss.__call__
+
+    def spy(self, logits, *args, **kwargs):
+        seen.append(logits.shape[0])
+        return call(self, logits, *args, **kwargs)
+
+    monkeypatch.setattr(DistillationChunkLoss, "__call__", spy)
+    return seen
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("option", ["all", "top_k_hard", "ignore_index"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
+def test_teacher_in_blocks_of_the_chunk(monkeypatch, divergence, option, reduction):
+    """The teacher's GEMM and the loss on blocks of each chunk's rows, as on the GPU (AUXILIARY_BLOCK_ROWS, here 3
+    rows on the PyTorch path): 21 tokens, two of them ignored (the chunks' rows an index tensor), in chunks of 8
+    (the last one 3) and blocks of 3 (the last of a chunk 2): the float64 loss and gradients."""
+    import lightning_flce.engine as engine
+
+    seen = _spy_loss_rows(monkeypatch)
+    monkeypatch.setattr(engine, "auxiliary_block_rows", lambda large_chunks: 3)
+    student, teacher, target, extras = make_problem(shape=(3, 7))
+    args, kwargs = resolve(student, teacher, target, extras, option, divergence)
+    got = fused_linear_distillation(*args, reduction=reduction, chunk_size=8, impl="torch", **kwargs)
+    assert seen[:6] == [3, 3, 2, 3, 3, 2] and max(seen) == 3
+    want = reference_loss(*args, reduction=reduction, **kwargs)
+    grad_output = extras["grad_output"] if reduction == "none" else None
+    _check(got, want, student, kwargs.get("student_bias"), FP64_TOL, grad_output)
+
+
+@pytest.mark.parametrize("precision", ["input", "fp32"])
+def test_teacher_blocks_leave_16bit_results_unchanged(monkeypatch, precision):
+    """bf16, with ``"fp32"`` the 16-bit gradient in the fp32 rows (the block's rows of that view): blocks of 3 rows
+    give the values of one block a chunk (each row's loss and gradient do not depend on its neighbours), up to the
+    last bit of an fp32 GEMM that sums in another order on 3 rows than on 8 (the CPU's fp32 GEMM of the teacher's
+    ``"fp32"`` logits): the loss within 1e-6, the bf16 gradients within one rounding."""
+    import lightning_flce.engine as engine
+
+    student, teacher, target, extras = make_problem(shape=(3, 7), dtype=torch.bfloat16, hs=64, ht=48, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", "jsd_0.5")
+    results = []
+    for block in (None, 3):
+        if block is not None:
+            monkeypatch.setattr(engine, "auxiliary_block_rows", lambda large_chunks, rows=block: rows)
+        loss = fused_linear_distillation(
+            *args, chunk_size=8, logits_precision=precision, impl="torch", **kwargs
+        )
+        results.append((loss, *grads(loss, (student[0], student[1], student[2]))))
+    (loss, *gradients), (blocked_loss, *blocked_gradients) = results
+    torch.testing.assert_close(blocked_loss, loss, rtol=1e-6, atol=0)
+    for unblocked, blocked in zip(gradients, blocked_gradients):
+        assert blocked.dtype == torch.bfloat16
+        assert relative_error(blocked, unblocked) <= torch.finfo(torch.bfloat16).eps / 2

@@ -72,3 +72,47 @@ def test_triton_and_torch_backends_agree():
     assert relative_error(loss_k, loss_t) < 1e-6
     for a, b in zip(grads_k, grads_t):
         assert relative_error(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("option", ["all", "top_k_hard", "ignore_index"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
+def test_teacher_in_blocks_of_the_chunk(monkeypatch, divergence, option):
+    """The GPU path's teacher blocks (AUXILIARY_BLOCK_ROWS, here 3 rows) in chunks of 8 of 21 fp32 tokens: the Triton
+    kernel on each block's rows of the chunk buffer, the float64 loss and gradients."""
+    from test_distill import _spy_loss_rows
+
+    import lightning_flce.engine as engine
+
+    monkeypatch.setattr(engine, "AUXILIARY_BLOCK_ROWS", 3)
+    seen = _spy_loss_rows(monkeypatch)
+    student, teacher, target, extras = make_problem(shape=(3, 7), dtype=torch.float32, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, option, divergence)
+    got = fused_linear_distillation(*args, chunk_size=8, impl="triton", **kwargs)
+    assert max(seen) == 3 and len(seen) >= 7
+    want = reference_loss(*args, **kwargs)
+    _check(got, want, student, kwargs.get("student_bias"), FP32_TOL)
+
+
+@pytest.mark.parametrize("precision", ["input", "fp32"])
+def test_bf16_teacher_blocks_no_worse_than_unfused(monkeypatch, precision):
+    """bf16 in teacher blocks of 3 rows; with ``"fp32"`` the kernel writes each block's bf16 gradient into its rows
+    of the fp32 buffer's second halves: within 1.5x the unfused bf16 formula's error against float64."""
+    import lightning_flce.engine as engine
+
+    monkeypatch.setattr(engine, "AUXILIARY_BLOCK_ROWS", 3)
+    student, teacher, target, extras = make_problem(shape=(3, 7), dtype=torch.bfloat16, hs=32, ht=24, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", "jsd_0.5")
+    got = fused_linear_distillation(*args, chunk_size=8, logits_precision=precision, impl="triton", **kwargs)
+    want = reference_loss(*args, **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
+    )
+    unfused = reference_loss(*args, **kwargs, **logits)
+    assert abs(got.double() - want).item() <= 1.5 * abs(unfused - want).item() + 1e-6
+    tensors = (student[0], student[1], student[2])
+    for g, ref, plain in zip(grads(got, tensors), grads(want, tensors), grads(unfused, tensors)):
+        assert g.dtype == torch.bfloat16
+        assert (
+            relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(torch.bfloat16).eps / 2
+        )

@@ -547,6 +547,7 @@ def test_memory_callback_counts_the_teacher(tmp_path):
 
 def test_memory_estimate_with_teacher_adds_a_chunk_buffer():
     from lightning_flce.callbacks.memory_model import HeadMemoryModel
+    from lightning_flce.engine import AUXILIARY_BLOCK_ROWS
 
     estimate = HeadMemoryModel("32-true", torch.float32, hidden_size=16, chunk_size=8).estimate(64, 100)
     both = estimate.with_teacher(64, 100, torch.float32)
@@ -554,6 +555,28 @@ def test_memory_estimate_with_teacher_adds_a_chunk_buffer():
     assert both.chunk_bytes == estimate.chunk_bytes + estimate.chunk_rows * 100 * 4
     assert both.fused_bytes == estimate.fused_bytes + estimate.chunk_rows * 100 * 4
     assert both.saved_bytes == both.unfused_bytes - both.fused_bytes
+    # on the GPU the teacher runs in blocks: its buffer is one block of the chunk
+    blocked = estimate.with_teacher(64, 100, torch.float32, block_rows=3)
+    assert blocked.fused_bytes == estimate.fused_bytes + 3 * 100 * 4
+    triton = HeadMemoryModel("bf16-mixed", torch.float32, hidden_size=16, impl="triton")
+    torch_path = HeadMemoryModel("bf16-mixed", torch.float32, hidden_size=16, impl="torch")
+    assert (triton.auxiliary_block_rows(), torch_path.auxiliary_block_rows()) == (AUXILIARY_BLOCK_ROWS, None)
+
+
+def test_memory_callback_reads_the_modules_loss_options():
+    """The estimate follows DistillationModule's own ``accum_dtype`` / ``chunk_size`` / ``logits_precision`` (not
+    the student's ``flce_*`` options, which the distillation loss does not use)."""
+    from lightning_flce.callbacks import FLCEMemoryCallback
+
+    module = DistillationModule(
+        student=tiny_student(),
+        teacher=tiny_teacher(),
+        accum_dtype="float64",
+        chunk_size=7,
+        logits_precision="fp32",
+    )
+    model = FLCEMemoryCallback(verbose=False)._head_model(trainer(), module, VOCAB)
+    assert (model.accum_dtype, model.chunk_size, model.logits_precision) == (torch.float64, 7, "fp32")
 
 
 @requires_op

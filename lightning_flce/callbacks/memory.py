@@ -491,13 +491,14 @@ class FLCEMemoryCallback(Callback):
         num_tokens, vocab_size = shape
         # the mixin reports 0 bytes on its naive path, which builds the logits
         naive = bool(getattr(pl_module, "flce_naive", False)) or reported == 0
-        estimate = self._head_model(trainer, pl_module, vocab_size).estimate(
-            num_tokens, vocab_size, naive=naive
-        )
+        model = self._head_model(trainer, pl_module, vocab_size)
+        estimate = model.estimate(num_tokens, vocab_size, naive=naive)
         teacher_shape = _logits_shape(pl_module, "flce_last_teacher_logits_shape")
         if teacher_shape is not None:  # distillation: the teacher's logits and softmax are avoided too
             teacher_dtype = getattr(pl_module, "flce_teacher_compute_dtype", None) or torch.float32
-            estimate = estimate.with_teacher(*teacher_shape, teacher_dtype)
+            estimate = estimate.with_teacher(
+                *teacher_shape, teacher_dtype, block_rows=model.auxiliary_block_rows()
+            )
         return estimate, estimate.unfused_bytes / _MIB, estimate.saved_bytes / _MIB
 
     def _head_model(
@@ -506,7 +507,10 @@ class FLCEMemoryCallback(Callback):
         if self._head_weight is None or self._head_weight[0] != vocab_size:
             self._head_weight = (vocab_size, _find_head_weight(pl_module, vocab_size))
         weight = self._head_weight[1]
-        head_loss = getattr(pl_module, "flce_head_loss", None)  # FLCEMixin's FLCEHeadLoss: the loss's options
+        # the loss's options: a module's own (DistillationModule's), else FLCEMixin's FLCEHeadLoss
+        head_loss = getattr(pl_module, "flce_loss_options", None)
+        if head_loss is None:
+            head_loss = getattr(pl_module, "flce_head_loss", None)
         impl = getattr(head_loss, "impl", "auto")
         weight_device = weight.device if weight is not None else torch.device("cpu")
         if impl == "auto":  # the op's rule: Triton on CUDA

@@ -106,13 +106,21 @@ class HeadMemoryEstimate:
     teacher_bytes: int = 0
 
     def with_teacher(
-        self, num_tokens: int, vocab_size: int, compute_dtype: torch.dtype
+        self,
+        num_tokens: int,
+        vocab_size: int,
+        compute_dtype: torch.dtype,
+        block_rows: Optional[int] = None,
     ) -> HeadMemoryEstimate:
         """This estimate with a teacher head of ``num_tokens x vocab_size`` logits in ``compute_dtype``: the
-        unfused side adds :func:`teacher_logits_bytes`, the fused side one more chunk buffer of the teacher's
-        logits (the chunk rows as the student's; an estimate, as the op may pick fewer rows for two buffers)."""
+        unfused side adds :func:`teacher_logits_bytes`, the fused side the teacher's buffer: one block of
+        ``block_rows`` (the GPU's :data:`~lightning_flce.engine.AUXILIARY_BLOCK_ROWS`), or without blocks one more
+        chunk (the chunk rows as the student's; an estimate, as the op may pick fewer rows for two buffers)."""
         teacher = teacher_logits_bytes(num_tokens, vocab_size, compute_dtype)
-        chunk = (self.chunk_rows or 0) * vocab_size * compute_dtype.itemsize
+        rows = self.chunk_rows or 0
+        if block_rows:
+            rows = min(rows, block_rows)
+        chunk = rows * vocab_size * compute_dtype.itemsize
         return replace(
             self,
             unfused_bytes=self.unfused_bytes + teacher,
@@ -207,6 +215,10 @@ class HeadMemoryModel:
             fused_bytes=fused,
             naive=naive,
         )
+
+    def auxiliary_block_rows(self) -> Optional[int]:
+        """The rows of a distillation teacher's buffer on this head's backend (None: a whole chunk's)."""
+        return engine.auxiliary_block_rows(backend_for(BACKENDS[self.impl], self.compute_dtype).large_chunks)
 
     def _fused_bytes(self, num_tokens: int, vocab_size: int, hidden_size: int) -> tuple[int, int, int]:
         # What runs, by the op's own rules: "fp32_head" is fp32 GEMMs with an fp32 accumulator

@@ -419,6 +419,15 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     # --------------------------------------------------------------- helpers
 
     @property
+    def flce_loss_options(self) -> FLCEOptions:
+        """The fused loss's options that set its memory (``logits_precision``, ``accum_dtype``, ``chunk_size``), for
+        ``FLCEMemoryCallback``'s estimate (the student's own ``flce_*`` options are not used)."""
+        hp = self.hparams
+        return FLCEOptions.of(
+            logits_precision=hp.logits_precision, accum_dtype=hp.accum_dtype, chunk_size=hp.chunk_size
+        )
+
+    @property
     def loss_weights(self) -> tuple[float, float]:
         """The weights of the divergence and of the cross-entropy in each token's loss: ``1 - hard_weight``
         (times ``temperature ** 2`` with ``temperature_squared``) and ``hard_weight``."""
