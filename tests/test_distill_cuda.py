@@ -1,5 +1,7 @@
 """The Triton distillation chunk kernel on a GPU at realistic shapes (256 rows of 32003 and 128256 columns),
-against the float64 reference of test_distill_kernel.py. Run on the GPU machine: ``pytest -m cuda``.
+against the float64 reference of test_distill_kernel.py, and the op end to end on the GPU (cuBLAS and the
+compensated Triton GEMM, the teacher in blocks of AUXILIARY_BLOCK_ROWS of each chunk, both dW accumulators)
+against the float64 formula of test_distill.py. Run on the GPU machine: ``pytest -m cuda``.
 
 Compiled, the kernel takes what the interpreter cannot check: vectorized loads over rows whose stride is
 no multiple of 16 bytes (V = 32003), libdevice's exp and log for fp32 logits, the fast exp for 16-bit ones,
@@ -12,7 +14,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from test_distill import (
+    FP32_TOL,
+    _spy_loss_rows,
+    grads,
+    make_problem,
+    reference_loss,
+    relative_error,
+    resolve,
+)
+from test_distill import (
+    _check as check_op,
+)
 from test_distill_kernel import reference_distill
+
+from lightning_flce import fused_linear_distillation
 
 pytestmark = pytest.mark.cuda
 
@@ -119,3 +136,62 @@ def test_repeatable(divergence):
     for run in runs[1:]:
         for got, want in zip(run, runs[0]):
             assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------------- the op
+DEVICE = "cuda"
+
+
+def _op_problem(dtype, shape=(2, 300), hs=64, ht=48, v=1000, seed=0):
+    """test_distill.py's problem on the GPU (student leaves that require grad, the teacher's without)."""
+    student, teacher, target, extras = make_problem(shape=shape, dtype=dtype, hs=hs, ht=ht, v=v, seed=seed)
+    student = [t.detach().to(DEVICE).requires_grad_() for t in student]
+    teacher = [t.to(DEVICE) for t in teacher]
+    return student, teacher, target.to(DEVICE), {k: t.to(DEVICE) for k, t in extras.items()}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("option", ["plain", "all", "top_k_hard", "no_target", "ignore_index"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd_0.5"])
+def test_op_fp32_matches_float64(monkeypatch, divergence, option, reduction):
+    """fp32 end to end (impl "auto": the Triton kernel, cuBLAS's fp32 GEMMs): 600 tokens in one chunk, the
+    teacher's GEMM and the kernel in blocks of 256, 256 and 88 rows; within FP32_TOL of float64."""
+    seen = _spy_loss_rows(monkeypatch)
+    student, teacher, target, extras = _op_problem(torch.float32)
+    args, kwargs = resolve(student, teacher, target, extras, option, divergence)
+    got = fused_linear_distillation(*args, reduction=reduction, **kwargs)
+    assert max(seen) == 256 and len(seen) >= 3
+    want = reference_loss(*args, reduction=reduction, **kwargs)
+    grad_output = extras["grad_output"] if reduction == "none" else None
+    check_op(got, want, student, kwargs.get("student_bias"), FP32_TOL, grad_output)
+
+
+@pytest.mark.parametrize("accum_dtype", [None, torch.bfloat16], ids=["fp32_accumulator", "bf16_accumulator"])
+@pytest.mark.parametrize("precision", ["input", "fp32", "fp32_compensated"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
+def test_op_bf16_no_worse_than_unfused(divergence, precision, accum_dtype):
+    """bf16 end to end in 4 chunks of 512 rows (V = 32003: rows with no 16-byte stride), each chunk's teacher in
+    two blocks: the loss and dX within 1.5x the unfused bf16 formula's error against float64 (both heads' logits
+    from cuBLAS's bf16 GEMMs); dW too with the fp32 accumulator, and with the bf16 one within the unfused error
+    plus one bf16 rounding (u = 2^-8) of the running sum per chunk, sqrt(4) of them in norm."""
+    student, teacher, target, extras = _op_problem(torch.bfloat16, shape=(4, 512), hs=256, ht=192, v=32003)
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    got = fused_linear_distillation(
+        *args, chunk_size=512, logits_precision=precision, accum_dtype=accum_dtype, **kwargs
+    )
+    want = reference_loss(*args, **kwargs)
+    logits = dict(
+        student_logits=F.linear(student[0], student[1], student[2]),
+        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
+    )
+    unfused = reference_loss(*args, **kwargs, **logits)
+    assert abs(got.double() - want).item() <= 1.5 * abs(unfused - want).item() + 1e-6
+    eps = torch.finfo(torch.bfloat16).eps
+    tensors = (student[0], student[1], student[2])
+    names = ("dX", "dW", "d bias")
+    for name, g, ref, plain in zip(names, grads(got, tensors), grads(want, tensors), grads(unfused, tensors)):
+        assert g.dtype == torch.bfloat16
+        bound = 1.5 * relative_error(plain, ref) + eps / 2
+        if name == "dW" and accum_dtype is not None:
+            bound = relative_error(plain, ref) + 4**0.5 * eps / 2
+        assert relative_error(g, ref) <= bound, name
