@@ -14,8 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from test_distill import FP32_TOL, _check, grads, make_problem, reference_loss, relative_error, resolve
+from test_distill import (
+    FP32_TOL,
+    _check,
+    assert_no_worse_than_unfused,
+    grads,
+    make_problem,
+    reference_loss,
+    relative_error,
+    resolve,
+)
 
 from lightning_flce import fused_linear_distillation
 
@@ -44,19 +52,7 @@ def test_bf16_no_worse_than_unfused(divergence, precision):
     student, teacher, target, extras = make_problem(dtype=torch.bfloat16, hs=32, ht=24, v=300)
     args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
     got = fused_linear_distillation(*args, chunk_size=4, logits_precision=precision, impl="triton", **kwargs)
-    want = reference_loss(*args, **kwargs)
-    logits = dict(
-        student_logits=F.linear(student[0], student[1], student[2]),
-        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
-    )
-    unfused = reference_loss(*args, **kwargs, **logits)
-    assert abs(got.double() - want).item() <= 1.5 * abs(unfused - want).item() + 1e-6
-    tensors = (student[0], student[1], student[2])
-    for g, ref, plain in zip(grads(got, tensors), grads(want, tensors), grads(unfused, tensors)):
-        assert g.dtype == torch.bfloat16
-        assert (
-            relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(torch.bfloat16).eps / 2
-        )
+    assert_no_worse_than_unfused(got, args, kwargs, student, teacher)
 
 
 def test_triton_and_torch_backends_agree():
@@ -103,16 +99,4 @@ def test_bf16_teacher_blocks_no_worse_than_unfused(monkeypatch, precision):
     student, teacher, target, extras = make_problem(shape=(3, 7), dtype=torch.bfloat16, hs=32, ht=24, v=300)
     args, kwargs = resolve(student, teacher, target, extras, "all", "jsd_0.5")
     got = fused_linear_distillation(*args, chunk_size=8, logits_precision=precision, impl="triton", **kwargs)
-    want = reference_loss(*args, **kwargs)
-    logits = dict(
-        student_logits=F.linear(student[0], student[1], student[2]),
-        teacher_logits=F.linear(teacher[0], teacher[1], teacher[2]),
-    )
-    unfused = reference_loss(*args, **kwargs, **logits)
-    assert abs(got.double() - want).item() <= 1.5 * abs(unfused - want).item() + 1e-6
-    tensors = (student[0], student[1], student[2])
-    for g, ref, plain in zip(grads(got, tensors), grads(want, tensors), grads(unfused, tensors)):
-        assert g.dtype == torch.bfloat16
-        assert (
-            relative_error(g, ref) <= 1.5 * relative_error(plain, ref) + torch.finfo(torch.bfloat16).eps / 2
-        )
+    assert_no_worse_than_unfused(got, args, kwargs, student, teacher)
