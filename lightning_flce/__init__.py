@@ -9,8 +9,9 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 - the chunk losses (plug-ins of the engine; interface in ``chunk_loss.py``): ``losses/``;
 - reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` and its module
   :class:`FusedLinearPolicyLoss` (``rl/``: the APIs and their custom ops);
-- distillation: :func:`fused_linear_distillation` and its module :class:`FusedLinearDistillationLoss`
-  (``distill/``: the API and its custom ops);
+- distillation: :func:`fused_linear_distillation` and its module :class:`FusedLinearDistillationLoss`, and
+  :func:`fused_linear_distillation_from_top_k` for a cached teacher's top k (``distill/``: the API and its custom
+  ops);
 - the per-chunk kernels and their backends: ``kernels/`` (registry in ``kernels/__init__.py``);
 - the dW accumulation: ``accumulate.py``;
 - the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);
@@ -47,13 +48,18 @@ _LAZY = {
     "fused_linear_cross_entropy": "lightning_flce.functional",
     "fused_linear_cross_entropy_with_stats": "lightning_flce.functional",
     "fused_linear_distillation": "lightning_flce.distill",
+    "fused_linear_distillation_from_top_k": "lightning_flce.distill",
     "fused_linear_logprobs": "lightning_flce.rl",
     "fused_linear_policy_loss": "lightning_flce.rl",
 }
 
 if TYPE_CHECKING:
     from lightning_flce.callbacks import FLCEMemoryCallback
-    from lightning_flce.distill import FusedLinearDistillationLoss, fused_linear_distillation
+    from lightning_flce.distill import (
+        FusedLinearDistillationLoss,
+        fused_linear_distillation,
+        fused_linear_distillation_from_top_k,
+    )
     from lightning_flce.functional import (
         FLCEOutput,
         fused_linear_cross_entropy,
@@ -96,6 +102,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_with_stats",
     "fused_linear_distillation",
+    "fused_linear_distillation_from_top_k",
     "fused_linear_logprobs",
     "fused_linear_policy_loss",
 ]

@@ -19,7 +19,11 @@ import torch
 import torch.nn.functional as F
 from reference import relative_error
 
-from lightning_flce import FusedLinearDistillationLoss, fused_linear_distillation
+from lightning_flce import (
+    FusedLinearDistillationLoss,
+    fused_linear_distillation,
+    fused_linear_distillation_from_top_k,
+)
 from lightning_flce.kernels import distill_torch
 
 FP64_TOL = 1e-10
@@ -59,19 +63,30 @@ def _transform(raw, softcap, logit_scale, temperature):
 def reference_loss(xs, ws, xt, wt, target=None, *, student_bias=None, teacher_bias=None, student_logits=None,
                    teacher_logits=None, divergence="jsd", beta=0.5, temperature=1.0, hard_weight=0.0, top_k=None,
                    ignore_index=-100, reduction="mean", token_weight=None, student_softcap=None, teacher_softcap=None,
-                   student_logit_scale=1.0, teacher_logit_scale=1.0, **unused):  # fmt: skip
-    """The unfused formula in float64 (of ``student_logits`` / ``teacher_logits`` when given)."""
+                   student_logit_scale=1.0, teacher_logit_scale=1.0, top_k_indices=None, top_k_logits=None,
+                   **unused):  # fmt: skip
+    """The unfused formula in float64 (of ``student_logits`` / ``teacher_logits`` when given; with
+    ``top_k_indices`` / ``top_k_logits`` a cached teacher's top k: the student's logits gathered there, the teacher's
+    only divided by the temperature, -inf entries left out of both sides)."""
     if student_logits is None:
         student_logits = F.linear(
             xs.double(), ws.double(), None if student_bias is None else student_bias.double()
         )
-    if teacher_logits is None:
+    if teacher_logits is None and top_k_indices is None:
         teacher_logits = F.linear(
             xt.double(), wt.double(), None if teacher_bias is None else teacher_bias.double()
         )
-    rs, rt = student_logits.double(), teacher_logits.double()
+    rs = student_logits.double()
     zs = _transform(rs, student_softcap, student_logit_scale, temperature)
-    zt = _transform(rt, teacher_softcap, teacher_logit_scale, temperature)
+    if top_k_indices is not None:
+        padding = top_k_logits == float("-inf")
+        zs = zs.gather(-1, top_k_indices.masked_fill(padding, 0))  # a padding entry's index: anything
+        zt = _transform(top_k_logits.double(), None, 1.0, temperature)
+        # padding: a logit so low that both probabilities are exactly 0 in float64, and every log finite
+        zs, zt = zs.masked_fill(padding, -1e30), zt.masked_fill(padding, -1e30)
+    else:
+        rt = teacher_logits.double()
+        zt = _transform(rt, teacher_softcap, teacher_logit_scale, temperature)
     if top_k is not None:
         index = rt.topk(top_k, dim=-1).indices
         zs, zt = zs.gather(-1, index), zt.gather(-1, index)
@@ -743,3 +758,155 @@ def test_teacher_blocks_leave_16bit_results_unchanged(monkeypatch, precision):
     for unblocked, blocked in zip(gradients, blocked_gradients):
         assert blocked.dtype == torch.bfloat16
         assert relative_error(blocked, unblocked) <= torch.finfo(torch.bfloat16).eps / 2
+
+
+# ----------------------------------------------------------------------------- a cached teacher's top k
+def student_side(kwargs):
+    """The options a cached teacher takes (the teacher's own transforms are applied before caching)."""
+    return {name: value for name, value in kwargs.items() if not name.startswith("teacher_")}
+
+
+def cached_top_k(teacher, k):
+    """The teacher head's top k (indices, raw logits; no bias) per token, as a cache would store them."""
+    logits = F.linear(teacher[0], teacher[1])
+    values, indices = logits.topk(k, dim=-1)
+    return indices, values
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", ["plain", "all", "no_target", "ignore_index"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd_0.5", "jsd_0.1"])
+def test_cached_top_k_is_the_heads_top_k(divergence, option, reduction):
+    """The head's own top k, cached: the loss and student gradients of ``fused_linear_distillation(top_k=k)`` (to
+    1e-12), and the float64 formula (FP64_TOL)."""
+    student, teacher, target, extras = make_problem()
+    args, kwargs = resolve(student, teacher, target, extras, option, divergence)
+    kwargs = student_side(kwargs)
+    indices, values = cached_top_k(teacher, 6)
+    got = fused_linear_distillation_from_top_k(
+        args[0], args[1], indices, values, args[4], reduction=reduction, chunk_size=3, **kwargs
+    )
+    head = fused_linear_distillation(*args, top_k=6, reduction=reduction, chunk_size=3, **kwargs)
+    assert relative_error(got, head) < 1e-12
+    want = reference_loss(*args, top_k_indices=indices, top_k_logits=values, reduction=reduction, **kwargs)
+    grad_output = extras["grad_output"] if reduction == "none" else None
+    _check(got, want, student, kwargs.get("student_bias"), FP64_TOL, grad_output)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd_0.5"])
+def test_cached_top_k_with_padding_and_log_probs(divergence):
+    """Tokens with fewer entries (-inf padding whose index may repeat a column or lie outside the vocabulary),
+    teacher log-probabilities instead of logits (the same distributions over k), ignored tokens whose cache is
+    garbage: the float64 formula, with padding left out of both sides."""
+    student, teacher, target, extras = make_problem(shape=(3, 5))
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    kwargs = student_side(kwargs)
+    indices, logits = cached_top_k(teacher, 7)
+    log_probs = logits - torch.logsumexp(F.linear(teacher[0], teacher[1]), -1, keepdim=True)
+    from_logits, from_log_probs = (
+        fused_linear_distillation_from_top_k(args[0], args[1], indices, v, args[4], chunk_size=4, **kwargs)
+        for v in (logits, log_probs)
+    )
+    assert relative_error(from_log_probs, from_logits) < 1e-12
+    values = log_probs.clone()
+    values[0, 0, 4:] = float("-inf")
+    indices[0, 0, 4:] = indices[0, 0, 0]  # padding repeats a column
+    values[1, 2, 1:] = float("-inf")
+    indices[1, 2, -1] = 10**6  # padding outside [0, V)
+    ignored = (target == -100).nonzero()[0].tolist()
+    indices[tuple(ignored)] = -5  # an ignored token: its cache is never read
+    got = fused_linear_distillation_from_top_k(
+        args[0], args[1], indices, values, args[4], chunk_size=4, **kwargs
+    )
+    indices[tuple(ignored)] = 0
+    want = reference_loss(*args, top_k_indices=indices, top_k_logits=values, **kwargs)
+    _check(got, want, student, kwargs.get("student_bias"), FP64_TOL)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (
+            {"indices": torch.zeros(2, 5, dtype=torch.int64)},
+            ValueError,
+            r"teacher_indices must be \[..., k\]",
+        ),
+        ({"indices": torch.zeros(2, 4, 3, dtype=torch.int64)}, ValueError, "leading shape"),
+        ({"indices": torch.zeros(2, 5, 41, dtype=torch.int64)}, ValueError, "more than V=40"),
+        ({"indices": torch.zeros(2, 5, 3)}, TypeError, "integer tensor"),
+        ({"values": torch.zeros(2, 5, 4, dtype=torch.float64)}, ValueError, "teacher_indices' shape"),
+        ({"values": torch.zeros(2, 5, 3, dtype=torch.int64)}, TypeError, "floating-point"),
+        ({"values": torch.zeros(2, 5, 3, dtype=torch.float64).requires_grad_()}, ValueError, "detach"),
+        ({"values": torch.zeros(2, 5, 3, dtype=torch.float64, device="meta")}, ValueError, "on meta"),
+        ({"bad": (0, 1, 40)}, ValueError, r"outside \[0, 40\)"),
+        ({"bad": (2, 0, -1)}, ValueError, "outside"),
+        ({"bad": (0, 2, "nan")}, ValueError, "NaN or \\+inf"),
+        ({"bad": (0, 2, "inf")}, ValueError, "NaN"),
+        ({"bad": (3, 1, "all_padding")}, ValueError, "only padding"),
+        ({"bad": (0, 3, "repeat")}, ValueError, "a column twice"),
+        ({"divergence": "kl"}, ValueError, "divergence must be one of"),
+        ({"hard_weight": 0.5, "target": None}, ValueError, "pass target"),
+    ],
+)
+def test_cached_top_k_bad_input_raises_before_any_kernel(monkeypatch, change, error, message):
+    """Shapes, dtypes, devices and gradients at the call; the values of the tokens that carry a loss (rows 1 and 9
+    are ignored) in the op's host sync with the targets: all before any kernel."""
+    import lightning_flce.engine as engine
+
+    monkeypatch.setattr(engine, "run_chunks", _no_kernel)
+    student, teacher, target, _ = make_problem()
+    indices = torch.stack([torch.randperm(40)[:3] for _ in range(10)]).view(2, 5, 3)
+    values = torch.randn(2, 5, 3, dtype=torch.float64)
+    call = {"indices": indices, "values": values, "target": target}
+    kwargs = {}
+    for name, value in change.items():
+        if name == "bad":
+            row, entry, what = value
+            flat_indices, flat_values = indices.view(-1, 3), values.view(-1, 3)
+            if what == "nan" or what == "inf":
+                flat_values[row, entry] = float(what)
+            elif what == "all_padding":
+                flat_values[row] = float("-inf")
+            elif what == "repeat":
+                flat_indices[row, 1] = flat_indices[row, 0]
+            else:
+                flat_indices[row, entry] = what
+        else:
+            (call if name in call else kwargs)[name] = value
+    if "indices" in change and "values" not in change and call["indices"].dim() == 3:
+        call["values"] = torch.zeros(call["indices"].shape, dtype=torch.float64)
+    with pytest.raises(error, match=message):
+        fused_linear_distillation_from_top_k(student[0], student[1], *call.values(), **kwargs)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cached_top_k_compiles_as_one_node_and_counts_the_students_flops(reduction):
+    """torch.compile(fullgraph=True) through the cached path (the float64 formula), and the FLOP counter: the
+    student's logits, dX and dW GEMMs only (no teacher GEMM runs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    student, teacher, target, extras = make_problem()
+    indices, values = cached_top_k(teacher, 5)
+
+    def fn(xs, ws):
+        loss = fused_linear_distillation_from_top_k(xs, ws, indices, values, target, reduction=reduction)
+        return loss if reduction == "mean" else (loss * extras["grad_output"]).sum()
+
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(student[0], student[1])
+    want = reference_loss(
+        student[0],
+        student[1],
+        None,
+        None,
+        target,
+        top_k_indices=indices,
+        top_k_logits=values,
+        reduction=reduction,
+    )
+    if reduction == "none":
+        want = (want * extras["grad_output"]).sum()
+    _check(got, want, student, None, FP64_TOL)
+    n, hs, v = 10, 8, 40
+    with FlopCounterMode(display=False) as counter:
+        fn(student[0], student[1]).backward()
+    assert counter.get_total_flops() == 2 * n * v * hs + 4 * n * v * hs

@@ -180,3 +180,20 @@ def test_op_bf16_no_worse_than_unfused(divergence, precision, accum_dtype):
     assert_no_worse_than_unfused(
         got, args, kwargs, student, teacher, dw_roundings=None if accum_dtype is None else 4
     )
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd_0.5"])
+def test_op_cached_top_k_matches_float64(divergence):
+    """A cached teacher's top 20 (some tokens padded) end to end on the GPU, fp32: within FP32_TOL of float64."""
+    from test_distill import cached_top_k, student_side
+
+    from lightning_flce import fused_linear_distillation_from_top_k
+
+    student, teacher, target, extras = _op_problem(torch.float32)
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    kwargs = student_side(kwargs)
+    indices, values = cached_top_k(teacher, 20)
+    values[:, ::7, 12:] = float("-inf")
+    got = fused_linear_distillation_from_top_k(args[0], args[1], indices, values, args[4], **kwargs)
+    want = reference_loss(*args, top_k_indices=indices, top_k_logits=values, **kwargs)
+    check_op(got, want, student, kwargs.get("student_bias"), FP32_TOL)

@@ -100,3 +100,23 @@ def test_bf16_teacher_blocks_no_worse_than_unfused(monkeypatch, precision):
     args, kwargs = resolve(student, teacher, target, extras, "all", "jsd_0.5")
     got = fused_linear_distillation(*args, chunk_size=8, logits_precision=precision, impl="triton", **kwargs)
     assert_no_worse_than_unfused(got, args, kwargs, student, teacher)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
+def test_cached_top_k_on_the_triton_backend(divergence):
+    """A cached teacher's top k (with padding) on the Triton backend: the top-k divergence in PyTorch, the
+    cross-entropy part by the Triton kernel; fp32 within FP32_TOL of float64."""
+    from test_distill import cached_top_k, student_side
+
+    from lightning_flce import fused_linear_distillation_from_top_k
+
+    student, teacher, target, extras = make_problem(dtype=torch.float32, v=300)
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    kwargs = student_side(kwargs)
+    indices, values = cached_top_k(teacher, 9)
+    values[0, 0, 5:] = float("-inf")
+    got = fused_linear_distillation_from_top_k(
+        args[0], args[1], indices, values, args[4], chunk_size=4, impl="triton", **kwargs
+    )
+    want = reference_loss(*args, top_k_indices=indices, top_k_logits=values, **kwargs)
+    _check(got, want, student, kwargs.get("student_bias"), FP32_TOL)

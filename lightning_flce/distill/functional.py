@@ -9,7 +9,7 @@ forward pass ("mean"/"sum"); the teacher gets none.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -22,7 +22,12 @@ from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrec
 from lightning_flce.rl.logprobs import inverse_temperature
 from lightning_flce.validation import check_inputs, class_indices
 
-__all__ = ["Divergence", "FusedLinearDistillationLoss", "fused_linear_distillation"]
+__all__ = [
+    "Divergence",
+    "FusedLinearDistillationLoss",
+    "fused_linear_distillation",
+    "fused_linear_distillation_from_top_k",
+]
 
 
 def fused_linear_distillation(
@@ -108,6 +113,129 @@ def fused_linear_distillation(
     inputs' dtype (a bf16 teacher beside an fp32 student is fine). "mean"/"sum" compute the student's gradients in
     forward (backward scales them once); "none" recomputes the chunks in backward (about twice the GEMMs).
     """
+    _check_teacher(student_input, student_weight, teacher_input, teacher_weight, teacher_bias)
+    return _distillation(
+        student_input,
+        student_weight,
+        target,
+        student_bias=student_bias,
+        teacher_head=(teacher_input, teacher_weight, teacher_bias),
+        teacher_top_k=None,
+        divergence=divergence,
+        beta=beta,
+        temperature=temperature,
+        hard_weight=hard_weight,
+        top_k=top_k,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        token_weight=token_weight,
+        student_softcap=student_softcap,
+        teacher_softcap=teacher_softcap,
+        student_logit_scale=student_logit_scale,
+        teacher_logit_scale=teacher_logit_scale,
+        logits_precision=logits_precision,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        impl=impl,
+    )
+
+
+def fused_linear_distillation_from_top_k(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_indices: Tensor,
+    teacher_logits: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    student_bias: Optional[Tensor] = None,
+    divergence: Divergence = "jsd",
+    beta: float = 0.5,
+    temperature: Union[float, Tensor] = 1.0,
+    hard_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    token_weight: Optional[Tensor] = None,
+    student_softcap: Optional[float] = None,
+    student_logit_scale: float = 1.0,
+    logits_precision: LogitsPrecision = "input",
+    accum_dtype: AccumDtype = None,
+    chunk_size: Optional[int] = None,
+    impl: ImplName = "auto",
+) -> Tensor:
+    """:func:`fused_linear_distillation` with ``top_k`` for a teacher given by its cached top k instead of a head:
+    each token's k columns ``teacher_indices`` and the teacher's logits there ``teacher_logits`` (stored offline,
+    e.g. a large teacher's top-20 log-probabilities). The divergence is over those k columns, both distributions
+    renormalized over them (the student's logits gathered there, after its softcap and logit scale); the
+    cross-entropy (``hard_weight``) stays over the whole vocabulary. The student's head runs as in
+    :func:`fused_linear_distillation` (its logits per chunk, no [N, V] tensor); no teacher GEMM runs.
+
+    Args:
+        teacher_indices: [..., k] integer columns in [0, V), the student's leading shape; no column twice in a
+            token's entries.
+        teacher_logits: [..., k] float, the teacher's logits at those columns, or its log-probabilities (the
+            renormalization over k makes the two the same); divided by ``temperature``, no other transform (apply
+            the teacher's softcap and logit scale before storing them). An entry of -inf is padding (a token with
+            fewer than k entries): left out of both distributions, its index ignored. No gradient.
+
+    The other arguments are :func:`fused_linear_distillation`'s. Tokens that carry a loss need at least one entry
+    that is not padding; bad entries there (an index outside [0, V), a NaN or +inf logit, a column twice) raise a
+    ``ValueError`` before any kernel runs (one host sync, with the targets' check).
+    """
+    _check_top_k_teacher(student_input, student_weight, teacher_indices, teacher_logits)
+    return _distillation(
+        student_input,
+        student_weight,
+        target,
+        student_bias=student_bias,
+        teacher_head=None,
+        teacher_top_k=(teacher_indices.to(torch.int64), teacher_logits),
+        divergence=divergence,
+        beta=beta,
+        temperature=temperature,
+        hard_weight=hard_weight,
+        top_k=None,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        token_weight=token_weight,
+        student_softcap=student_softcap,
+        teacher_softcap=None,
+        student_logit_scale=student_logit_scale,
+        teacher_logit_scale=1.0,
+        logits_precision=logits_precision,
+        accum_dtype=accum_dtype,
+        chunk_size=chunk_size,
+        impl=impl,
+    )
+
+
+def _distillation(
+    student_input: Tensor,
+    student_weight: Tensor,
+    target: Optional[Tensor],
+    *,
+    student_bias: Optional[Tensor],
+    teacher_head: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]],
+    teacher_top_k: Optional[Tuple[Tensor, Tensor]],
+    divergence: str,
+    beta: float,
+    temperature: Union[float, Tensor],
+    hard_weight: float,
+    top_k: Optional[int],
+    ignore_index: int,
+    reduction: str,
+    token_weight: Optional[Tensor],
+    student_softcap: Optional[float],
+    teacher_softcap: Optional[float],
+    student_logit_scale: float,
+    teacher_logit_scale: float,
+    logits_precision: str,
+    accum_dtype: AccumDtype,
+    chunk_size: Optional[int],
+    impl: str,
+) -> Tensor:
+    """The two front ends' shared body: the options checked, the per-token scale built, the op called. The
+    teacher is ``teacher_head`` (input, weight, bias) or ``teacher_top_k`` (indices, logits), checked by the
+    caller."""
     _check_options(divergence, beta, hard_weight, target, top_k, student_weight)
     if divergence == "jsd" and beta == 0.0:  # the limits of the generalized JSD, as TRL and Liger map them
         divergence = "forward_kl"
@@ -122,7 +250,6 @@ def fused_linear_distillation(
     softcaps = {}
     for name, value in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
         softcaps[name] = 0.0 if value is None else _positive_float(name, value)
-    _check_teacher(student_input, student_weight, teacher_input, teacher_weight, teacher_bias)
 
     given_target = target is not None
     if target is None:
@@ -137,11 +264,14 @@ def fused_linear_distillation(
         chunk_size=chunk_size,
         impl=impl,
     )
-    teacher_dtype = _teacher_compute_dtype(
-        teacher_input, teacher_weight, target, teacher_bias, logits_precision
-    )
+    teacher_input, teacher_weight, teacher_bias = teacher_head or (None, None, None)
     options, compute_dtype, backend = checked_call(
         student_input, student_weight, target, student_bias, options
+    )
+    teacher_dtype = (
+        compute_dtype
+        if teacher_input is None or teacher_weight is None
+        else _teacher_compute_dtype(teacher_input, teacher_weight, target, teacher_bias, logits_precision)
     )
     dtype = softmax_dtype(compute_dtype)
     target = class_indices(target)
@@ -157,6 +287,7 @@ def fused_linear_distillation(
     if token_weight is not None:
         token_scale = token_scale * token_weight.detach().reshape(-1).to(dtype)
 
+    top_k_indices, top_k_logits = teacher_top_k or (None, None)
     grad_enabled = torch.is_grad_enabled()
     args = (
         student_input,
@@ -165,6 +296,8 @@ def fused_linear_distillation(
         teacher_input,
         teacher_weight,
         teacher_bias,
+        top_k_indices,
+        None if top_k_logits is None else top_k_logits.detach(),
         target,
         token_scale,
         inv_temperature,
@@ -269,6 +402,38 @@ def _check_teacher(
         ("teacher_bias", teacher_bias),
     ):
         if tensor is not None and tensor.device != student_input.device:
+            raise ValueError(f"{name} is on {tensor.device} but student_input is on {student_input.device}")
+
+
+def _check_top_k_teacher(
+    student_input: Tensor, student_weight: Tensor, indices: Tensor, logits: Tensor
+) -> None:
+    """A cached teacher's top k against the student: shapes, dtypes, devices, no gradient (its values are checked
+    in the op's host sync)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        raise ValueError(
+            "teacher_logits requires grad, but the teacher gets no gradient from the distillation loss: pass"
+            " teacher_logits.detach()"
+        )
+    lead = tuple(student_input.shape[:-1])
+    if indices.dim() != len(lead) + 1 or tuple(indices.shape[:-1]) != lead or indices.shape[-1] < 1:
+        raise ValueError(
+            f"teacher_indices must be [..., k] with the student's leading shape {lead} and k >= 1, got"
+            f" {tuple(indices.shape)}"
+        )
+    if logits.shape != indices.shape:
+        raise ValueError(
+            f"teacher_logits must have teacher_indices' shape {tuple(indices.shape)}, got {tuple(logits.shape)}"
+        )
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise TypeError(f"teacher_indices must be an integer tensor, got {indices.dtype}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"teacher_logits must be a floating-point tensor, got {logits.dtype}")
+    vocab = student_weight.shape[0] if student_weight.dim() == 2 else None
+    if vocab is not None and indices.shape[-1] > vocab:
+        raise ValueError(f"teacher_indices has k={indices.shape[-1]} columns per token, more than V={vocab}")
+    for name, tensor in (("teacher_indices", indices), ("teacher_logits", logits)):
+        if tensor.device != student_input.device:
             raise ValueError(f"{name} is on {tensor.device} but student_input is on {student_input.device}")
 
 

@@ -8,9 +8,10 @@ teacher its auxiliary head), registered as ``torch.library`` custom ops (one opa
   (``lightning_flce::flce_distill_backward``) recomputes the chunks with the per-token grad_output folded into the
   token scale, as :mod:`lightning_flce.rl.logprobs_op` does.
 
-Both also return each token's divergence and cross-entropy (no gradient). Targets and a per-token temperature
-are validated with one host sync per call (the fp16 bounds read in it), before any kernel runs. The teacher gets
-no gradient.
+Both also return each token's divergence and cross-entropy (no gradient). The teacher is a head (``teacher_x``,
+``teacher_weight``, ``teacher_bias``: the loss's auxiliary head) or a cached top k (``teacher_top_k_indices``,
+``teacher_top_k_logits``: per-token side inputs). Targets, a per-token temperature and a cached top k are validated
+with one host sync per call (the fp16 bounds read in it), before any kernel runs. The teacher gets no gradient.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ from lightning_flce.losses.distillation import TEACHER_LOGITS, DistillationChunk
 from lightning_flce.rl.logprobs_op import bad_temperatures, gemm_flops, register_flops, temperature_error
 
 _ARGS = (
-    "Tensor x, Tensor weight, Tensor? bias, Tensor teacher_x, Tensor teacher_weight, Tensor? teacher_bias,"
+    "Tensor x, Tensor weight, Tensor? bias, Tensor? teacher_x, Tensor? teacher_weight, Tensor? teacher_bias,"
+    " Tensor? teacher_top_k_indices, Tensor? teacher_top_k_logits,"
     " Tensor target, Tensor token_scale, Tensor inv_temperature, str divergence, float beta, float hard_weight,"
     " int top_k, int ignore_index, float student_softcap, float teacher_softcap, float student_logit_scale,"
     " float teacher_logit_scale, str logits_precision, ScalarType compute_dtype, ScalarType teacher_compute_dtype,"
     " ScalarType? accum_dtype, int chunk_size, str backend, bool need_grad_input, bool need_grad_weight, bool need_grad_bias"
 )
 _NAMES = [part.split()[-1] for part in _ARGS.split(",")]
-_N_TENSORS = 9  # x ... inv_temperature: saved for the recompute of "none"'s backward
+_N_TENSORS = 11  # x ... inv_temperature: saved for the recompute of "none"'s backward
 
 
 def _needs(a) -> Tuple[bool, bool, bool]:
@@ -58,7 +60,33 @@ def _saved_dtypes(a) -> Tuple[torch.dtype, torch.dtype]:
         a["chunk_size"],
         large,
         workspace_copies=DistillationChunkLoss.workspace_copies,
-        auxiliary_dtype=a["teacher_compute_dtype"],
+        auxiliary_dtype=_auxiliary_dtype(a),
+    )
+
+
+def _auxiliary_dtype(a) -> Optional[torch.dtype]:
+    """The teacher head's compute dtype; None for a cached teacher's top k (no second head)."""
+    return a["teacher_compute_dtype"] if a["teacher_x"] is not None else None
+
+
+def bad_top_k_rows(indices: Tensor, logits: Tensor, vocab: int, valid: Tensor) -> Tensor:
+    """[N] bool: the rows that carry a loss (``valid``) whose cached top k is not usable: an index outside [0, V)
+    or a NaN / +inf logit in an entry that is not padding (-inf), no entry that is not padding, or a column twice."""
+    padding = logits == float("-inf")
+    bad_entry = ~padding & (
+        (indices < 0) | (indices >= vocab) | torch.isnan(logits) | (logits == float("inf"))
+    )
+    sorted_indices = torch.where(padding, -1, indices).sort(dim=1).values
+    repeated = (sorted_indices[:, 1:] == sorted_indices[:, :-1]) & (sorted_indices[:, 1:] >= 0)
+    return valid & (bad_entry.any(dim=1) | padding.all(dim=1) | repeated.any(dim=1))
+
+
+def top_k_error(indices: Tensor, logits: Tensor, vocab: int, valid: Tensor) -> ValueError:
+    """The error for :func:`bad_top_k_rows` (a host sync)."""
+    bad = bad_top_k_rows(indices, logits, vocab, valid).nonzero().view(-1)
+    return ValueError(
+        f"teacher_top_k: {bad.numel()} token(s) carrying a loss have indices outside [0, {vocab}), NaN or +inf logits,"
+        f" a column twice, or only padding (-inf) entries, e.g. at rows {bad[:5].tolist()}"
     )
 
 
@@ -75,11 +103,27 @@ def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
     dtype = softmax_dtype(compute_dtype)
     inv_t = a["inv_temperature"].to(dtype)
     backend = BACKENDS[a["backend"]]
+    checks = [(bad_temperatures(inv_t, valid).sum(), lambda: temperature_error(inv_t, valid))]
+    teacher = teacher_top_k = None
+    if a["teacher_x"] is not None:
+        teacher = AuxiliaryHead(
+            TEACHER_LOGITS, a["teacher_x"], a["teacher_weight"], a["teacher_bias"], a["teacher_compute_dtype"]
+        )
+    else:
+        k = a["teacher_top_k_indices"].shape[-1]
+        indices = a["teacher_top_k_indices"].reshape(-1, k)
+        top_logits = a["teacher_top_k_logits"].reshape(-1, k).to(dtype)
+        teacher_top_k = (indices, top_logits)
+        checks.append(
+            (
+                bad_top_k_rows(indices, top_logits, vocab, valid).sum(),
+                lambda: top_k_error(indices, top_logits, vocab, valid),
+            )
+        )
     loss = DistillationChunkLoss(
         backend.kernels(),
-        teacher=AuxiliaryHead(
-            TEACHER_LOGITS, a["teacher_x"], a["teacher_weight"], a["teacher_bias"], a["teacher_compute_dtype"]
-        ),
+        teacher=teacher,
+        teacher_top_k=teacher_top_k,
         divergence=a["divergence"],
         beta=a["beta"],
         hard_weight=a["hard_weight"],
@@ -101,7 +145,7 @@ def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
         loss,
         valid=valid,
         ignore_index=a["ignore_index"],
-        checks=[(bad_temperatures(inv_t, valid).sum(), lambda: temperature_error(inv_t, valid))],
+        checks=checks,
         large_chunks=backend.large_chunks,
         chunk_size=a["chunk_size"],
         compute_dtype=compute_dtype,
@@ -112,7 +156,7 @@ def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
         grad_input_dtype=grad_input_dtype,
         keep_scaled=keep_scaled,
         grad_weight_dtype=grad_weight_dtype,
-        auxiliary_dtype=a["teacher_compute_dtype"],
+        auxiliary_dtype=_auxiliary_dtype(a),
     )
 
 
@@ -285,8 +329,9 @@ _NEED_GRAD_INPUT = _NAMES.index("need_grad_input")
 
 
 def _logits_flops(args) -> int:
-    """2 N V (H_s + H_t): the two logits GEMMs."""
-    return gemm_flops(args[0], args[1]) + gemm_flops(args[3], args[4])
+    """2 N V (H_s + H_t): the two logits GEMMs (the student's alone for a cached teacher's top k)."""
+    teacher = gemm_flops(args[3], args[4]) if args[3] is not None else 0
+    return gemm_flops(args[0], args[1]) + teacher
 
 
 def _grad_flops(args) -> int:

@@ -36,9 +36,18 @@ WORKSPACE_COPIES = 4
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
-def _log_softmax(logits: Tensor, softcap: float, inv_temperature: Tensor, dtype: torch.dtype) -> Tensor:
-    """``log_softmax(inv_t * softcap'(logits))`` as a new ``dtype`` tensor (built in place on one copy)."""
+def _log_softmax(
+    logits: Tensor,
+    softcap: float,
+    inv_temperature: Tensor,
+    dtype: torch.dtype,
+    excluded: Optional[Tensor] = None,
+) -> Tensor:
+    """``log_softmax(inv_t * softcap'(logits))`` as a new ``dtype`` tensor (built in place on one copy); columns
+    where ``excluded`` is True get probability 0 (-inf after the transform, which would map a -inf logit to -c)."""
     z, _ = transformed_logits(logits.to(dtype), softcap, inv_temperature)
+    if excluded is not None:
+        z.masked_fill_(excluded, float("-inf"))
     return z.sub_(torch.logsumexp(z, dim=1, keepdim=True))
 
 
@@ -96,6 +105,7 @@ def distill_chunk(
     token_scale: Tensor,
     compute_grad: bool,
     grad_out: Optional[Tensor] = None,
+    student_excluded: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """One chunk of the distillation loss (see the module docstring).
 
@@ -114,6 +124,8 @@ def distill_chunk(
         compute_grad: write the gradient.
         grad_out: [C, V] tensor the gradient goes to (may be
             :func:`~lightning_flce.kernels.gradient_in_logits_rows` of ``student_logits``).
+        student_excluded: [C, V] bool, columns left out of the student's distribution (probability 0, gradient
+            0; a cached teacher's padding, whose teacher logits are -inf); the divergence's only.
 
     Returns:
         ``(loss_rows, divergence_rows, ce_rows)``: [C] each in the softmax dtype; ``ce_rows`` None when
@@ -124,7 +136,7 @@ def distill_chunk(
     scale = token_scale.to(dtype).reshape(-1)
     grad = None
     if divergence is not None:
-        logp = _log_softmax(student_logits, student_softcap, student_inv_temperature, dtype)
+        logp = _log_softmax(student_logits, student_softcap, student_inv_temperature, dtype, student_excluded)
         logq = _log_softmax(teacher_logits, teacher_softcap, teacher_inv_temperature, dtype)
         div_rows, grad = _divergence(logp, logq, divergence, beta, compute_grad and hard_weight != 1.0)
         del logp, logq

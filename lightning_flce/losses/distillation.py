@@ -10,9 +10,14 @@ the front end)::
     loss = token_scale * ((1 - hard_weight) * divergence(teacher, student) + hard_weight * CE(student, target))
 
 ``top_k``: the divergence over the teacher's k largest logits of each row, both distributions renormalized over
-them (a sparse or cached teacher); written in PyTorch on [C, k] on every backend: the student's logits at those
+them (a sparse teacher); written in PyTorch on [C, k] on every backend: the student's logits at those
 columns are gathered before the kernel writes the cross-entropy's gradient over the chunk, and the top-k
 divergence's gradient is added at them afterwards.
+
+``teacher_top_k``: a teacher given by its k largest logits per token instead of a head (cached teacher outputs:
+``indices`` [N, k] and ``logits`` [N, k], side inputs gathered per chunk like the other per-token ones); the same
+top-k divergence over those columns. An entry whose teacher logit is -inf is padding (a token with fewer than k
+entries): it is left out of both distributions, whatever its index.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ DIVERGENCES: tuple[str, ...] = get_args(Divergence)
 
 #: The side-input key of the teacher's chunk logits.
 TEACHER_LOGITS = "teacher_logits"
+#: The side-input keys of a cached teacher's top-k columns and logits ([N, k] each).
+TEACHER_TOP_K_INDICES = "teacher_top_k_indices"
+TEACHER_TOP_K_LOGITS = "teacher_top_k_logits"
 
 
 def divergence_grad_bound(divergence: str, beta: float, vocab: int) -> float:
@@ -68,8 +76,9 @@ class DistillationChunkLoss(ChunkLoss):
     (``logit_scale / T`` of each side), ``ce_inv_temperature`` (the student's logit scale, [1]).
 
     ``kernels``: a backend's module (its ``distill_chunk``); ``teacher``: the teacher head (its logits arrive in
-    ``side[teacher.name]``, :data:`TEACHER_LOGITS` by convention); ``student_softcap`` and
-    ``teacher_softcap``: ``softcap / logit_scale`` of each side (0.0: none).
+    ``side[teacher.name]``, :data:`TEACHER_LOGITS` by convention), or None with ``teacher_top_k`` (a cached
+    teacher's ``(indices, logits)``, [N, k] each: int64 columns, logits in the softmax dtype); ``student_softcap``
+    and ``teacher_softcap``: ``softcap / logit_scale`` of each side (0.0: none).
     """
 
     linear_inputs = ("token_scale",)
@@ -79,7 +88,8 @@ class DistillationChunkLoss(ChunkLoss):
         self,
         kernels: types.ModuleType,
         *,
-        teacher: AuxiliaryHead,
+        teacher: Optional[AuxiliaryHead],
+        teacher_top_k: Optional[Tuple[Tensor, Tensor]] = None,
         divergence: str,
         beta: float,
         hard_weight: float,
@@ -94,12 +104,16 @@ class DistillationChunkLoss(ChunkLoss):
     ) -> None:
         if divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+        if (teacher is None) == (teacher_top_k is None):
+            raise ValueError(
+                "a distillation chunk loss takes exactly one of a teacher head and a cached top-k"
+            )
         self.kernels = kernels
         self.teacher = teacher
         self.divergence = divergence
         self.beta = beta
         self.hard_weight = hard_weight
-        self.top_k = top_k
+        self.top_k = top_k if teacher_top_k is None else teacher_top_k[0].shape[-1]
         self.student_softcap = student_softcap
         self.teacher_softcap = teacher_softcap
         self.vocab = vocab
@@ -109,6 +123,8 @@ class DistillationChunkLoss(ChunkLoss):
             "teacher_inv_temperature": teacher_inv_temperature,
             "ce_inv_temperature": ce_inv_temperature,
         }
+        if teacher_top_k is not None:
+            self.inputs[TEACHER_TOP_K_INDICES], self.inputs[TEACHER_TOP_K_LOGITS] = teacher_top_k
 
     def outputs(self) -> Tuple[OutputSpec, ...]:
         return (
@@ -159,9 +175,16 @@ class DistillationChunkLoss(ChunkLoss):
         grad_out: Optional[Tensor],
         tile_lse=None,
     ) -> Tuple[Optional[Tensor], ...]:
-        teacher = side[self.teacher.name]
         options = self._kernel_options(side)
         token_scale = side["token_scale"]
+        if self.teacher is None:  # a cached teacher's top k
+            teacher_k = side[TEACHER_TOP_K_LOGITS]
+            # a padding entry's index may be anything: column 0 in its place (its gradient is 0)
+            index = side[TEACHER_TOP_K_INDICES].masked_fill(teacher_k == float("-inf"), 0)
+            return self._top_k_chunk(
+                logits, index, teacher_k, target, options, token_scale, compute_grad, grad_out, padding=True
+            )
+        teacher = side[self.teacher.name]
         if self.top_k is None:
             return self.kernels.distill_chunk(
                 logits,
@@ -174,41 +197,47 @@ class DistillationChunkLoss(ChunkLoss):
                 grad_out=grad_out,
                 **options,
             )
-        return self._top_k_chunk(logits, teacher, target, options, token_scale, compute_grad, grad_out)
+        # softcap and temperature are increasing: the raw logits' top k are the transformed ones'
+        index = teacher.topk(self.top_k, dim=1, sorted=False).indices  # [C, k]
+        return self._top_k_chunk(
+            logits, index, teacher.gather(1, index), target, options, token_scale, compute_grad, grad_out
+        )
 
     def _top_k_chunk(
         self,
         logits: Tensor,
-        teacher: Tensor,
+        index: Tensor,
+        teacher_k: Tensor,
         target: Tensor,
         options: dict,
         token_scale: Tensor,
         compute_grad: bool,
         grad_out: Optional[Tensor],
+        padding: bool = False,
     ) -> Tuple[Optional[Tensor], ...]:
-        """The divergence over the teacher's top k columns (PyTorch, [C, k]), the cross-entropy term over the whole
-        vocabulary by the backend's kernel (skipped for ``hard_weight`` 0)."""
+        """The divergence over the teacher's k columns ``index`` (its logits there ``teacher_k``; PyTorch, [C, k]),
+        the cross-entropy term over the whole vocabulary by the backend's kernel (skipped for ``hard_weight`` 0).
+        ``padding``: entries whose teacher logit is -inf are left out of the student's distribution too."""
         w = self.hard_weight
-        # softcap and temperature are increasing: the raw logits' top k are the transformed ones'
-        index = teacher.topk(self.top_k, dim=1, sorted=False).indices  # [C, k]
         # gathered before the kernel writes the gradient over the logits; in the softmax dtype, so the top-k
         # gradient is not rounded before it is added
         student_k = logits.gather(1, index).to(softmax_dtype(logits.dtype))
         top_k_loss, div_rows, _ = distill_torch.distill_chunk(
             student_k,
-            teacher.gather(1, index),
+            teacher_k,
             target,
             divergence=self.divergence,
             hard_weight=0.0,
             token_scale=token_scale * (1.0 - w),
             compute_grad=compute_grad and w != 1.0,
+            student_excluded=teacher_k == float("-inf") if padding else None,
             **options,
         )
         ce_rows = None
         if w != 0.0:
             ce_loss, _, ce_rows = self.kernels.distill_chunk(
                 logits,
-                teacher,
+                logits,  # the teacher's place: the cross-entropy alone reads only the student's logits
                 target,
                 divergence=None,
                 hard_weight=w,

@@ -32,6 +32,7 @@ from lightning_flce import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
     fused_linear_distillation,
+    fused_linear_distillation_from_top_k,
     fused_linear_logprobs,
     fused_linear_policy_loss,
 )
@@ -233,6 +234,14 @@ distill_module = FusedLinearDistillationLoss(divergence="jsd", beta=0.1, tempera
 FusedLinearDistillationLoss(accum_dtype=torch.bfloat16)  # the memory-lean accumulator
 FusedLinearDistillationLoss(accum_dtype="bfloat16")
 FusedLinearDistillationLoss(accum_dtype="bf16")  # type: ignore[arg-type]
+# a teacher cached as its top 20 columns and logits per token
+cached_indices = torch.randint(0, V, (B, T, 20))
+cached_logits = torch.randn(B, T, 20)
+cached_loss = fused_linear_distillation_from_top_k(
+    hidden, lm_head, cached_indices, cached_logits, labels, divergence="reverse_kl", temperature=1.5
+)
+assert_type(cached_loss, Tensor)
+fused_linear_distillation_from_top_k(hidden, lm_head, cached_indices, cached_logits, top_k=5)  # type: ignore[call-arg]
 assert_type(distill_module, FusedLinearDistillationLoss)
 # the LightningModule: a smaller TinyGPT trained on a frozen one (docs/distill.md)
 distill_lm = DistillationModule(
