@@ -773,3 +773,110 @@ def test_distill_config_without_the_teacher_checkpoint_says_what_to_run(tmp_path
         )
     assert exit_info.value.code == 2
     assert "lightning-flce fit --config default" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- a cached teacher
+CACHED_K = 6
+
+
+def with_cached_top_k(batch: dict, teacher: TinyGPT, k: int = CACHED_K) -> dict:
+    """``batch`` with the teacher's top k per position as a cache would store it: its log-probabilities and
+    columns, [B, T, k] (the renormalization over k makes logits and log-probabilities the same)."""
+    with torch.no_grad():
+        logits = teacher.lm_head(teacher.hidden_states(batch["input_ids"]))
+    values, indices = logits.log_softmax(-1).topk(k, dim=-1)
+    return {**batch, "teacher_top_k_indices": indices, "teacher_top_k_logits": values}
+
+
+CACHED_CASES = [
+    {"divergence": "forward_kl"},
+    {"divergence": "reverse_kl", "temperature": 2.0},
+    {"divergence": "jsd", "beta": 0.3, "hard_weight": 0.25, "temperature": 0.7},
+]
+
+
+@requires_op
+@pytest.mark.parametrize("options", CACHED_CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_cached_teacher_equals_the_teacher_models_top_k_in_float64(options):
+    """A batch carrying the teacher's top k gives the loss and student gradients of the live teacher with
+    ``top_k=k``, which equal the unfused formula's (float64 on both sides)."""
+    teacher = tiny_teacher().double()
+    live = DistillationModule(student=tiny_student(), teacher=teacher, top_k=CACHED_K, **options).double()
+    cached = DistillationModule(student=tiny_student(), cached_teacher=True, **options).double()
+    assert cached.teacher is None and cached.hparams.cached_teacher
+    batch = with_cached_top_k(make_batch(3, n_ignored=5), teacher)
+    results = []
+    for module in (live, cached):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log without a Trainer
+            loss = module.training_step(batch, 0)
+        loss.backward()
+        results.append((loss.detach(), student_grads(module)))
+    expected = reference_loss(live, batch)
+    torch.testing.assert_close(results[1][0], expected.detach(), **TOL)
+    torch.testing.assert_close(results[1][0], results[0][0], **TOL)
+    (_, live_grads), (_, cached_grads) = results
+    assert cached_grads.keys() == live_grads.keys() and cached_grads
+    for name, grad in live_grads.items():
+        torch.testing.assert_close(cached_grads[name], grad, **TOL, msg=name)
+    assert cached.flce_last_teacher_logits_shape is None  # no teacher head: no teacher logits avoided
+
+
+@requires_op
+def test_cached_teacher_trains_with_accumulation_validates_and_checkpoints(tmp_path):
+    """Through the Trainer: one optimizer step over two accumulated micro-batches of cached batches equals the
+    live teacher's (top_k = k) in float64; validation logs the divergence; the checkpoint holds the student
+    alone and loads back."""
+    teacher = tiny_teacher().double()  # the cache in float64, as the live teacher runs under 64-true
+    batches = [with_cached_top_k(make_batch(7 + seed, n_ignored=2 + 5 * seed), teacher) for seed in range(2)]
+    grads = {}
+
+    class Save(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads[pl_module.hparams.cached_teacher] = student_grads(pl_module)
+
+    for module in (
+        DistillationModule(student=tiny_student(), teacher=teacher, top_k=CACHED_K, **ACCUMULATION_OPTIONS),
+        DistillationModule(student=tiny_student(), cached_teacher=True, **ACCUMULATION_OPTIONS),
+    ):
+        fit = trainer(precision="64-true", max_steps=1, accumulate_grad_batches=2, callbacks=[Save()])
+        fit.fit(module, DataLoader(batches, batch_size=None))
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, **TOL, msg=name)
+
+    module = DistillationModule(student=tiny_student(), cached_teacher=True, hard_weight=0.25)
+    fit = trainer(max_steps=1, limit_val_batches=2, default_root_dir=tmp_path)
+    fit.fit(module, DataLoader(batches[:1], batch_size=None), DataLoader(batches, batch_size=None))
+    assert {"val/loss", "val/divergence", "val/student_ce"} <= set(fit.callback_metrics)
+    assert float(fit.callback_metrics["val/divergence"]) > 0
+    path = tmp_path / "cached.ckpt"
+    fit.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    assert state and all(name.startswith("student.") for name in state)
+    loaded = DistillationModule.load_from_checkpoint(path, student=tiny_student(seed=9))
+    assert loaded.teacher is None and loaded.hparams.cached_teacher
+    for name, value in module.student.state_dict().items():
+        torch.testing.assert_close(loaded.student.state_dict()[name], value)
+
+
+def test_cached_teacher_options_and_batches_are_checked():
+    with pytest.raises(ValueError, match="exactly one"):
+        DistillationModule(student=tiny_student(), teacher=tiny_teacher(), cached_teacher=True)
+    with pytest.raises(ValueError, match="top_k None"):
+        DistillationModule(student=tiny_student(), cached_teacher=True, top_k=4)
+    with pytest.raises(ValueError, match="teacher_dtype must be None"):
+        DistillationModule(student=tiny_student(), cached_teacher=True, teacher_dtype="bfloat16")
+    module = DistillationModule(student=tiny_student(), cached_teacher=True)
+    batch = make_batch(0)
+    with pytest.raises(KeyError, match="teacher_top_k_indices"):
+        module.training_step(batch, 0)
+    cached = with_cached_top_k(batch, tiny_teacher())
+    bad = {**cached, "teacher_top_k_logits": cached["teacher_top_k_logits"][:, :-1]}
+    with pytest.raises(ValueError, match="teacher_top_k_logits must be"):
+        module.training_step(bad, 0)
+    out_of_range = {**cached, "teacher_top_k_indices": cached["teacher_top_k_indices"] + VOCAB}
+    with pytest.raises(ValueError, match=rf"indices outside \[0, {VOCAB}\)"):
+        module.training_step(out_of_range, 0)
+    with pytest.raises(RuntimeError, match="cached teacher"):
+        module.teacher_hidden_states(batch["input_ids"])

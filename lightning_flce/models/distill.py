@@ -56,9 +56,18 @@ from lightning_flce.models.hf import HFCausalLM
 from lightning_flce.normalization import StepNormalizer, UnweightedTermWatch
 from lightning_flce.options import NORMALIZE_MODES, AccumDtype, FLCEOptions, LogitsPrecision, NormalizeMode
 
-__all__ = ["DistillationModule", "HeadOperands", "final_hidden_states", "head_operands"]
+__all__ = [
+    "TEACHER_TOP_K_KEYS",
+    "DistillationModule",
+    "HeadOperands",
+    "TeacherTopK",
+    "final_hidden_states",
+    "head_operands",
+]
 
 TEACHER_PREFIX = "teacher."
+#: the batch keys of a cached teacher (``cached_teacher=True``): its top-k columns and its logits there, [B, T, K]
+TEACHER_TOP_K_KEYS = ("teacher_top_k_indices", "teacher_top_k_logits")
 # the LightningModule of a checkpoint that does not record its class (LastStepCheckpoint records it)
 _DEFAULT_TEACHER_CLASS = "lightning_flce.models.gpt.TinyGPT"
 # order of the validation sums: the loss, the divergence, the student's cross-entropy, correct tokens, tokens
@@ -72,6 +81,14 @@ class HeadOperands(NamedTuple):
     bias: Optional[Tensor]
     logit_scale: float
     softcap: Optional[float]
+
+
+class TeacherTopK(NamedTuple):
+    """A cached teacher's top k for each position of a batch: its columns and its logits (or log-probabilities)
+    there, [B, T, K] each (:func:`~lightning_flce.fused_linear_distillation_from_top_k`)."""
+
+    indices: Tensor
+    logits: Tensor
 
 
 def head_operands(model: nn.Module) -> HeadOperands:
@@ -120,6 +137,32 @@ def _fused_distillation(*args: Any, **kwargs: Any) -> Tensor:
     return fused_linear_distillation(*args, **kwargs)
 
 
+def _fused_distillation_from_top_k(*args: Any, **kwargs: Any) -> Tensor:
+    """The loss op for a cached teacher (imported at the call, as :func:`_fused_distillation`)."""
+    from lightning_flce import fused_linear_distillation_from_top_k
+
+    return fused_linear_distillation_from_top_k(*args, **kwargs)
+
+
+def _cached_top_k(batch: dict[str, Tensor], positions: tuple[int, ...]) -> TeacherTopK:
+    """The batch's cached teacher top k (``TEACHER_TOP_K_KEYS``), [B, T, K] each over the ``input_ids`` positions
+    ``positions``; a clear error when the keys are missing or their shapes disagree."""
+    missing = [key for key in TEACHER_TOP_K_KEYS if key not in batch]
+    if missing:
+        raise KeyError(
+            f"cached_teacher=True needs the teacher's top k in every batch: missing {missing} (both [B, T, K]:"
+            " the columns and the teacher's logits or log-probabilities there, aligned with input_ids)"
+        )
+    indices, logits = (batch[key] for key in TEACHER_TOP_K_KEYS)
+    for key, value in zip(TEACHER_TOP_K_KEYS, (indices, logits)):
+        if value.dim() != len(positions) + 1 or tuple(value.shape[:-1]) != positions:
+            raise ValueError(
+                f"the batch's {key} must be [*input_ids.shape, K] = [{', '.join(map(str, positions))}, K], got"
+                f" {tuple(value.shape)}"
+            )
+    return TeacherTopK(indices, logits.detach())
+
+
 class DistillationModule(StepNormalization, pl.LightningModule):
     r"""Trains ``student`` to match a frozen teacher's next-token distribution, with the fused linear
     distillation loss on both LM heads (:func:`~lightning_flce.fused_linear_distillation`).
@@ -143,6 +186,14 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     (a checkpoint holds the student, as it would without distillation) and ``on_load_checkpoint`` puts this
     module's teacher back, so resuming (``--ckpt_path last``) and ``load_from_checkpoint`` rebuild the teacher
     from ``teacher`` / ``teacher_checkpoint`` as given.
+
+    **A cached teacher** (``cached_teacher=True``): no teacher model runs; each batch carries the teacher's top k
+    per position, ``teacher_top_k_indices`` (integer columns) and ``teacher_top_k_logits`` (its logits or
+    log-probabilities there; -inf pads a position with fewer entries), both ``[B, T, K]`` and aligned with
+    ``input_ids`` (position t's entries are the teacher's distribution of the token after t, as its logits at t
+    are). The divergence is over each position's K columns, both distributions renormalized there
+    (:func:`~lightning_flce.fused_linear_distillation_from_top_k`); the cross-entropy stays over the whole
+    vocabulary.
 
     **Normalization** (``normalize``, as :class:`~lightning_flce.mixin.FLCEMixin`'s ``flce_normalize``, whose
     wiring it is: :class:`~lightning_flce.mixin_step.StepNormalization`): under ``"step"`` the training loss is
@@ -173,8 +224,9 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             saved in the hyper-parameters (the CLI's config records it): pass it again to ``load_from_checkpoint``.
         teacher: the teacher as a module (a TinyGPT, an HFCausalLM, an ``AutoModelForCausalLM``), or
         teacher_checkpoint: the path of a Lightning checkpoint of the teacher (e.g. the main job's
-            ``last.ckpt``); its class is the one ``LastStepCheckpoint`` recorded, else TinyGPT. Exactly one of
-            the two.
+            ``last.ckpt``); its class is the one ``LastStepCheckpoint`` recorded, else TinyGPT.
+        cached_teacher: the batches carry the teacher's top k (``TEACHER_TOP_K_KEYS``; "A cached teacher"
+            above) and no teacher model runs. Exactly one of ``teacher``, ``teacher_checkpoint`` and this.
         teacher_dtype: ``"bfloat16"``, ``"float32"``, ... (a ``torch`` dtype's name): the teacher's parameters
             in that dtype and its body run outside autocast. None: the teacher follows the Trainer's precision.
             (Under mixed precision the loss's two head GEMMs run in the autocast dtype, as ``nn.Linear``'s would.)
@@ -185,7 +237,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         temperature_squared: multiply the divergence term by ``temperature ** 2``.
         hard_weight: weight of the student's cross-entropy on the labels, in [0, 1].
         top_k: the divergence over the teacher's ``top_k`` most likely tokens, both distributions renormalized
-            there; None: the whole vocabulary.
+            there; None: the whole vocabulary (a cached teacher's K is its own: None).
         chunk_size: tokens per chunk of the fused loss; None: the op chooses. (The student's own ``flce_*`` loss
             options are not used, but for ``flce_head``, ``flce_softcap`` and ``flce_ignore_index``.)
         normalize: ``"step"``: the training loss is the token mean of the whole optimizer step (micro-batches
@@ -221,6 +273,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         teacher: Optional[nn.Module] = None,
         teacher_checkpoint: Optional[str] = None,
         teacher_dtype: Optional[str] = None,
+        cached_teacher: bool = False,
         divergence: Divergence = "jsd",
         beta: float = 0.5,
         temperature: float = 1.0,
@@ -243,21 +296,29 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if normalize not in NORMALIZE_MODES:
             raise ValueError(f"normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
-        if (teacher is None) == (teacher_checkpoint is None):
+        if (teacher is not None) + (teacher_checkpoint is not None) + bool(cached_teacher) != 1:
             raise ValueError(
-                "DistillationModule takes exactly one of `teacher` (a module) and `teacher_checkpoint` (the path"
-                " of a Lightning checkpoint, e.g. the main job's last.ckpt)"
+                "DistillationModule takes exactly one of `teacher` (a module), `teacher_checkpoint` (the path"
+                " of a Lightning checkpoint, e.g. the main job's last.ckpt) and `cached_teacher=True` (the"
+                f" batches carry the teacher's top k: {', '.join(TEACHER_TOP_K_KEYS)})"
+            )
+        if cached_teacher and (teacher_dtype is not None or top_k is not None):
+            raise ValueError(
+                "cached_teacher=True runs no teacher model: teacher_dtype must be None, and top_k None (the"
+                " cache's K is the top k)"
             )
         self.save_hyperparameters(ignore=["student", "teacher"])
         self.student = student  # registered first: its [V, H] head is the module's first (FLCEMemoryCallback)
-        if teacher is None:
+        if teacher is None and teacher_checkpoint is not None:
             teacher = load_teacher_checkpoint(str(teacher_checkpoint))
         self.teacher_dtype = None if teacher_dtype is None else _dtype_named(teacher_dtype)
-        teacher.requires_grad_(False)
-        teacher.eval()
-        if self.teacher_dtype is not None:
-            teacher.to(self.teacher_dtype)
-        self.teacher = teacher
+        if teacher is not None:
+            teacher.requires_grad_(False)
+            teacher.eval()
+            if self.teacher_dtype is not None:
+                teacher.to(self.teacher_dtype)
+        #: the frozen teacher model (None with ``cached_teacher``: the batches carry its top k)
+        self.teacher: Optional[nn.Module] = teacher
         self.ignore_index = int(getattr(student, "flce_ignore_index", -100))
         self.label_format = "hf" if isinstance(student, HFCausalLM) or is_hf_model(student) else "shifted"
         self._check_vocabularies(vocab_size)
@@ -279,12 +340,13 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         """Lightning puts the module in train mode before each training epoch: the teacher stays in eval
         mode (no dropout, running statistics unchanged)."""
         super().train(mode)
-        self.teacher.eval()
+        if self.teacher is not None:
+            self.teacher.eval()
         return self
 
     def _keep_teacher_dtype(self) -> None:
         # a "*-true" precision converted the whole module (teacher included) after __init__
-        if self.teacher_dtype is not None:
+        if self.teacher is not None and self.teacher_dtype is not None:
             self.teacher.to(self.teacher_dtype)
 
     def on_fit_start(self) -> None:
@@ -292,6 +354,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         if self._trainer is not None:  # (the hook may be called alone, to cast the teacher back)
             self._flce_start_fit_normalization()
             self._flce_add_normalize_callback()
+        if self.teacher is None:
+            return
         # Lightning warns at the start of training when modules are in eval mode: the teacher's are, by design.
         # Silenced for exactly their count (a student module left in eval mode changes the count and still warns).
         teacher_modules = sum(1 for _ in self.teacher.modules())
@@ -310,6 +374,10 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     @torch.no_grad()
     def teacher_hidden_states(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         """The teacher's final hidden states, without gradient, in ``teacher_dtype`` outside autocast when set."""
+        if self.teacher is None:
+            raise RuntimeError(
+                "this DistillationModule has a cached teacher (cached_teacher=True): no teacher model"
+            )
         if self.teacher_dtype is None:
             return final_hidden_states(self.teacher, input_ids, attention_mask)
         with torch.autocast(input_ids.device.type, enabled=False):
@@ -326,7 +394,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         """Puts this module's teacher into the checkpoint's weights, so that strict loading (and the resume
         check of ``LastStepCheckpoint``) finds every parameter and the teacher stays as built."""
         state = checkpoint.get("state_dict")
-        if state is not None:
+        if state is not None and self.teacher is not None:
             for name, value in self.teacher.state_dict().items():
                 state.setdefault(TEACHER_PREFIX + name, value)
 
@@ -336,11 +404,11 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         check_label_format(self, self.label_format)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        student_hidden, teacher_hidden, target = self._forward_both(batch)
+        student_hidden, teacher_side, target = self._forward_both(batch)
         # d · D + w · CE as one call of the op, which mixes (1 - h) · D + h · CE: (d + w) times h = w / (d + w)
         divergence_weight, ce_weight = self.loss_weights
         total = divergence_weight + ce_weight
-        loss_sum = total * self._loss_sum(student_hidden, teacher_hidden, target, ce_weight / total)
+        loss_sum = total * self._loss_sum(student_hidden, teacher_side, target, ce_weight / total)
         num_tokens = (target != self.ignore_index).sum()
         if self._flce_stage() != "train":  # called outside fit: the plain micro-batch mean, nothing to join
             return loss_sum / num_tokens.clamp(min=1)
@@ -357,8 +425,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         super().on_before_backward(loss)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        student_hidden, teacher_hidden, target = self._forward_both(batch)
-        divergence = self._loss_sum(student_hidden, teacher_hidden, target, 0.0)
+        student_hidden, teacher_side, target = self._forward_both(batch)
+        divergence = self._loss_sum(student_hidden, teacher_side, target, 0.0)
         ce, correct = self._student_cross_entropy(student_hidden, target)
         divergence_weight, ce_weight = self.loss_weights
         loss = divergence_weight * divergence + ce_weight * ce
@@ -437,8 +505,9 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             divergence_weight *= hp.temperature**2
         return divergence_weight, float(hp.hard_weight)
 
-    def _forward_both(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """The student's and the teacher's hidden states of the batch, and the target of each position."""
+    def _forward_both(self, batch: dict[str, Tensor]) -> tuple[Tensor, Union[Tensor, TeacherTopK], Tensor]:
+        """The student's hidden states of the batch, the teacher's (or its cached top k), and the target of each
+        position."""
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
         target = batch.get("labels", input_ids if self.label_format == "hf" else None)
@@ -452,19 +521,52 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             target = target.masked_fill(attention_mask == 0, self.ignore_index)
         if self.label_format == "hf":  # position t predicts label t + 1; the last position has none
             target = F.pad(target[..., 1:], (0, 1), value=self.ignore_index)
-        teacher_hidden = self.teacher_hidden_states(input_ids, attention_mask)
+        teacher_side: Union[Tensor, TeacherTopK]
+        if self.teacher is None:
+            teacher_side = _cached_top_k(batch, tuple(input_ids.shape))
+        else:
+            teacher_side = self.teacher_hidden_states(input_ids, attention_mask)
         student_hidden = final_hidden_states(self.student, input_ids, attention_mask)
-        return student_hidden, teacher_hidden, target
+        return student_hidden, teacher_side, target
 
     def _loss_sum(
-        self, student_hidden: Tensor, teacher_hidden: Tensor, target: Tensor, hard_weight: float
+        self,
+        student_hidden: Tensor,
+        teacher_side: Union[Tensor, TeacherTopK],
+        target: Tensor,
+        hard_weight: float,
     ) -> Tensor:
         """The token sum of the loss (``hard_weight`` 0: of the divergence) over the tokens that carry one."""
-        student, teacher = head_operands(self.student), head_operands(self.teacher)
+        student = head_operands(self.student)
         hp = self.hparams
         vocab_size = student.weight.shape[0]
         self.flce_last_logits_shape = (target.numel(), vocab_size)
         self.flce_last_logits_bytes = target.numel() * vocab_size * 4
+        if isinstance(teacher_side, TeacherTopK):  # no teacher head: no teacher logits to avoid
+            self.flce_last_teacher_logits_shape = None
+            self.flce_teacher_compute_dtype = None
+            return _fused_distillation_from_top_k(
+                student_hidden,
+                student.weight,
+                teacher_side.indices,
+                teacher_side.logits,
+                target,
+                student_bias=student.bias,
+                divergence=hp.divergence,
+                beta=hp.beta,
+                temperature=hp.temperature,
+                hard_weight=hard_weight,
+                ignore_index=self.ignore_index,
+                reduction="sum",
+                student_softcap=student.softcap,
+                student_logit_scale=student.logit_scale,
+                logits_precision=hp.logits_precision,
+                accum_dtype=hp.accum_dtype,
+                chunk_size=hp.chunk_size,
+            )
+        assert self.teacher is not None  # a tensor of hidden states comes from the teacher model
+        teacher = head_operands(self.teacher)
+        teacher_hidden = teacher_side
         self.flce_last_teacher_logits_shape = (target.numel(), teacher.weight.shape[0])
         # the teacher head's GEMM dtype: the autocast dtype under mixed precision (the op's rule), else its own
         precision = getattr(self._trainer, "precision", None)
@@ -517,7 +619,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
 
     def _check_vocabularies(self, vocab_size: Optional[int]) -> None:
         student_rows = head_operands(self.student).weight.shape[0]
-        teacher_rows = head_operands(self.teacher).weight.shape[0]
+        teacher_rows = student_rows if self.teacher is None else head_operands(self.teacher).weight.shape[0]
         if student_rows != teacher_rows:
             raise ValueError(
                 f"the student's LM head has {student_rows} rows and the teacher's {teacher_rows}: distillation"

@@ -255,3 +255,5 @@ distill_lm = DistillationModule(
 assert_type(distill_lm, DistillationModule)
 assert_type(distill_lm.loss_weights, tuple[float, float])
 DistillationModule(student=tiny, teacher=tiny, divergence="kl")  # type: ignore[arg-type]
+offline_lm = DistillationModule(student=tiny, cached_teacher=True)  # batches carry the teacher's top k
+assert_type(offline_lm.teacher, Optional[nn.Module])
