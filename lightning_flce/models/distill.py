@@ -542,31 +542,29 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         vocab_size = student.weight.shape[0]
         self.flce_last_logits_shape = (target.numel(), vocab_size)
         self.flce_last_logits_bytes = target.numel() * vocab_size * 4
+        # the options both front ends of the op take: the student's head and the module's loss options
+        shared: dict[str, Any] = dict(
+            student_bias=student.bias,
+            divergence=hp.divergence,
+            beta=hp.beta,
+            temperature=hp.temperature,
+            hard_weight=hard_weight,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+            student_softcap=student.softcap,
+            student_logit_scale=student.logit_scale,
+            logits_precision=hp.logits_precision,
+            accum_dtype=hp.accum_dtype,
+            chunk_size=hp.chunk_size,
+        )
         if isinstance(teacher_side, TeacherTopK):  # no teacher head: no teacher logits to avoid
             self.flce_last_teacher_logits_shape = None
             self.flce_teacher_compute_dtype = None
             return _fused_distillation_from_top_k(
-                student_hidden,
-                student.weight,
-                teacher_side.indices,
-                teacher_side.logits,
-                target,
-                student_bias=student.bias,
-                divergence=hp.divergence,
-                beta=hp.beta,
-                temperature=hp.temperature,
-                hard_weight=hard_weight,
-                ignore_index=self.ignore_index,
-                reduction="sum",
-                student_softcap=student.softcap,
-                student_logit_scale=student.logit_scale,
-                logits_precision=hp.logits_precision,
-                accum_dtype=hp.accum_dtype,
-                chunk_size=hp.chunk_size,
+                student_hidden, student.weight, teacher_side.indices, teacher_side.logits, target, **shared
             )
         assert self.teacher is not None  # a tensor of hidden states comes from the teacher model
         teacher = head_operands(self.teacher)
-        teacher_hidden = teacher_side
         self.flce_last_teacher_logits_shape = (target.numel(), teacher.weight.shape[0])
         # the teacher head's GEMM dtype: the autocast dtype under mixed precision (the op's rule), else its own
         precision = getattr(self._trainer, "precision", None)
@@ -574,25 +572,14 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         return _fused_distillation(
             student_hidden,
             student.weight,
-            teacher_hidden,
+            teacher_side,
             teacher.weight,
             target,
-            student_bias=student.bias,
             teacher_bias=teacher.bias,
-            divergence=hp.divergence,
-            beta=hp.beta,
-            temperature=hp.temperature,
-            hard_weight=hard_weight,
             top_k=hp.top_k,
-            ignore_index=self.ignore_index,
-            reduction="sum",
-            student_softcap=student.softcap,
             teacher_softcap=teacher.softcap,
-            student_logit_scale=student.logit_scale,
             teacher_logit_scale=teacher.logit_scale,
-            logits_precision=hp.logits_precision,
-            accum_dtype=hp.accum_dtype,
-            chunk_size=hp.chunk_size,
+            **shared,
         )
 
     def _student_cross_entropy(self, hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
