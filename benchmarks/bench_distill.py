@@ -184,31 +184,31 @@ def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
     return build
 
 
-def _kernel_launch(block_v: int, num_warps: int, block_rows: Optional[int] = None) -> Callable[..., LossFn]:
-    """A builder of the default loss with the distillation kernel launched as ``block_v`` x ``num_warps`` (in
-    place of ``kernels.distill.default_distill_launch_config``) and, if given, ``engine.AUXILIARY_BLOCK_ROWS`` set
-    to ``block_rows``, during each call: launch configurations inside the op, against the default, in one run
+def _kernel_launch(max_block_v: int, block_rows: Optional[int] = None) -> Callable[..., LossFn]:
+    """A builder of the default loss with the distillation kernel's blocks capped at ``max_block_v`` columns (the
+    library's launch rule otherwise: a warp per 512 columns) and, if given, ``engine.AUXILIARY_BLOCK_ROWS`` set to
+    ``block_rows``, during each call: launch configurations inside the op, against the default, in one run
     (``experiments/bench_distill_kernel.py`` times the kernel alone on whole chunks)."""
 
     def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
+        from functools import partial
+
         from lightning_flce import engine
         from lightning_flce.kernels import distill as distill_kernel
-        from lightning_flce.kernels.cross_entropy import LaunchConfig
 
         loss_fn = _build_flce(device, divergence, beta, temperature)
-
-        def launch(vocab: int) -> LaunchConfig:
-            block = min(block_v, 1 << max(vocab - 1, 1).bit_length())
-            return LaunchConfig(block, max(4, min(num_warps, block // 512)))
+        default_launch = distill_kernel.default_distill_launch_config
+        launch = partial(default_launch, max_block_v=max_block_v)
 
         def fn(xs, ws, xt, wt, target):
-            defaults = distill_kernel.default_distill_launch_config, engine.AUXILIARY_BLOCK_ROWS
+            default_rows = engine.AUXILIARY_BLOCK_ROWS
             distill_kernel.default_distill_launch_config = launch
-            engine.AUXILIARY_BLOCK_ROWS = block_rows or defaults[1]
+            engine.AUXILIARY_BLOCK_ROWS = block_rows or default_rows
             try:
                 return loss_fn(xs, ws, xt, wt, target)
             finally:
-                distill_kernel.default_distill_launch_config, engine.AUXILIARY_BLOCK_ROWS = defaults
+                distill_kernel.default_distill_launch_config = default_launch
+                engine.AUXILIARY_BLOCK_ROWS = default_rows
 
         return fn
 
@@ -257,20 +257,19 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         _teacher_blocks(1 << 30),
         False,
     ),
-    # the distillation kernel's launch inside the op (block x warps; the teacher's block rows)
+    # the distillation kernel's launch inside the op (block columns x warps; the teacher's block rows)
     **{
-        f"flce_launch_{block}x{warps}" + (f"_block_{rows}" if rows else ""): (
-            f"flce with the distillation kernel launched as {block} columns x {warps} warps"
+        f"flce_launch_{label}" + (f"_block_{rows}" if rows else ""): (
+            f"flce with the distillation kernel launched as {label} (block columns x warps)"
             + (f", AUXILIARY_BLOCK_ROWS = {rows}" if rows else ""),
-            _kernel_launch(block, warps, rows),
+            _kernel_launch(block, rows),
             True,
         )
-        for block, warps, rows in (
-            (4096, 8, None),
-            (2048, 4, None),
-            (4096, 8, 512),
-            (2048, 4, 512),
-            (8192, 16, 512),
+        for label, block, rows in (
+            ("4096x8", 4096, None),
+            ("2048x4", 2048, None),
+            ("4096x8", 4096, 512),
+            ("2048x4", 2048, 512),
         )
     },
 }

@@ -367,3 +367,15 @@ def test_registered_in_the_triton_backend():
     kernels = BACKENDS["triton"].kernels()
     got = kernels.distill_chunk(student.clone(), teacher, None, compute_grad=False, **options)
     _check(got, reference_distill(student, teacher, target, **options), None)
+
+
+def test_default_launch_rule_and_its_block_cap():
+    """A warp per 512 columns (4 to 16) of blocks of at most 8192 columns; ``max_block_v`` caps the block and the
+    warps follow (the benchmark's and the CUDA tests' candidate launches are this rule with a smaller cap)."""
+    from lightning_flce.kernels.distill import default_distill_launch_config
+
+    assert tuple(default_distill_launch_config(300))[:2] == (512, 4)
+    assert tuple(default_distill_launch_config(128256))[:2] == (8192, 16)
+    assert tuple(default_distill_launch_config(128256, max_block_v=4096))[:2] == (4096, 8)
+    assert tuple(default_distill_launch_config(256000, max_block_v=2048))[:2] == (2048, 4)
+    assert tuple(default_distill_launch_config(1000, max_block_v=4096))[:2] == (1024, 4)

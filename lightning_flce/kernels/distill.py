@@ -48,10 +48,11 @@ _MAX_BLOCK_V = 8192
 _ELEMENTS_PER_WARP = 512
 
 
-def default_distill_launch_config(vocab: int) -> LaunchConfig:
-    """The launch of :func:`_distill_kernel` for rows of ``vocab`` logits
-    (``benchmarks/experiments/bench_distill_kernel.py`` sweeps the alternatives)."""
-    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
+def default_distill_launch_config(vocab: int, max_block_v: int = _MAX_BLOCK_V) -> LaunchConfig:
+    """The launch of :func:`_distill_kernel` for rows of ``vocab`` logits: blocks of at most ``max_block_v``
+    columns, a warp per 512 of them (``benchmarks/experiments/bench_distill_kernel.py`` sweeps the alternatives;
+    ``bench_distill.py``'s ``flce_launch_*`` rows measure smaller ``max_block_v`` inside the op)."""
+    block_v = min(max_block_v, triton.next_power_of_2(vocab))
     return LaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)))
 
 

@@ -179,10 +179,11 @@ class DistillationChunkLoss(ChunkLoss):
         token_scale = side["token_scale"]
         if self.teacher is None:  # a cached teacher's top k
             teacher_k = side[TEACHER_TOP_K_LOGITS]
+            padding = teacher_k == float("-inf")
             # a padding entry's index may be anything: column 0 in its place (its gradient is 0)
-            index = side[TEACHER_TOP_K_INDICES].masked_fill(teacher_k == float("-inf"), 0)
+            index = side[TEACHER_TOP_K_INDICES].masked_fill(padding, 0)
             return self._top_k_chunk(
-                logits, index, teacher_k, target, options, token_scale, compute_grad, grad_out, padding=True
+                logits, index, teacher_k, target, options, token_scale, compute_grad, grad_out, padding
             )
         teacher = side[self.teacher.name]
         if self.top_k is None:
@@ -213,11 +214,11 @@ class DistillationChunkLoss(ChunkLoss):
         token_scale: Tensor,
         compute_grad: bool,
         grad_out: Optional[Tensor],
-        padding: bool = False,
+        padding: Optional[Tensor] = None,
     ) -> Tuple[Optional[Tensor], ...]:
         """The divergence over the teacher's k columns ``index`` (its logits there ``teacher_k``; PyTorch, [C, k]),
         the cross-entropy term over the whole vocabulary by the backend's kernel (skipped for ``hard_weight`` 0).
-        ``padding``: entries whose teacher logit is -inf are left out of the student's distribution too."""
+        ``padding`` ([C, k] bool, a cached teacher's -inf entries): left out of the student's distribution too."""
         w = self.hard_weight
         # gathered before the kernel writes the gradient over the logits; in the softmax dtype, so the top-k
         # gradient is not rounded before it is added
@@ -230,7 +231,7 @@ class DistillationChunkLoss(ChunkLoss):
             hard_weight=0.0,
             token_scale=token_scale * (1.0 - w),
             compute_grad=compute_grad and w != 1.0,
-            student_excluded=teacher_k == float("-inf") if padding else None,
+            student_excluded=padding,
             **options,
         )
         ce_rows = None
