@@ -184,10 +184,13 @@ def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
     return build
 
 
-def _kernel_launch(max_block_v: int, block_rows: Optional[int] = None) -> Callable[..., LossFn]:
+def _kernel_launch(
+    max_block_v: int, block_rows: Optional[int] = None, programs_per_sm: Optional[int] = None
+) -> Callable[..., LossFn]:
     """A builder of the default loss with the distillation kernel's blocks capped at ``max_block_v`` columns (the
-    library's launch rule otherwise: a warp per 512 columns) and, if given, ``engine.AUXILIARY_BLOCK_ROWS`` set to
-    ``block_rows``, during each call: launch configurations inside the op, against the default, in one run
+    library's launch rule otherwise: a warp per 512 columns), and, if given, ``engine.AUXILIARY_BLOCK_ROWS`` set to
+    ``block_rows`` and ``kernels.distill.PROGRAMS_PER_SM`` to ``programs_per_sm`` (0: whole rows, one program
+    each), during each call: launch configurations inside the op, against the default, in one run
     (``experiments/bench_distill_kernel.py`` times the kernel alone on whole chunks)."""
 
     def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
@@ -202,17 +205,41 @@ def _kernel_launch(max_block_v: int, block_rows: Optional[int] = None) -> Callab
 
         def fn(xs, ws, xt, wt, target):
             default_rows = engine.AUXILIARY_BLOCK_ROWS
+            default_programs = distill_kernel.PROGRAMS_PER_SM
             distill_kernel.default_distill_launch_config = launch
             engine.AUXILIARY_BLOCK_ROWS = block_rows or default_rows
+            if programs_per_sm is not None:
+                distill_kernel.PROGRAMS_PER_SM = programs_per_sm
             try:
                 return loss_fn(xs, ws, xt, wt, target)
             finally:
                 distill_kernel.default_distill_launch_config = default_launch
                 engine.AUXILIARY_BLOCK_ROWS = default_rows
+                distill_kernel.PROGRAMS_PER_SM = default_programs
 
         return fn
 
     return build
+
+
+def _launch_name(block: int, programs_per_sm: Optional[int], rows: Optional[int]) -> str:
+    warps = max(4, min(16, block // 512))
+    name = f"flce_launch_{block}x{warps}"
+    if programs_per_sm == 0:
+        name += "_whole_rows"
+    elif programs_per_sm is not None:
+        name += f"_{programs_per_sm}_per_sm"
+    return name + (f"_block_{rows}" if rows else "")
+
+
+def _launch_call(block: int, programs_per_sm: Optional[int], rows: Optional[int]) -> str:
+    warps = max(4, min(16, block // 512))
+    call = f"flce with the distillation kernel launched as {block}x{warps} (block columns x warps)"
+    if programs_per_sm == 0:
+        call += ", one program per row (whole rows)"
+    elif programs_per_sm is not None:
+        call += f", rows split for {programs_per_sm} programs an SM"
+    return call + (f", AUXILIARY_BLOCK_ROWS = {rows}" if rows else "")
 
 
 # name -> (call, builder, needs CUDA)
@@ -257,19 +284,22 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         _teacher_blocks(1 << 30),
         False,
     ),
-    # the distillation kernel's launch inside the op (block columns x warps; the teacher's block rows)
+    # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
+    # whole rows; the teacher's block rows). 8192 x 16 whole rows: the default until the split launch.
     **{
-        f"flce_launch_{label}" + (f"_block_{rows}" if rows else ""): (
-            f"flce with the distillation kernel launched as {label} (block columns x warps)"
-            + (f", AUXILIARY_BLOCK_ROWS = {rows}" if rows else ""),
-            _kernel_launch(block, rows),
+        _launch_name(block, programs, rows): (
+            _launch_call(block, programs, rows),
+            _kernel_launch(block, rows, programs),
             True,
         )
-        for label, block, rows in (
-            ("4096x8", 4096, None),
-            ("2048x4", 2048, None),
-            ("4096x8", 4096, 512),
-            ("2048x4", 2048, 512),
+        for block, programs, rows in (
+            (8192, 0, None),
+            (4096, 0, None),
+            (8192, None, None),
+            (2048, None, None),
+            (4096, 4, None),
+            (4096, 16, None),
+            (4096, None, 512),
         )
     },
 }

@@ -6,7 +6,9 @@ imported):
 
     TRITON_INTERPRET=1 pytest -m interpret tests/test_distill_kernel.py
 
-Tiny shapes (at most 8 rows of 300 columns, blocks of 64: five per row, the last partial). Tolerances:
+Tiny shapes (at most 8 rows of 300 columns, blocks of 64: five per row, the last partial), in both launches:
+whole rows (one program per row) and rows split into slices of whole blocks (three slices of at most two
+blocks, the last partial; or five, one block each, so that row 0's first slice has no finite logit). Tolerances:
 the kernel computes in fp32 (unit roundoff 6e-8); a KL row comes out as a sum over the row plus a
 difference of the two LSEs (about |z| + log V, ~10 here), so a row's error is ~1e-6 absolute: 1e-5
 relative and absolute per row, and 1e-5 for the gradient's relative norm, as test_triton_interpret.py. A
@@ -27,7 +29,11 @@ pytestmark = pytest.mark.interpret
 ROWS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 FP32_GRAD_TOL = 1e-5
 VOCAB = 300
-BLOCKS_OF_64 = (64, 4)  # LaunchConfig(block_v, num_warps): five blocks per row of 300
+BLOCKS_OF_64 = (64, 4)  # DistillLaunchConfig(block_v, num_warps): five blocks per row of 300
+# the same blocks, each row in slices: (block_v, num_warps, num_stages, row_splits)
+THREE_SLICES = (64, 4, None, 3)
+FIVE_SLICES = (64, 4, None, 5)
+LAUNCHES = {"whole-rows": BLOCKS_OF_64, "3-slices": THREE_SLICES, "5-slices": FIVE_SLICES}
 
 
 def _transform(logits: torch.Tensor, softcap: float, inv_temperature: torch.Tensor) -> torch.Tensor:
@@ -132,10 +138,9 @@ def _problem(
 
 
 def _run(student, teacher, target, *, block=BLOCKS_OF_64, grad_out=None, compute_grad=True, **options):
-    from lightning_flce.kernels.cross_entropy import LaunchConfig
-    from lightning_flce.kernels.distill import distill_chunk
+    from lightning_flce.kernels.distill import DistillLaunchConfig, distill_chunk
 
-    config = None if block is None else LaunchConfig(*block)
+    config = None if block is None else DistillLaunchConfig(*block)
     return distill_chunk(
         student, teacher, target, compute_grad=compute_grad, grad_out=grad_out, config=config, **options
     )
@@ -176,6 +181,7 @@ DIVERGENCE_MASKS = {"forward_kl": "teacher", "reverse_kl": "student", "jsd": "bo
 CE_MODES = {"no-ce": (0.0, False), "ce-same-t": (0.4, False), "ce-own-t": (0.4, True)}
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared", "per-row"])
 @pytest.mark.parametrize(
     "divergence, ce_mode",
@@ -186,11 +192,11 @@ CE_MODES = {"no-ce": (0.0, False), "ce-same-t": (0.4, False), "ce-own-t": (0.4, 
         if divergence or ce_mode != "no-ce"
     ],
 )
-def test_divergences_against_float64(divergence, ce_mode, per_row):
+def test_divergences_against_float64(divergence, ce_mode, per_row, launch):
     """Every divergence (JSD at beta 0.3) with and without the hard-label CE (on the student's inverse
     temperature: the kernel reuses the student's LSE; on its own: a third online LSE), shared and per-row
     temperatures and token scales, over rows with -inf columns: padded columns, a whole first block of
-    them, and columns -inf on one side only where the divergence stays finite."""
+    them, and columns -inf on one side only where the divergence stays finite; whole rows and split ones."""
     hard_weight, own_ce = CE_MODES[ce_mode]
     if divergence is None:  # the CE alone (weighted or not)
         hard_weight = 1.0 if own_ce else hard_weight
@@ -200,15 +206,16 @@ def test_divergences_against_float64(divergence, ce_mode, per_row):
     options = {**_options(divergence, hard_weight), **per_row_inputs}
     want = reference_distill(student, teacher, target, **options)
     grad = student.clone()
-    got = _run(grad, teacher.clone(), target, **options)
+    got = _run(grad, teacher.clone(), target, block=LAUNCHES[launch], **options)
     _check(got, want, grad)
 
 
 @pytest.mark.parametrize(
     "caps", [(5.0, 0.0), (0.0, 4.0), (3.0, 30.0)], ids=["student-cap", "teacher-cap", "both-caps"]
 )
+@pytest.mark.parametrize("launch", ["whole-rows", "3-slices"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
-def test_softcaps(divergence, caps):
+def test_softcaps(divergence, caps, launch):
     """A softcap on either side or both (the student's enters the gradient as 1 - (softcap(r) / c)^2). A -inf
     logit is -c after a softcap: -inf columns only with both caps (one side's alone would make a KL
     infinite)."""
@@ -217,7 +224,7 @@ def test_softcaps(divergence, caps):
     options = {**_options(divergence, 0.4, *caps), **per_row_inputs}
     want = reference_distill(student, teacher, target, **options)
     grad = student.clone()
-    got = _run(grad, teacher, target, **options)
+    got = _run(grad, teacher, target, block=LAUNCHES[launch], **options)
     _check(got, want, grad)
 
 
@@ -231,8 +238,9 @@ def test_softcaps(divergence, caps):
     ],
     ids=["bf16", "fp16", "fp32-student-bf16-teacher", "bf16-student-fp32-teacher"],
 )
+@pytest.mark.parametrize("launch", ["whole-rows", "3-slices"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
-def test_dtypes(divergence, dtypes):
+def test_dtypes(divergence, dtypes, launch):
     """16-bit and mixed logits: the rows in fp32 from the logits as they are (the reference upcasts the same
     values), the gradient in the student's dtype (16-bit: held to its rounding)."""
     student_dtype, teacher_dtype = dtypes
@@ -241,7 +249,7 @@ def test_dtypes(divergence, dtypes):
     options = {**_options(divergence, 0.4), **per_row_inputs}
     want = reference_distill(student, teacher, target, **options)
     grad = student.clone()
-    got = _run(grad, teacher, target, **options)
+    got = _run(grad, teacher, target, block=LAUNCHES[launch], **options)
     _check(got, want, grad)
 
 
@@ -268,7 +276,28 @@ def test_gradient_in_logits_rows(divergence, grad_dtype, block):
     _check(got_rows, reference_distill(student, teacher, target, **options), grad)
 
 
-def test_strided_rows_and_separate_grad_out():
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_gradient_in_logits_rows_keeps_whole_rows(divergence):
+    """A split launch asked for with the 16-bit gradient in the fp32 rows runs whole rows (a slice's values land
+    past it, in the slice after): bit for bit the whole-row launch's rows and gradient."""
+    from lightning_flce.kernels import gradient_in_logits_rows
+
+    student, teacher, target, per_row_inputs = _problem(19, masked="both", per_row=True, own_ce=True)
+    options = {**_options(divergence, 0.4), **per_row_inputs}
+    results = []
+    for launch in (BLOCKS_OF_64, THREE_SLICES):
+        in_rows = student.clone()
+        grad = gradient_in_logits_rows(in_rows, torch.bfloat16)
+        results.append((_run(in_rows, teacher, target, grad_out=grad, block=launch, **options), grad.clone()))
+    (whole_rows, whole_grad), (split, split_grad) = results
+    for got, want in zip(split, whole_rows):
+        assert torch.equal(got, want)
+    assert torch.equal(split_grad, whole_grad)
+    _check(split, reference_distill(student, teacher, target, **options), split_grad)
+
+
+@pytest.mark.parametrize("launch", ["whole-rows", "3-slices"])
+def test_strided_rows_and_separate_grad_out(launch):
     """Student and teacher rows of different strides (slices of wider buffers), the gradient into a separate
     fp32 buffer of a third stride: the logits unchanged, the rest of the wide buffers untouched."""
     student, teacher, target, per_row_inputs = _problem(14, n_rows=6, masked="both", per_row=True)
@@ -285,6 +314,7 @@ def test_strided_rows_and_separate_grad_out():
         wide_teacher[:, 17 : 17 + VOCAB],
         target,
         grad_out=wide_grad[:, 7:],
+        block=LAUNCHES[launch],
         **options,
     )
     assert torch.equal(wide_student, before[0]) and torch.equal(wide_teacher, before[1])
@@ -292,27 +322,36 @@ def test_strided_rows_and_separate_grad_out():
     _check(got, reference_distill(student, teacher, target, **options), wide_grad[:, 7:])
 
 
+@pytest.mark.parametrize("launch", ["whole-rows", "3-slices"])
 @pytest.mark.parametrize("own_ce", [False, True], ids=["ce-same-t", "ce-own-t"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
-def test_hard_weight_one(divergence, own_ce):
+def test_hard_weight_one(divergence, own_ce, launch):
     """hard_weight 1: the divergence rows still reported, the loss and the gradient the CE's alone."""
     student, teacher, target, per_row_inputs = _problem(18, masked="both", per_row=True, own_ce=own_ce)
     options = {**_options(divergence, 1.0), **per_row_inputs}
     want = reference_distill(student, teacher, target, **options)
     assert want[1].abs().min() > 1e-3  # a divergence that the loss visibly leaves out
     grad = student.clone()
-    _check(_run(grad, teacher, target, **options), want, grad)
+    _check(_run(grad, teacher, target, block=LAUNCHES[launch], **options), want, grad)
 
 
+@pytest.mark.parametrize("launch", ["whole-rows", "3-slices"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd", None])
-def test_without_gradient(divergence):
+def test_without_gradient(divergence, launch):
     """compute_grad=False: the same rows, the logits untouched; target None without the CE."""
     student, teacher, target, per_row_inputs = _problem(15, masked="both")
     hard_weight = 1.0 if divergence is None else 0.0
     options = {**_options(divergence, hard_weight), **per_row_inputs}
     want = reference_distill(student, teacher, target, **options)
     logits = student.clone()
-    got = _run(logits, teacher, target if hard_weight else None, compute_grad=False, **options)
+    got = _run(
+        logits,
+        teacher,
+        target if hard_weight else None,
+        compute_grad=False,
+        block=LAUNCHES[launch],
+        **options,
+    )
     assert torch.equal(logits, student)
     _check(got, want, None)
 
@@ -370,12 +409,18 @@ def test_registered_in_the_triton_backend():
 
 
 def test_default_launch_rule_and_its_block_cap():
-    """A warp per 512 columns (4 to 16) of blocks of at most 8192 columns; ``max_block_v`` caps the block and the
-    warps follow (the benchmark's and the CUDA tests' candidate launches are this rule with a smaller cap)."""
+    """A warp per 512 columns (4 to 16) of blocks of at most 4096 columns; ``max_block_v`` caps the block and the
+    warps follow (the benchmark's and the CUDA tests' candidate launches are this rule with another cap). Rows
+    split into slices of whole blocks until ``rows`` make ``programs`` programs; none asked for: whole rows."""
     from lightning_flce.kernels.distill import default_distill_launch_config
 
-    assert tuple(default_distill_launch_config(300))[:2] == (512, 4)
-    assert tuple(default_distill_launch_config(128256))[:2] == (8192, 16)
-    assert tuple(default_distill_launch_config(128256, max_block_v=4096))[:2] == (4096, 8)
+    assert tuple(default_distill_launch_config(300)) == (512, 4, None, 1)
+    assert tuple(default_distill_launch_config(128256)) == (4096, 8, None, 1)
+    assert tuple(default_distill_launch_config(128256, max_block_v=8192))[:2] == (8192, 16)
     assert tuple(default_distill_launch_config(256000, max_block_v=2048))[:2] == (2048, 4)
     assert tuple(default_distill_launch_config(1000, max_block_v=4096))[:2] == (1024, 4)
+    # 256 rows on 132 SMs at 8 programs an SM: 1056 programs, five slices (of the 32 blocks of 4096)
+    assert default_distill_launch_config(128256, rows=256, programs=1056).row_splits == 5
+    assert default_distill_launch_config(128256, rows=2048, programs=1056).row_splits == 1
+    # no more slices than blocks
+    assert default_distill_launch_config(5000, rows=4, programs=1056).row_splits == 2

@@ -32,12 +32,22 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from lightning_flce.kernels.distill import DIVERGENCES, _distill_kernel  # noqa: E402
+from lightning_flce.kernels import distill  # noqa: E402
+from lightning_flce.kernels.distill import DIVERGENCES  # noqa: E402
+
+# The whole-row kernel and the split launch's three steps (one signature).
+KERNELS = {
+    "whole": distill._distill_kernel,
+    "statistics": distill._distill_statistics_kernel,
+    "mixture": distill._distill_mixture_kernel,
+    "finish": distill._distill_finish_kernel,
+}
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 VOCAB = 128256
 POINTERS = ("student_ptr", "teacher_ptr", "grad_ptr", "target_ptr", "student_inv_t_ptr", "teacher_inv_t_ptr")
 POINTERS += ("ce_inv_t_ptr", "token_scale_ptr", "loss_ptr", "divergence_ptr", "ce_ptr")
+POINTERS += ("statistics_ptr", "mixture_ptr", "target_logit_ptr")
 ALIGNED = POINTERS + ("student_row_stride", "teacher_row_stride", "grad_row_stride")
 
 
@@ -45,7 +55,7 @@ def signature(student, teacher, grad):
     types = {"student_ptr": f"*{student}", "teacher_ptr": f"*{teacher}", "grad_ptr": f"*{grad}"}
     types.update({"target_ptr": "*i64", "loss_ptr": "*fp32", "divergence_ptr": "*fp32", "ce_ptr": "*fp32"})
     types.update({name: "*fp32" for name in POINTERS if name not in types})
-    names = _distill_kernel.arg_names
+    names = distill._distill_kernel.arg_names
     ints = {"student_row_stride", "teacher_row_stride", "grad_row_stride"}
     floats = {"beta", "hard_weight", "student_softcap", "teacher_softcap"}
     out = {}
@@ -63,8 +73,11 @@ def signature(student, teacher, grad):
     return out
 
 
-def compile_variant(divergence, has_ce, caps=(False, False), logits="bf16", block_v=8192, num_warps=16):
-    """The cubin of one specialization (fp32 logits: a bf16 teacher and the bf16 gradient in the rows)."""
+def compile_variant(
+    divergence, has_ce, caps=(False, False), logits="bf16", block_v=4096, num_warps=8, kernel="whole", splits=1
+):
+    """The cubin of one specialization (fp32 logits: a bf16 teacher and the bf16 gradient in the rows; a split
+    ``kernel`` with ``splits`` slices a row)."""
     fp32 = logits == "fp32"
     sig = signature("fp32" if fp32 else "bf16", "bf16", "bf16")
     constants = {
@@ -79,11 +92,13 @@ def compile_variant(divergence, has_ce, caps=(False, False), logits="bf16", bloc
         "PRECISE_GRAD": False,
         "GRAD_IN_ROW": fp32,
         "BLOCK_V": block_v,
-        "LAST_BLOCK_START": (VOCAB - 1) // block_v * block_v,
+        "SLICE_V": triton.cdiv(triton.cdiv(VOCAB, splits), block_v) * block_v,
+        "SPLITS": splits,
+        "SPLITS_POW2": max(2, triton.next_power_of_2(splits)),
     }
     names = list(sig)
     source = ASTSource(
-        fn=_distill_kernel,
+        fn=KERNELS[kernel],
         signature=sig,
         constexprs={(names.index(name),): value for name, value in constants.items()},
         attrs={(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED},
@@ -124,8 +139,14 @@ VARIANTS = [
     {"divergence": "jsd", "has_ce": False, "caps": (True, True)},
     {"divergence": "forward_kl", "has_ce": False, "logits": "fp32"},
     {"divergence": "jsd", "has_ce": True, "logits": "fp32"},
-    {"divergence": "jsd", "has_ce": False, "block_v": 4096, "num_warps": 8},
+    {"divergence": "jsd", "has_ce": False, "block_v": 8192, "num_warps": 16},
     {"divergence": "jsd", "has_ce": False, "block_v": 16384, "num_warps": 16},
+    *(
+        {"divergence": divergence, "has_ce": has_ce, "kernel": kernel, "splits": 5}
+        for kernel in ("statistics", "mixture", "finish")
+        for divergence, has_ce in (("forward_kl", False), ("jsd", False), ("jsd", True))
+        if kernel != "mixture" or divergence == "jsd"
+    ),
 ]
 
 

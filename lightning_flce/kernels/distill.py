@@ -11,7 +11,7 @@ Per row, with each side's transform ``z = inv_t * softcap(r)`` (``softcap(r) = c
     loss        token_scale ((1 - w) divergence + w ce)
     d/dr_s      token_scale ((1 - w) d/dz_s inv_t_s + w d/dz_c ce_inv_t) (1 - (softcap(r_s) / c)^2)
 
-One program per row (the chunk holds only rows that carry a loss), up to three passes over it:
+Up to three passes over a row (the chunk holds only rows that carry a loss):
 
 1. both rows once: the online log-sum-exp of z_s and z_t (and of z_c where its inverse temperature differs
    from the student's: a runtime branch per row, so a CE on the student's own scale reuses z_s's), and for
@@ -22,6 +22,14 @@ One program per row (the chunk holds only rows that carry a loss), up to three p
    :func:`~lightning_flce.kernels.gradient_in_logits_rows`: then last block first, a barrier per block, as the
    cross-entropy kernel does). The teacher row is read once per pass; the teacher gets no gradient.
 
+Two launches run them (:class:`DistillLaunchConfig`'s ``row_splits``): the whole-row kernel, one program per row
+through every pass; and the split launch, where each row's columns are cut into ``row_splits`` slices, one
+program each, and the passes become kernels (pass 1 into per-slice statistics; JSD's pass 2 and the gradient
+pass merge them first, as the online LSE merges blocks). The teacher's blocks of a chunk are 256 rows
+(:data:`~lightning_flce.engine.AUXILIARY_BLOCK_ROWS`): one program per row would leave most of a GPU's SMs
+idle, so the default splits rows until a launch has :data:`PROGRAMS_PER_SM` programs per SM. The 16-bit gradient
+in fp32 rows lands past its own slice, so it keeps the whole-row kernel.
+
 Masked or padded columns (-inf logits) have p = 0 or q = 0: every product with a log-probability is taken
 under ``where(prob > 0)``, never as 0 * -inf. A column where the divergence's weight is positive and the other
 side's probability is 0 gives an infinite KL, as the float64 definition does.
@@ -29,7 +37,8 @@ side's probability is 0 gives an infinite KL, as the float64 definition does.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import functools
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
@@ -43,17 +52,54 @@ from lightning_flce.kernels.triton_math import exp, load_transformed, log, onlin
 DIVERGENCES = {None: 0, "forward_kl": 1, "reverse_kl": 2, "jsd": 3}
 
 # Two rows (student and teacher) are live per block, so half the cross-entropy kernel's widest block; 512
-# elements per warp (16 per thread at 8192 on 16 warps) keeps the block's values in registers.
-_MAX_BLOCK_V = 8192
+# elements per warp (16 per thread at 4096 on 8 warps) keeps the block's values in registers (64 of them: four
+# programs an SM). On 2048-row chunks of an H100 4096 x 8 ran 12-25% faster than 8192 x 16
+# (``benchmarks/results/*_distill_kernel_sweep_1505288``).
+_MAX_BLOCK_V = 4096
 _ELEMENTS_PER_WARP = 512
 
+#: The split launch's aim: this many programs per SM in one launch (two waves of four resident 8-warp programs).
+PROGRAMS_PER_SM = 8
 
-def default_distill_launch_config(vocab: int, max_block_v: int = _MAX_BLOCK_V) -> LaunchConfig:
-    """The launch of :func:`_distill_kernel` for rows of ``vocab`` logits: blocks of at most ``max_block_v``
-    columns, a warp per 512 of them (``benchmarks/experiments/bench_distill_kernel.py`` sweeps the alternatives;
-    ``bench_distill.py``'s ``flce_launch_*`` rows measure smaller ``max_block_v`` inside the op)."""
+
+class DistillLaunchConfig(NamedTuple):
+    """Launch parameters of the distillation kernels: the cross-entropy kernel's
+    (:class:`~lightning_flce.kernels.cross_entropy.LaunchConfig`) and the programs per row."""
+
+    block_v: int
+    num_warps: int
+    num_stages: Optional[int] = None  # None: Triton's default
+    row_splits: int = 1  # 1: the whole-row kernel; more: the split launch (at most one slice per block)
+
+
+def default_distill_launch_config(
+    vocab: int, max_block_v: int = _MAX_BLOCK_V, *, rows: int = 0, programs: int = 0
+) -> DistillLaunchConfig:
+    """The launch for ``rows`` rows of ``vocab`` logits: blocks of at most ``max_block_v`` columns, a warp per 512
+    of them, and each row split into as many slices (of whole blocks) as it takes for ``rows`` to make
+    ``programs`` programs (``distill_chunk`` asks for :data:`PROGRAMS_PER_SM` per SM on a GPU; 0: whole rows).
+    ``benchmarks/experiments/bench_distill_kernel.py`` sweeps the alternatives alone, ``bench_distill.py``'s
+    ``flce_launch_*`` rows inside the op."""
     block_v = min(max_block_v, triton.next_power_of_2(vocab))
-    return LaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)))
+    splits = 1
+    if rows and programs > rows:
+        splits = min(triton.cdiv(programs, rows), triton.cdiv(vocab, block_v))
+    return DistillLaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)), None, splits)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def target_programs(device: torch.device) -> int:
+    """:data:`PROGRAMS_PER_SM` times the device's SM count (0 off CUDA: the interpreter runs whole rows unless
+    a config says otherwise)."""
+    if device.type != "cuda" or PROGRAMS_PER_SM <= 0:
+        return 0
+    return PROGRAMS_PER_SM * _sm_count(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 @triton.jit
@@ -68,67 +114,69 @@ def _mixture_log(p, q, beta, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _distill_kernel(
-    student_ptr,  # [C, V] student logits r_s (compute dtype, or fp32 wide logits)
-    student_row_stride,
-    teacher_ptr,  # [C, V] teacher logits r_t (any float dtype), read only
-    teacher_row_stride,
-    grad_ptr,  # [C, V] out: d/dr_s (student_ptr itself, another buffer, or GRAD_IN_ROW's 16-bit view)
-    grad_row_stride,
-    target_ptr,  # [C] int64 in [0, V) (read only with HAS_CE)
-    student_inv_t_ptr,  # fp32 [1] or [C]
-    teacher_inv_t_ptr,  # fp32 [1] or [C]
-    ce_inv_t_ptr,  # fp32 [1] or [C]
-    token_scale_ptr,  # fp32 [1] or [C]
-    student_inv_t_stride,  # 0 for a shared value, 1 per row (each of the four)
+def _row_parameters(
+    row,
+    target_ptr,
+    student_inv_t_ptr,
+    teacher_inv_t_ptr,
+    ce_inv_t_ptr,
+    token_scale_ptr,
+    student_inv_t_stride,
     teacher_inv_t_stride,
     ce_inv_t_stride,
     token_scale_stride,
-    loss_ptr,  # [C] fp32 out: token_scale ((1 - w) divergence + w ce)
-    divergence_ptr,  # [C] fp32 out: the divergence (0 without one)
-    ce_ptr,  # [C] fp32 out (only with HAS_CE)
-    beta,  # JSD's teacher weight in M
-    hard_weight,  # w
-    student_softcap,
-    teacher_softcap,
-    V: tl.constexpr,
-    DIVERGENCE: tl.constexpr,  # DIVERGENCES' value
-    DIVERGENCE_GRAD: tl.constexpr,  # the divergence's gradient term (a divergence and w < 1)
-    HAS_CE: tl.constexpr,  # w > 0
-    STUDENT_SOFTCAP: tl.constexpr,
-    TEACHER_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
-    PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
-    GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
-    BLOCK_V: tl.constexpr,
-    LAST_BLOCK_START: tl.constexpr,  # (V - 1) // BLOCK_V * BLOCK_V
+    DIVERGENCE: tl.constexpr,
+    HAS_CE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    student_row = student_ptr + row * student_row_stride
-    teacher_row = teacher_ptr + row * teacher_row_stride
-    offsets = tl.arange(0, BLOCK_V)
+    """A row's scalars: ``(inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse)``; without HAS_CE the
+    last three are placeholders (``ce_inv_t = inv_t_s``, target 0, False)."""
     inv_t_s = tl.load(student_inv_t_ptr + row * student_inv_t_stride)
     inv_t_t = tl.load(teacher_inv_t_ptr + row * teacher_inv_t_stride)
     token_scale = tl.load(token_scale_ptr + row * token_scale_stride)
+    ce_inv_t = inv_t_s
+    target = row * 0
     if HAS_CE:
         ce_inv_t = tl.load(ce_inv_t_ptr + row * ce_inv_t_stride)
         target = tl.load(target_ptr + row)
         if DIVERGENCE == 0:
             inv_t_s = ce_inv_t  # the student's statistics are then the CE's own
-        own_ce_lse = ce_inv_t != inv_t_s  # z_c is not z_s: the CE needs its own log-sum-exp
+    own_ce_lse = ce_inv_t != inv_t_s  # z_c is not z_s: the CE needs its own log-sum-exp
+    return inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse
 
-    # Pass 1: the online log-sum-exps and the KLs' sums.
-    m_s = float("-inf")
-    d_s = 0.0
-    m_t = float("-inf")
-    d_t = 0.0
-    m_c = float("-inf")
-    d_c = 0.0
-    kl_sum = 0.0
-    for start in range(0, V, BLOCK_V):
+
+@triton.jit
+def _statistics_pass(
+    student_row,
+    teacher_row,
+    begin,
+    end,
+    inv_t_s,
+    inv_t_t,
+    ce_inv_t,
+    own_ce_lse,
+    student_softcap,
+    teacher_softcap,
+    DIVERGENCE: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Pass 1 over columns [begin, end) of both rows: the online log-sum-exps ``(m, d)`` of z_s, z_t and z_c (the
+    CE's, where ``own_ce_lse``) and the KLs' sum (``sum exp(z_t - m_t) (z_t - z_s)`` forward, ``sum exp(z_s -
+    m_s) (z_s - z_t)`` reverse, relative to the returned maximum as ``d`` is)."""
+    offsets = tl.arange(0, BLOCK_V)
+    m_s = tl.full((), float("-inf"), tl.float32)
+    d_s = tl.zeros((), tl.float32)
+    m_t = tl.full((), float("-inf"), tl.float32)
+    d_t = tl.zeros((), tl.float32)
+    m_c = tl.full((), float("-inf"), tl.float32)
+    d_c = tl.zeros((), tl.float32)
+    kl_sum = tl.zeros((), tl.float32)
+    for start in range(begin, end, BLOCK_V):
         cols = start + offsets
-        mask = cols < V
+        mask = cols < end
         z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
         if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
             if own_ce_lse:
@@ -149,102 +197,711 @@ def _distill_kernel(
         elif DIVERGENCE == 2:
             kl_sum = kl_sum * rescale_s + tl.sum(tl.where(e_s > 0.0, e_s * (z_s - z_t), 0.0), 0)
         m_s = m_s_new
-    lse_s = m_s + log(d_s, PRECISE)
-    if DIVERGENCE != 0:
-        lse_t = m_t + log(d_t, PRECISE)
+    return m_s, d_s, m_t, d_t, m_c, d_c, kl_sum
 
-    divergence = 0.0
+
+@triton.jit
+def _mixture_pass(
+    student_row,
+    teacher_row,
+    begin,
+    end,
+    lse_s,
+    lse_t,
+    inv_t_s,
+    inv_t_t,
+    beta,
+    student_softcap,
+    teacher_softcap,
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
+    PRECISE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """JSD's pass 2 over columns [begin, end), last block first (the blocks pass 1 read last are the likeliest
+    still in L2): ``(sum q (log q - log M), sum p (log p - log M))``; ``log M`` needs both final LSEs."""
+    offsets = tl.arange(0, BLOCK_V)
+    last_start = begin + (end - 1 - begin) // BLOCK_V * BLOCK_V
+    kl_q_m = tl.zeros((), tl.float32)
+    kl_p_m = tl.zeros((), tl.float32)
+    for done in range(0, end - begin, BLOCK_V):
+        cols = last_start - done + offsets
+        mask = cols < end
+        z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
+        z_t, capped_t = load_transformed(teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP)
+        log_p = z_s - lse_s
+        log_q = z_t - lse_t
+        p = exp(log_p, PRECISE)
+        q = exp(log_q, PRECISE)
+        log_m, m_positive = _mixture_log(p, q, beta, PRECISE)
+        kl_q_m += tl.sum(tl.where((q > 0.0) & m_positive, q * (log_q - log_m), 0.0), 0)
+        kl_p_m += tl.sum(tl.where((p > 0.0) & m_positive, p * (log_p - log_m), 0.0), 0)
+    return kl_q_m, kl_p_m
+
+
+@triton.jit
+def _row_loss(
+    lse_s,
+    lse_t,
+    d_s,
+    d_t,
+    m_c,
+    d_c,
+    kl_sum,
+    kl_q_m,
+    kl_p_m,
+    own_ce_lse,
+    z_target,
+    token_scale,
+    beta,
+    hard_weight,
+    DIVERGENCE: tl.constexpr,
+    DIVERGENCE_GRAD: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """A row's ``(loss, divergence, ce, lse_c)`` from its statistics (``ce`` 0 without HAS_CE; ``lse_c`` the
+    CE's log-sum-exp, z_s's where the CE shares the student's scale)."""
+    divergence = tl.zeros((), tl.float32)
     if DIVERGENCE == 1:
         divergence = kl_sum / d_t + (lse_s - lse_t)
     elif DIVERGENCE == 2:
         divergence = kl_sum / d_s + (lse_t - lse_s)
     elif DIVERGENCE == 3:
-        # Pass 2 (last block first: the blocks pass 1 read last are the likeliest still in L2).
-        kl_q_m = 0.0
-        kl_p_m = 0.0
-        for done in range(0, V, BLOCK_V):
-            cols = LAST_BLOCK_START - done + offsets
-            mask = cols < V
-            z_s, capped_s = load_transformed(
-                student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP
-            )
-            z_t, capped_t = load_transformed(
-                teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
-            )
-            log_p = z_s - lse_s
-            log_q = z_t - lse_t
-            p = exp(log_p, PRECISE)
-            q = exp(log_q, PRECISE)
-            log_m, m_positive = _mixture_log(p, q, beta, PRECISE)
-            kl_q_m += tl.sum(tl.where((q > 0.0) & m_positive, q * (log_q - log_m), 0.0), 0)
-            kl_p_m += tl.sum(tl.where((p > 0.0) & m_positive, p * (log_p - log_m), 0.0), 0)
         divergence = beta * kl_q_m + (1.0 - beta) * kl_p_m
-
-    loss = 0.0
+    loss = tl.zeros((), tl.float32)
     if DIVERGENCE_GRAD:
         loss = (1.0 - hard_weight) * divergence
     lse_c = lse_s
+    ce = tl.zeros((), tl.float32)
     if HAS_CE:
         if own_ce_lse:
             lse_c = m_c + log(d_c, PRECISE)
-        z_target, capped_target = load_transformed(
-            student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
-        )
         ce = lse_c - z_target
         loss += hard_weight * ce
-        tl.store(ce_ptr + row, ce)
-    tl.store(loss_ptr + row, token_scale * loss)
-    tl.store(divergence_ptr + row, divergence)
+    return token_scale * loss, divergence, ce, lse_c
 
+
+@triton.jit
+def _gradient_pass(
+    student_row,
+    teacher_row,
+    grad_row,
+    begin,
+    end,
+    lse_s,
+    lse_t,
+    lse_c,
+    divergence,
+    kl_p_m,
+    target,
+    inv_t_s,
+    inv_t_t,
+    ce_inv_t,
+    token_scale,
+    beta,
+    hard_weight,
+    student_softcap,
+    teacher_softcap,
+    DIVERGENCE: tl.constexpr,
+    DIVERGENCE_GRAD: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
+    PRECISE_GRAD: tl.constexpr,
+    GRAD_IN_ROW: tl.constexpr,
+    LAST_BLOCK_FIRST: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """d/dr_s over columns [begin, end), written to ``grad_row`` (in place over the student row, another buffer,
+    or GRAD_IN_ROW's 16-bit view of the fp32 row's second half: then LAST_BLOCK_FIRST, a barrier per block)."""
+    offsets = tl.arange(0, BLOCK_V)
+    last_start = begin + (end - 1 - begin) // BLOCK_V * BLOCK_V
+    divergence_coef = token_scale * (1.0 - hard_weight) * inv_t_s  # d/dz_s -> d/dr_s, weighted
+    shift = tl.zeros((), tl.float32)
+    if DIVERGENCE == 3:
+        shift = -kl_p_m  # d/dz_s = (1 - beta) p (log p - log M - KL(p || M))
+        divergence_coef = divergence_coef * (1.0 - beta)
+    elif DIVERGENCE == 2:
+        shift = lse_t - lse_s - divergence  # log p - log q - KL = z_s - z_t + this
+    for done in range(0, end - begin, BLOCK_V):
+        start = begin + done
+        if LAST_BLOCK_FIRST:
+            start = last_start - done
+        cols = start + offsets
+        mask = cols < end
+        z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
+        grad = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if DIVERGENCE_GRAD:
+            log_p = z_s - lse_s
+            p = exp(log_p, PRECISE_GRAD)
+            z_t, capped_t = load_transformed(
+                teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
+            )
+            if DIVERGENCE == 1:
+                grad_z = p - exp(z_t - lse_t, PRECISE_GRAD)
+            elif DIVERGENCE == 2:
+                grad_z = tl.where(p > 0.0, p * (z_s - z_t + shift), 0.0)
+            else:
+                log_q = z_t - lse_t
+                log_m, m_positive = _mixture_log(p, exp(log_q, PRECISE_GRAD), beta, PRECISE_GRAD)
+                grad_z = tl.where((p > 0.0) & m_positive, p * (log_p - log_m + shift), 0.0)
+            grad = divergence_coef * grad_z
+        if HAS_CE:
+            p_c = exp(capped_s * ce_inv_t - lse_c, PRECISE_GRAD)
+            grad += token_scale * hard_weight * ce_inv_t * tl.where(cols == target, p_c - 1.0, p_c)
+        grad = transform_backward(
+            grad, capped_s, mask, student_softcap, 1.0, STUDENT_SOFTCAP, HAS_TEMPERATURE=False
+        )
+        if GRAD_IN_ROW:
+            # This block's 16-bit values land in fp32 columns [(V + cols) / 2], at or past the block's
+            # start: read by now, once every warp has loaded its part of it.
+            tl.debug_barrier()
+        tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=mask)
+
+
+# The kernels' one signature (each reads the arguments it needs): the row-split kernels share the whole-row
+# kernel's arguments plus the scratch of the statistics they pass on.
+@triton.jit
+def _distill_kernel(
+    student_ptr,  # [C, V] student logits r_s (compute dtype, or fp32 wide logits)
+    student_row_stride,
+    teacher_ptr,  # [C, V] teacher logits r_t (any float dtype), read only
+    teacher_row_stride,
+    grad_ptr,  # [C, V] out: d/dr_s (student_ptr itself, another buffer, or GRAD_IN_ROW's 16-bit view)
+    grad_row_stride,
+    target_ptr,  # [C] int64 in [0, V) (read only with HAS_CE)
+    student_inv_t_ptr,  # fp32 [1] or [C]
+    teacher_inv_t_ptr,  # fp32 [1] or [C]
+    ce_inv_t_ptr,  # fp32 [1] or [C]
+    token_scale_ptr,  # fp32 [1] or [C]
+    student_inv_t_stride,  # 0 for a shared value, 1 per row (each of the four)
+    teacher_inv_t_stride,
+    ce_inv_t_stride,
+    token_scale_stride,
+    loss_ptr,  # [C] fp32 out: token_scale ((1 - w) divergence + w ce)
+    divergence_ptr,  # [C] fp32 out: the divergence (0 without one)
+    ce_ptr,  # [C] fp32 out (only with HAS_CE)
+    statistics_ptr,  # [C, SPLITS, STATISTICS] fp32 scratch: each slice's pass-1 results (split launch)
+    mixture_ptr,  # [C, SPLITS, 2] fp32 scratch: each slice's JSD sums (split launch, "jsd")
+    target_logit_ptr,  # [C] fp32 scratch: z_c at the target (split launch, HAS_CE)
+    beta,  # JSD's teacher weight in M
+    hard_weight,  # w
+    student_softcap,
+    teacher_softcap,
+    V: tl.constexpr,
+    DIVERGENCE: tl.constexpr,  # DIVERGENCES' value
+    DIVERGENCE_GRAD: tl.constexpr,  # the divergence's gradient term (a divergence and w < 1)
+    HAS_CE: tl.constexpr,  # w > 0
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
+    PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
+    GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
+    BLOCK_V: tl.constexpr,
+    SLICE_V: tl.constexpr,  # columns per program (a multiple of BLOCK_V; V in this whole-row kernel)
+    SPLITS: tl.constexpr,  # programs per row (1 here)
+    SPLITS_POW2: tl.constexpr,
+):
+    """The whole-row launch: one program per row runs every pass."""
+    row = tl.program_id(0).to(tl.int64)
+    student_row = student_ptr + row * student_row_stride
+    teacher_row = teacher_ptr + row * teacher_row_stride
+    inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
+        row,
+        target_ptr,
+        student_inv_t_ptr,
+        teacher_inv_t_ptr,
+        ce_inv_t_ptr,
+        token_scale_ptr,
+        student_inv_t_stride,
+        teacher_inv_t_stride,
+        ce_inv_t_stride,
+        token_scale_stride,
+        DIVERGENCE,
+        HAS_CE,
+    )
+    m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _statistics_pass(
+        student_row,
+        teacher_row,
+        0,
+        V,
+        inv_t_s,
+        inv_t_t,
+        ce_inv_t,
+        own_ce_lse,
+        student_softcap,
+        teacher_softcap,
+        DIVERGENCE,
+        HAS_CE,
+        STUDENT_SOFTCAP,
+        TEACHER_SOFTCAP,
+        PRECISE,
+        BLOCK_V,
+    )
+    lse_s = m_s + log(d_s, PRECISE)
+    lse_t = lse_s
+    if DIVERGENCE != 0:
+        lse_t = m_t + log(d_t, PRECISE)
+    kl_q_m = tl.zeros((), tl.float32)
+    kl_p_m = tl.zeros((), tl.float32)
+    if DIVERGENCE == 3:
+        kl_q_m, kl_p_m = _mixture_pass(
+            student_row,
+            teacher_row,
+            0,
+            V,
+            lse_s,
+            lse_t,
+            inv_t_s,
+            inv_t_t,
+            beta,
+            student_softcap,
+            teacher_softcap,
+            STUDENT_SOFTCAP,
+            TEACHER_SOFTCAP,
+            PRECISE,
+            BLOCK_V,
+        )
+    z_target = tl.zeros((), tl.float32)
+    if HAS_CE:
+        z_target, _ = load_transformed(student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP)
+    loss, divergence, ce, lse_c = _row_loss(
+        lse_s,
+        lse_t,
+        d_s,
+        d_t,
+        m_c,
+        d_c,
+        kl_sum,
+        kl_q_m,
+        kl_p_m,
+        own_ce_lse,
+        z_target,
+        token_scale,
+        beta,
+        hard_weight,
+        DIVERGENCE,
+        DIVERGENCE_GRAD,
+        HAS_CE,
+        PRECISE,
+    )
+    tl.store(loss_ptr + row, loss)
+    tl.store(divergence_ptr + row, divergence)
+    if HAS_CE:
+        tl.store(ce_ptr + row, ce)
     if COMPUTE_GRAD:
         # Every warp has read the row (the target's logit too) before any warp overwrites it: loads may be
         # issued ahead of the stores of the pass below.
         tl.debug_barrier()
-        grad_row = grad_ptr + row * grad_row_stride
-        divergence_coef = token_scale * (1.0 - hard_weight) * inv_t_s  # d/dz_s -> d/dr_s, weighted
-        if DIVERGENCE == 3:
-            jsd_shift = -kl_p_m  # d/dz_s = (1 - beta) p (log p - log M - KL(p || M))
-            divergence_coef = divergence_coef * (1.0 - beta)
-        elif DIVERGENCE == 2:
-            reverse_shift = lse_t - lse_s - divergence  # log p - log q - KL = z_s - z_t + this
         # Against the previous pass's direction, so that the blocks it read last (the likeliest still in L2)
         # come first: last block first after pass 1, first block first after JSD's pass 2, except that the
         # 16-bit gradient in the fp32 rows always goes last block first (its values land at or past the
         # block being read).
-        for done in range(0, V, BLOCK_V):
-            start = LAST_BLOCK_START - done if GRAD_IN_ROW or DIVERGENCE != 3 else done
-            cols = start + offsets
-            mask = cols < V
-            z_s, capped_s = load_transformed(
-                student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP
+        _gradient_pass(
+            student_row,
+            teacher_row,
+            grad_ptr + row * grad_row_stride,
+            0,
+            V,
+            lse_s,
+            lse_t,
+            lse_c,
+            divergence,
+            kl_p_m,
+            target,
+            inv_t_s,
+            inv_t_t,
+            ce_inv_t,
+            token_scale,
+            beta,
+            hard_weight,
+            student_softcap,
+            teacher_softcap,
+            DIVERGENCE,
+            DIVERGENCE_GRAD,
+            HAS_CE,
+            STUDENT_SOFTCAP,
+            TEACHER_SOFTCAP,
+            PRECISE_GRAD,
+            GRAD_IN_ROW,
+            GRAD_IN_ROW or DIVERGENCE != 3,
+            BLOCK_V,
+        )
+
+
+#: Per row slice, pass 1's results: (m_s, d_s, m_t, d_t, m_c, d_c, kl_sum).
+STATISTICS = 7
+_STATISTICS = tl.constexpr(STATISTICS)  # the kernels' copy (a jit function reads only constexpr globals)
+
+
+@triton.jit
+def _merge_lse(m_parts, d_parts, PRECISE: tl.constexpr):
+    """The running ``(m, d)`` of several slices as one row's, and each slice's factor ``exp(m_j - m)`` (0 for a
+    slice with no finite logit)."""
+    m = tl.max(m_parts, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    scale = exp(m_parts - m_ref, PRECISE)
+    return m, tl.sum(d_parts * scale, 0), scale
+
+
+@triton.jit
+def _row_statistics(
+    statistics_ptr,
+    row,
+    DIVERGENCE: tl.constexpr,
+    PRECISE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    """A row's pass-1 results merged from its slices' (what the whole-row kernel's pass 1 returns)."""
+    parts = tl.arange(0, SPLITS_POW2)
+    present = parts < SPLITS
+    base = statistics_ptr + (row * SPLITS + parts) * _STATISTICS
+    none = float("-inf")
+    m_s, d_s, scale_s = _merge_lse(
+        tl.load(base, mask=present, other=none), tl.load(base + 1, mask=present, other=0.0), PRECISE
+    )
+    m_t, d_t, scale_t = _merge_lse(
+        tl.load(base + 2, mask=present, other=none), tl.load(base + 3, mask=present, other=0.0), PRECISE
+    )
+    m_c, d_c, _ = _merge_lse(
+        tl.load(base + 4, mask=present, other=none), tl.load(base + 5, mask=present, other=0.0), PRECISE
+    )
+    kl_parts = tl.load(base + 6, mask=present, other=0.0)
+    kl_sum = tl.zeros((), tl.float32)
+    if DIVERGENCE == 1:
+        kl_sum = tl.sum(kl_parts * scale_t, 0)
+    elif DIVERGENCE == 2:
+        kl_sum = tl.sum(kl_parts * scale_s, 0)
+    return m_s, d_s, m_t, d_t, m_c, d_c, kl_sum
+
+
+@triton.jit
+def _distill_statistics_kernel(
+    student_ptr,
+    student_row_stride,
+    teacher_ptr,
+    teacher_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    target_ptr,
+    student_inv_t_ptr,
+    teacher_inv_t_ptr,
+    ce_inv_t_ptr,
+    token_scale_ptr,
+    student_inv_t_stride,
+    teacher_inv_t_stride,
+    ce_inv_t_stride,
+    token_scale_stride,
+    loss_ptr,
+    divergence_ptr,
+    ce_ptr,
+    statistics_ptr,
+    mixture_ptr,
+    target_logit_ptr,
+    beta,
+    hard_weight,
+    student_softcap,
+    teacher_softcap,
+    V: tl.constexpr,
+    DIVERGENCE: tl.constexpr,
+    DIVERGENCE_GRAD: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    PRECISE: tl.constexpr,
+    PRECISE_GRAD: tl.constexpr,
+    GRAD_IN_ROW: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SLICE_V: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    """Split launch, step 1 (grid [C, SPLITS]): pass 1 over one slice of a row, into ``statistics_ptr``; the
+    first slice's program also keeps the target's CE logit (the last step overwrites the row)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    begin = split * SLICE_V
+    end = tl.minimum(begin + SLICE_V, V)
+    student_row = student_ptr + row * student_row_stride
+    inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
+        row,
+        target_ptr,
+        student_inv_t_ptr,
+        teacher_inv_t_ptr,
+        ce_inv_t_ptr,
+        token_scale_ptr,
+        student_inv_t_stride,
+        teacher_inv_t_stride,
+        ce_inv_t_stride,
+        token_scale_stride,
+        DIVERGENCE,
+        HAS_CE,
+    )
+    m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _statistics_pass(
+        student_row,
+        teacher_ptr + row * teacher_row_stride,
+        begin,
+        end,
+        inv_t_s,
+        inv_t_t,
+        ce_inv_t,
+        own_ce_lse,
+        student_softcap,
+        teacher_softcap,
+        DIVERGENCE,
+        HAS_CE,
+        STUDENT_SOFTCAP,
+        TEACHER_SOFTCAP,
+        PRECISE,
+        BLOCK_V,
+    )
+    out = statistics_ptr + (row * SPLITS + split) * _STATISTICS
+    tl.store(out, m_s)
+    tl.store(out + 1, d_s)
+    tl.store(out + 2, m_t)
+    tl.store(out + 3, d_t)
+    tl.store(out + 4, m_c)
+    tl.store(out + 5, d_c)
+    tl.store(out + 6, kl_sum)
+    if HAS_CE:  # noqa: SIM102
+        if split == 0:
+            z_target, _ = load_transformed(
+                student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
             )
-            grad = tl.zeros([BLOCK_V], dtype=tl.float32)
-            if DIVERGENCE_GRAD:
-                log_p = z_s - lse_s
-                p = exp(log_p, PRECISE_GRAD)
-                z_t, capped_t = load_transformed(
-                    teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
-                )
-                if DIVERGENCE == 1:
-                    grad_z = p - exp(z_t - lse_t, PRECISE_GRAD)
-                elif DIVERGENCE == 2:
-                    grad_z = tl.where(p > 0.0, p * (z_s - z_t + reverse_shift), 0.0)
-                else:
-                    log_q = z_t - lse_t
-                    log_m, m_positive = _mixture_log(p, exp(log_q, PRECISE_GRAD), beta, PRECISE_GRAD)
-                    grad_z = tl.where((p > 0.0) & m_positive, p * (log_p - log_m + jsd_shift), 0.0)
-                grad = divergence_coef * grad_z
-            if HAS_CE:
-                p_c = exp(capped_s * ce_inv_t - lse_c, PRECISE_GRAD)
-                grad += token_scale * hard_weight * ce_inv_t * tl.where(cols == target, p_c - 1.0, p_c)
-            grad = transform_backward(
-                grad, capped_s, mask, student_softcap, 1.0, STUDENT_SOFTCAP, HAS_TEMPERATURE=False
-            )
-            if GRAD_IN_ROW:
-                # This block's 16-bit values land in fp32 columns [(V + cols) / 2], at or past the block's
-                # start: read by now, once every warp has loaded its part of it.
-                tl.debug_barrier()
-            tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(target_logit_ptr + row, z_target)
+
+
+@triton.jit
+def _distill_mixture_kernel(
+    student_ptr,
+    student_row_stride,
+    teacher_ptr,
+    teacher_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    target_ptr,
+    student_inv_t_ptr,
+    teacher_inv_t_ptr,
+    ce_inv_t_ptr,
+    token_scale_ptr,
+    student_inv_t_stride,
+    teacher_inv_t_stride,
+    ce_inv_t_stride,
+    token_scale_stride,
+    loss_ptr,
+    divergence_ptr,
+    ce_ptr,
+    statistics_ptr,
+    mixture_ptr,
+    target_logit_ptr,
+    beta,
+    hard_weight,
+    student_softcap,
+    teacher_softcap,
+    V: tl.constexpr,
+    DIVERGENCE: tl.constexpr,
+    DIVERGENCE_GRAD: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    PRECISE: tl.constexpr,
+    PRECISE_GRAD: tl.constexpr,
+    GRAD_IN_ROW: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SLICE_V: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    """Split launch, step 2 ("jsd" only, grid [C, SPLITS]): the row's LSEs from every slice's statistics, then
+    JSD's pass 2 over one slice, into ``mixture_ptr``."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    begin = split * SLICE_V
+    end = tl.minimum(begin + SLICE_V, V)
+    inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
+        row,
+        target_ptr,
+        student_inv_t_ptr,
+        teacher_inv_t_ptr,
+        ce_inv_t_ptr,
+        token_scale_ptr,
+        student_inv_t_stride,
+        teacher_inv_t_stride,
+        ce_inv_t_stride,
+        token_scale_stride,
+        DIVERGENCE,
+        HAS_CE,
+    )
+    m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _row_statistics(
+        statistics_ptr, row, DIVERGENCE, PRECISE, SPLITS, SPLITS_POW2
+    )
+    kl_q_m, kl_p_m = _mixture_pass(
+        student_ptr + row * student_row_stride,
+        teacher_ptr + row * teacher_row_stride,
+        begin,
+        end,
+        m_s + log(d_s, PRECISE),
+        m_t + log(d_t, PRECISE),
+        inv_t_s,
+        inv_t_t,
+        beta,
+        student_softcap,
+        teacher_softcap,
+        STUDENT_SOFTCAP,
+        TEACHER_SOFTCAP,
+        PRECISE,
+        BLOCK_V,
+    )
+    out = mixture_ptr + (row * SPLITS + split) * 2
+    tl.store(out, kl_q_m)
+    tl.store(out + 1, kl_p_m)
+
+
+@triton.jit
+def _distill_finish_kernel(
+    student_ptr,
+    student_row_stride,
+    teacher_ptr,
+    teacher_row_stride,
+    grad_ptr,
+    grad_row_stride,
+    target_ptr,
+    student_inv_t_ptr,
+    teacher_inv_t_ptr,
+    ce_inv_t_ptr,
+    token_scale_ptr,
+    student_inv_t_stride,
+    teacher_inv_t_stride,
+    ce_inv_t_stride,
+    token_scale_stride,
+    loss_ptr,
+    divergence_ptr,
+    ce_ptr,
+    statistics_ptr,
+    mixture_ptr,
+    target_logit_ptr,
+    beta,
+    hard_weight,
+    student_softcap,
+    teacher_softcap,
+    V: tl.constexpr,
+    DIVERGENCE: tl.constexpr,
+    DIVERGENCE_GRAD: tl.constexpr,
+    HAS_CE: tl.constexpr,
+    STUDENT_SOFTCAP: tl.constexpr,
+    TEACHER_SOFTCAP: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    PRECISE: tl.constexpr,
+    PRECISE_GRAD: tl.constexpr,
+    GRAD_IN_ROW: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SLICE_V: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+):
+    """Split launch, last step (grid [C, SPLITS] with COMPUTE_GRAD, else [C, 1]): the row's loss from every
+    slice's statistics (stored by the first slice's program), then the gradient pass over one slice."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    begin = split * SLICE_V
+    end = tl.minimum(begin + SLICE_V, V)
+    inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
+        row,
+        target_ptr,
+        student_inv_t_ptr,
+        teacher_inv_t_ptr,
+        ce_inv_t_ptr,
+        token_scale_ptr,
+        student_inv_t_stride,
+        teacher_inv_t_stride,
+        ce_inv_t_stride,
+        token_scale_stride,
+        DIVERGENCE,
+        HAS_CE,
+    )
+    m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _row_statistics(
+        statistics_ptr, row, DIVERGENCE, PRECISE, SPLITS, SPLITS_POW2
+    )
+    lse_s = m_s + log(d_s, PRECISE)
+    lse_t = lse_s
+    if DIVERGENCE != 0:
+        lse_t = m_t + log(d_t, PRECISE)
+    kl_q_m = tl.zeros((), tl.float32)
+    kl_p_m = tl.zeros((), tl.float32)
+    if DIVERGENCE == 3:
+        parts = tl.arange(0, SPLITS_POW2)
+        present = parts < SPLITS
+        sums = mixture_ptr + (row * SPLITS + parts) * 2
+        kl_q_m = tl.sum(tl.load(sums, mask=present, other=0.0), 0)
+        kl_p_m = tl.sum(tl.load(sums + 1, mask=present, other=0.0), 0)
+    z_target = tl.zeros((), tl.float32)
+    if HAS_CE:
+        z_target = tl.load(target_logit_ptr + row)
+    loss, divergence, ce, lse_c = _row_loss(
+        lse_s,
+        lse_t,
+        d_s,
+        d_t,
+        m_c,
+        d_c,
+        kl_sum,
+        kl_q_m,
+        kl_p_m,
+        own_ce_lse,
+        z_target,
+        token_scale,
+        beta,
+        hard_weight,
+        DIVERGENCE,
+        DIVERGENCE_GRAD,
+        HAS_CE,
+        PRECISE,
+    )
+    if split == 0:
+        tl.store(loss_ptr + row, loss)
+        tl.store(divergence_ptr + row, divergence)
+        if HAS_CE:
+            tl.store(ce_ptr + row, ce)
+    if COMPUTE_GRAD:
+        _gradient_pass(
+            student_ptr + row * student_row_stride,
+            teacher_ptr + row * teacher_row_stride,
+            grad_ptr + row * grad_row_stride,
+            begin,
+            end,
+            lse_s,
+            lse_t,
+            lse_c,
+            divergence,
+            kl_p_m,
+            target,
+            inv_t_s,
+            inv_t_t,
+            ce_inv_t,
+            token_scale,
+            beta,
+            hard_weight,
+            student_softcap,
+            teacher_softcap,
+            DIVERGENCE,
+            DIVERGENCE_GRAD,
+            HAS_CE,
+            STUDENT_SOFTCAP,
+            TEACHER_SOFTCAP,
+            PRECISE_GRAD,
+            False,
+            False,
+            BLOCK_V,
+        )
+
+
+def _scratch(numel: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.float32, device=device)
 
 
 def _per_row(values: torch.Tensor, n_rows: int, device: torch.device, name: str) -> Tuple[torch.Tensor, int]:
@@ -272,7 +929,7 @@ def distill_chunk(
     token_scale: torch.Tensor,
     compute_grad: bool,
     grad_out: Optional[torch.Tensor] = None,
-    config: Optional[LaunchConfig] = None,
+    config: Optional[Union[DistillLaunchConfig, LaunchConfig]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The distillation loss of one [C, V] chunk (the module's docstring; the PyTorch twin of this contract
     is ``kernels/distill_torch.py``): returns fp32 ``(loss_rows, divergence_rows, ce_rows)`` (``ce_rows`` None when ``hard_weight`` is 0) and,
@@ -322,9 +979,17 @@ def distill_chunk(
     divergence_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     ce = torch.empty(n_rows if has_ce else 0, dtype=torch.float32, device=device)
     if n_rows:
-        config = config or default_distill_launch_config(vocab)
+        config = config or default_distill_launch_config(vocab, rows=n_rows, programs=target_programs(device))
+        block_v = config.block_v
+        # 1 for a LaunchConfig; the 16-bit gradient in fp32 rows lands past its own slice: whole rows
+        splits = 1 if grad_in_row else max(1, getattr(config, "row_splits", 1))
+        slice_v = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
+        splits = triton.cdiv(vocab, slice_v)
+        split = splits > 1
+        jsd = divergence == "jsd"
         precise = exp_precision(student_logits.dtype, None)[0] or exp_precision(teacher_logits.dtype, None)[0]
-        _distill_kernel[(n_rows,)](
+        scratch = loss  # a dummy pointer where a scratch buffer is not used
+        args = (
             student_logits,
             student_logits.stride(0),
             teacher_logits,
@@ -343,11 +1008,16 @@ def distill_chunk(
             loss,
             divergence_rows,
             ce if has_ce else loss,
+            _scratch(n_rows * splits * STATISTICS, device) if split else scratch,
+            _scratch(n_rows * splits * 2, device) if split and jsd else scratch,
+            _scratch(n_rows, device) if split and has_ce else scratch,
             float(beta),
             float(hard_weight),
             float(student_softcap),
             float(teacher_softcap),
             vocab,
+        )
+        constants = dict(
             DIVERGENCE=DIVERGENCES[divergence],
             DIVERGENCE_GRAD=divergence is not None and hard_weight < 1.0,
             HAS_CE=has_ce,
@@ -357,12 +1027,28 @@ def distill_chunk(
             PRECISE=precise,
             PRECISE_GRAD=exp_precision(student_logits.dtype, grad.dtype)[1],
             GRAD_IN_ROW=grad_in_row,
-            BLOCK_V=config.block_v,
-            LAST_BLOCK_START=(vocab - 1) // config.block_v * config.block_v,
+            BLOCK_V=block_v,
+            SLICE_V=slice_v,
+            SPLITS=splits,
+            SPLITS_POW2=max(2, triton.next_power_of_2(splits)),
             num_warps=config.num_warps,
             **({} if config.num_stages is None else {"num_stages": config.num_stages}),
         )
+        if not split:
+            _distill_kernel[(n_rows,)](*args, **constants)
+        else:
+            _distill_statistics_kernel[(n_rows, splits)](*args, **constants)
+            if jsd:
+                _distill_mixture_kernel[(n_rows, splits)](*args, **constants)
+            _distill_finish_kernel[(n_rows, splits if compute_grad else 1)](*args, **constants)
     return loss, divergence_rows, ce if has_ce else None
 
 
-__all__ = ["DIVERGENCES", "default_distill_launch_config", "distill_chunk"]
+__all__ = [
+    "DIVERGENCES",
+    "PROGRAMS_PER_SM",
+    "DistillLaunchConfig",
+    "default_distill_launch_config",
+    "distill_chunk",
+    "target_programs",
+]
