@@ -74,7 +74,14 @@ def signature(student, teacher, grad):
 
 
 def compile_variant(
-    divergence, has_ce, caps=(False, False), logits="bf16", block_v=4096, num_warps=8, kernel="whole", splits=1
+    divergence,
+    has_ce,
+    caps=(False, False),
+    logits="bf16",
+    block_v=4096,
+    num_warps=8,
+    kernel="whole",
+    splits=1,
 ):
     """The cubin of one specialization (fp32 logits: a bf16 teacher and the bf16 gradient in the rows; a split
     ``kernel`` with ``splits`` slices a row)."""
