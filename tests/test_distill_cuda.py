@@ -79,18 +79,28 @@ def _options(divergence, hard_weight=0.4, student_softcap=0.0, teacher_softcap=0
     }
 
 
+def _whole_rows(vocab: int):
+    """The whole-row launch (one program per row) at the default blocks; the default on 256 rows splits them."""
+    from lightning_flce.kernels.distill import default_distill_launch_config
+
+    return default_distill_launch_config(vocab)
+
+
+@pytest.mark.parametrize("launch", ["default", "whole-rows"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("vocab", [32003, 128256])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", None])
-def test_kernel_against_float64(divergence, vocab, dtype):
-    """Every divergence with the hard-label CE mixed in (CE alone for None), in place over the student rows."""
+def test_kernel_against_float64(divergence, vocab, dtype, launch):
+    """Every divergence with the hard-label CE mixed in (CE alone for None), in place over the student rows, in
+    the default launch (256 rows: split into slices) and in whole rows."""
     from lightning_flce.kernels.distill import distill_chunk
 
     student, teacher, target, per_row = _problem(vocab, dtype, seed=vocab % 97, padded=37)
     options = {**_options(divergence, 1.0 if divergence is None else 0.4), **per_row}
     want = reference_distill(student, teacher, target, **options)
     grad = student.clone()
-    got = distill_chunk(grad, teacher, target, compute_grad=True, **options)
+    config = _whole_rows(vocab) if launch == "whole-rows" else None
+    got = distill_chunk(grad, teacher, target, compute_grad=True, config=config, **options)
     _check(got, want, grad)
 
 
@@ -98,8 +108,9 @@ def test_kernel_against_float64(divergence, vocab, dtype):
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
 def test_fp32_rows_with_bf16_teacher_and_gradient_in_rows(divergence, vocab):
     """fp32 student logits (the wide-logits path) with a bf16 teacher and softcaps on both sides, the bf16
-    gradient in the rows' second halves: bit for bit the gradient of a separate bf16 buffer (a missing
-    barrier would let a warp overwrite values another has yet to read), the reference's within bf16."""
+    gradient in the rows' second halves (always whole rows): bit for bit the whole-row launch's gradient into a
+    separate bf16 buffer (a missing barrier would let a warp overwrite values another has yet to read), the
+    reference's within bf16."""
     from lightning_flce.kernels import gradient_in_logits_rows
     from lightning_flce.kernels.distill import distill_chunk
 
@@ -108,7 +119,13 @@ def test_fp32_rows_with_bf16_teacher_and_gradient_in_rows(divergence, vocab):
     options = {**_options(divergence, 0.4, 30.0, 50.0), **per_row}
     separate = torch.full(student.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     want_rows = distill_chunk(
-        student.clone(), teacher, target, compute_grad=True, grad_out=separate, **options
+        student.clone(),
+        teacher,
+        target,
+        compute_grad=True,
+        grad_out=separate,
+        config=_whole_rows(vocab),
+        **options,
     )
     in_rows = student.clone()
     grad = gradient_in_logits_rows(in_rows, torch.bfloat16)
@@ -121,7 +138,8 @@ def test_fp32_rows_with_bf16_teacher_and_gradient_in_rows(divergence, vocab):
 
 @pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
 def test_repeatable(divergence):
-    """The same inputs give bit-identical rows and gradients run after run (a moving result is a race)."""
+    """The same inputs give bit-identical rows and gradients run after run (a moving result is a race; 512 rows
+    split into slices by the default launch)."""
     from lightning_flce.kernels.distill import distill_chunk
 
     student, teacher, target, per_row = _problem(128256, torch.bfloat16, seed=5, n_rows=512)

@@ -70,16 +70,35 @@ def test_triton_and_torch_backends_agree():
         assert relative_error(a, b) < 1e-5
 
 
+def _split_rows(monkeypatch) -> None:
+    """The GPU's default launch in the interpreter: blocks of 64 columns, rows split for 64 programs (3-row
+    blocks of 300 columns: five slices of one block)."""
+    from functools import partial
+
+    from lightning_flce.kernels import distill
+
+    monkeypatch.setattr(
+        distill,
+        "default_distill_launch_config",
+        partial(distill.default_distill_launch_config, max_block_v=64),
+    )
+    monkeypatch.setattr(distill, "target_programs", lambda device: 64)
+
+
+@pytest.mark.parametrize("launch", ["whole-rows", "split-rows"])
 @pytest.mark.parametrize("option", ["all", "top_k_hard", "ignore_index"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
-def test_teacher_in_blocks_of_the_chunk(monkeypatch, divergence, option):
+def test_teacher_in_blocks_of_the_chunk(monkeypatch, divergence, option, launch):
     """The GPU path's teacher blocks (AUXILIARY_BLOCK_ROWS, here 3 rows) in chunks of 8 of 21 fp32 tokens: the Triton
-    kernel on each block's rows of the chunk buffer, the float64 loss and gradients."""
+    kernel on each block's rows of the chunk buffer (whole rows, or split as the GPU's default launch splits
+    them), the float64 loss and gradients."""
     from test_distill import _spy_loss_rows
 
     import lightning_flce.engine as engine
 
     monkeypatch.setattr(engine, "AUXILIARY_BLOCK_ROWS", 3)
+    if launch == "split-rows":
+        _split_rows(monkeypatch)
     seen = _spy_loss_rows(monkeypatch)
     student, teacher, target, extras = make_problem(shape=(3, 7), dtype=torch.float32, v=300)
     args, kwargs = resolve(student, teacher, target, extras, option, divergence)
