@@ -228,7 +228,7 @@ def _launch_name(block: int, programs_per_sm: Optional[int], rows: Optional[int]
     if programs_per_sm == 0:
         name += "_whole_rows"
     elif programs_per_sm is not None:
-        name += f"_{programs_per_sm}_per_sm"
+        name += f"_split_{programs_per_sm}"
     return name + (f"_block_{rows}" if rows else "")
 
 
@@ -285,7 +285,7 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         False,
     ),
     # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
-    # whole rows; the teacher's block rows). 8192 x 16 whole rows: the default until the split launch.
+    # whole rows; the teacher's block rows). The default: 8192 x 16, whole rows.
     **{
         _launch_name(block, programs, rows): (
             _launch_call(block, programs, rows),
@@ -293,13 +293,16 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
             True,
         )
         for block, programs, rows in (
-            (8192, 0, None),
             (4096, 0, None),
-            (8192, None, None),
-            (2048, None, None),
+            (2048, 0, None),
+            (4096, 8, None),
+            (2048, 8, None),
+            (8192, 8, None),
             (4096, 4, None),
             (4096, 16, None),
-            (4096, None, 512),
+            (4096, 8, 512),
+            (4096, 0, 512),
+            (2048, 0, 512),
         )
     },
 }

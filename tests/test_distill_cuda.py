@@ -80,27 +80,38 @@ def _options(divergence, hard_weight=0.4, student_softcap=0.0, teacher_softcap=0
 
 
 def _whole_rows(vocab: int):
-    """The whole-row launch (one program per row) at the default blocks; the default on 256 rows splits them."""
+    """The whole-row launch (one program per row) at the default blocks, whatever the default launch."""
     from lightning_flce.kernels.distill import default_distill_launch_config
 
     return default_distill_launch_config(vocab)
 
 
-@pytest.mark.parametrize("launch", ["default", "whole-rows"])
+def _launch(name: str, vocab: int, rows: int = 256):
+    """None (the default launch), whole rows, or the split launch at 8 programs an SM (blocks of 4096 x 8)."""
+    from lightning_flce.kernels.distill import default_distill_launch_config
+
+    if name == "whole-rows":
+        return _whole_rows(vocab)
+    if name == "split":
+        programs = 8 * torch.cuda.get_device_properties(0).multi_processor_count
+        return default_distill_launch_config(vocab, 4096, rows=rows, programs=programs)
+    return None
+
+
+@pytest.mark.parametrize("launch", ["default", "whole-rows", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("vocab", [32003, 128256])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", None])
 def test_kernel_against_float64(divergence, vocab, dtype, launch):
     """Every divergence with the hard-label CE mixed in (CE alone for None), in place over the student rows, in
-    the default launch (256 rows: split into slices) and in whole rows."""
+    the default launch, in whole rows and split into slices."""
     from lightning_flce.kernels.distill import distill_chunk
 
     student, teacher, target, per_row = _problem(vocab, dtype, seed=vocab % 97, padded=37)
     options = {**_options(divergence, 1.0 if divergence is None else 0.4), **per_row}
     want = reference_distill(student, teacher, target, **options)
     grad = student.clone()
-    config = _whole_rows(vocab) if launch == "whole-rows" else None
-    got = distill_chunk(grad, teacher, target, compute_grad=True, config=config, **options)
+    got = distill_chunk(grad, teacher, target, compute_grad=True, config=_launch(launch, vocab), **options)
     _check(got, want, grad)
 
 
@@ -136,18 +147,20 @@ def test_fp32_rows_with_bf16_teacher_and_gradient_in_rows(divergence, vocab):
     _check(got, reference_distill(student, teacher, target, **options), grad)
 
 
+@pytest.mark.parametrize("launch", ["whole-rows", "split"])
 @pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
-def test_repeatable(divergence):
-    """The same inputs give bit-identical rows and gradients run after run (a moving result is a race; 512 rows
-    split into slices by the default launch)."""
+def test_repeatable(divergence, launch):
+    """The same inputs give bit-identical rows and gradients run after run (a moving result is a race), whole
+    rows and split."""
     from lightning_flce.kernels.distill import distill_chunk
 
     student, teacher, target, per_row = _problem(128256, torch.bfloat16, seed=5, n_rows=512)
     options = {**_options(divergence), **per_row}
+    config = _launch(launch, 128256, rows=512)
     runs = []
     for _ in range(3):
         grad = student.clone()
-        rows = distill_chunk(grad, teacher, target, compute_grad=True, **options)
+        rows = distill_chunk(grad, teacher, target, compute_grad=True, config=config, **options)
         runs.append((*rows, grad))
     for run in runs[1:]:
         for got, want in zip(run, runs[0]):

@@ -409,18 +409,18 @@ def test_registered_in_the_triton_backend():
 
 
 def test_default_launch_rule_and_its_block_cap():
-    """A warp per 512 columns (4 to 16) of blocks of at most 4096 columns; ``max_block_v`` caps the block and the
+    """A warp per 512 columns (4 to 16) of blocks of at most 8192 columns; ``max_block_v`` caps the block and the
     warps follow (the benchmark's and the CUDA tests' candidate launches are this rule with another cap). Rows
     split into slices of whole blocks until ``rows`` make ``programs`` programs; none asked for: whole rows."""
     from lightning_flce.kernels.distill import default_distill_launch_config
 
     assert tuple(default_distill_launch_config(300)) == (512, 4, None, 1)
-    assert tuple(default_distill_launch_config(128256)) == (4096, 8, None, 1)
-    assert tuple(default_distill_launch_config(128256, max_block_v=8192))[:2] == (8192, 16)
+    assert tuple(default_distill_launch_config(128256)) == (8192, 16, None, 1)
+    assert tuple(default_distill_launch_config(128256, max_block_v=4096))[:2] == (4096, 8)
     assert tuple(default_distill_launch_config(256000, max_block_v=2048))[:2] == (2048, 4)
     assert tuple(default_distill_launch_config(1000, max_block_v=4096))[:2] == (1024, 4)
     # 256 rows on 132 SMs at 8 programs an SM: 1056 programs, five slices (of the 32 blocks of 4096)
-    assert default_distill_launch_config(128256, rows=256, programs=1056).row_splits == 5
-    assert default_distill_launch_config(128256, rows=2048, programs=1056).row_splits == 1
+    assert default_distill_launch_config(128256, 4096, rows=256, programs=1056).row_splits == 5
+    assert default_distill_launch_config(128256, 4096, rows=2048, programs=1056).row_splits == 1
     # no more slices than blocks
-    assert default_distill_launch_config(5000, rows=4, programs=1056).row_splits == 2
+    assert default_distill_launch_config(5000, 4096, rows=4, programs=1056).row_splits == 2

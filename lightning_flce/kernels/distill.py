@@ -26,9 +26,12 @@ Two launches run them (:class:`DistillLaunchConfig`'s ``row_splits``): the whole
 through every pass; and the split launch, where each row's columns are cut into ``row_splits`` slices, one
 program each, and the passes become kernels (pass 1 into per-slice statistics; JSD's pass 2 and the gradient
 pass merge them first, as the online LSE merges blocks). The teacher's blocks of a chunk are 256 rows
-(:data:`~lightning_flce.engine.AUXILIARY_BLOCK_ROWS`): one program per row would leave most of a GPU's SMs
-idle, so the default splits rows until a launch has :data:`PROGRAMS_PER_SM` programs per SM. The 16-bit gradient
-in fp32 rows lands past its own slice, so it keeps the whole-row kernel.
+(:data:`~lightning_flce.engine.AUXILIARY_BLOCK_ROWS`): one 16-warp program per row keeps two programs on
+each SM, while the kernel alone reaches 69-71% (JSD) and 91-92% (forward KL) of the copy bandwidth on 2048-row
+launches of 4096 x 8 (``benchmarks/results/*_distill_kernel_sweep_1505288``) against 54-56% / 76-80% for the
+default. With :data:`PROGRAMS_PER_SM` > 0 the launch splits rows until it has that many programs per SM; the
+default stays whole rows until the split launch is measured inside the op. The 16-bit gradient in fp32 rows
+lands past its own slice, so it keeps the whole-row kernel.
 
 Masked or padded columns (-inf logits) have p = 0 or q = 0: every product with a log-probability is taken
 under ``where(prob > 0)``, never as 0 * -inf. A column where the divergence's weight is positive and the other
@@ -52,14 +55,13 @@ from lightning_flce.kernels.triton_math import exp, load_transformed, log, onlin
 DIVERGENCES = {None: 0, "forward_kl": 1, "reverse_kl": 2, "jsd": 3}
 
 # Two rows (student and teacher) are live per block, so half the cross-entropy kernel's widest block; 512
-# elements per warp (16 per thread at 4096 on 8 warps) keeps the block's values in registers (64 of them: four
-# programs an SM). On 2048-row chunks of an H100 4096 x 8 ran 12-25% faster than 8192 x 16
-# (``benchmarks/results/*_distill_kernel_sweep_1505288``).
-_MAX_BLOCK_V = 4096
+# elements per warp (16 per thread) keeps the block's values in registers.
+_MAX_BLOCK_V = 8192
 _ELEMENTS_PER_WARP = 512
 
-#: The split launch's aim: this many programs per SM in one launch (two waves of four resident 8-warp programs).
-PROGRAMS_PER_SM = 8
+#: The split launch's aim: this many programs per SM in one launch (8: two waves of four resident 8-warp
+#: programs). 0, the default until the split launch is measured inside the op on a GPU: whole rows.
+PROGRAMS_PER_SM = 0
 
 
 class DistillLaunchConfig(NamedTuple):
