@@ -16,6 +16,11 @@ gradient on the first rows with the float64 reference of ``tests/test_distill_ke
 
     python3 benchmarks/experiments/bench_distill_kernel.py                     # writes $OUT/bench_distill_kernel.json
     python3 benchmarks/experiments/bench_distill_kernel.py --configs 4096x8 8192x16 16384x32 --check
+    python3 benchmarks/experiments/bench_distill_kernel.py --rows 256 --configs 8192x16 4096x8 4096x8@8 2048x4@8
+
+A config ``BLOCKxWARPS[xSTAGES][@P]`` with ``@P`` is the split launch (``kernels/distill.py``): each row cut into
+slices of whole blocks until the ``--rows`` rows make P programs per SM (the op launches the kernel on the
+teacher's 256-row blocks: ``--rows 256`` times it as the op runs it).
     TRITON_INTERPRET=1 python3 benchmarks/experiments/bench_distill_kernel.py --device cpu --small  # plumbing
 """
 
@@ -32,8 +37,11 @@ import torch
 
 _common.ensure_repo_on_path()
 from lightning_flce.kernels import gradient_in_logits_rows  # noqa: E402
-from lightning_flce.kernels.cross_entropy import LaunchConfig  # noqa: E402
-from lightning_flce.kernels.distill import default_distill_launch_config, distill_chunk  # noqa: E402
+from lightning_flce.kernels.distill import (  # noqa: E402
+    DistillLaunchConfig,
+    default_distill_launch_config,
+    distill_chunk,
+)
 
 VOCABS = [32000, 128256, 151936, 256000]
 DIVERGENCES = ["forward_kl", "reverse_kl", "jsd"]
@@ -42,6 +50,26 @@ LOGITS = {
     "bf16": (torch.bfloat16, torch.bfloat16, "in_place"),
     "fp32": (torch.float32, torch.bfloat16, "in_rows"),
 }
+
+
+def parse_config(spec: str, vocab: int, rows: int, device: torch.device) -> DistillLaunchConfig:
+    """``BLOCKxWARPS[xSTAGES][@P]`` as a launch for ``rows`` rows of ``vocab`` columns (``@P``: split for P
+    programs per SM)."""
+    launch, _, per_sm = spec.partition("@")
+    values = [int(value) for value in launch.split("x")]
+    splits = 1
+    if per_sm:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        programs = int(per_sm) * sms
+        splits = default_distill_launch_config(vocab, values[0], rows=rows, programs=programs).row_splits
+    return DistillLaunchConfig(values[0], values[1], values[2] if len(values) > 2 else None, splits)
+
+
+def launch_label(launch) -> str:
+    """``BLOCKxWARPS[xSTAGES]``, and `` / N slices`` for a split launch."""
+    label = "x".join(str(value) for value in tuple(launch)[:3] if value is not None)
+    splits = getattr(launch, "row_splits", 1)
+    return label + (f" / {splits} slices" if splits > 1 else "")
 
 
 def bytes_moved(n_elements: int, student_bytes: int, teacher_bytes: int, grad_bytes: int, jsd: bool) -> int:
@@ -114,7 +142,7 @@ def main():
     parser.add_argument("--hard-weight", type=float, default=0.0)
     parser.add_argument("--softcaps", type=float, nargs=2, default=(0.0, 0.0), metavar=("STUDENT", "TEACHER"))
     parser.add_argument(
-        "--configs", nargs="*", default=[], help="BLOCKxWARPS[xSTAGES] launch configs to time"
+        "--configs", nargs="*", default=[], help="BLOCKxWARPS[xSTAGES][@P] launch configs to time"
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=4)
@@ -125,13 +153,13 @@ def main():
     device = torch.device(args.device)
     if args.small:
         args.rows, args.vocabs, args.rounds, args.reps = 4, [300], 1, 1
-        args.configs = args.configs or ["64x4"]
-    configs = [None] + [LaunchConfig(*map(int, spec.split("x"))) for spec in args.configs]
+        args.configs = args.configs or ["64x4", "64x4@64"]
     env = _common.environment(device)
     copy_gbps = _common.copy_bandwidth_gbps(device) if device.type == "cuda" else float("nan")
     records, table = [], []
     gen = torch.Generator(device=device).manual_seed(0)
     for vocab in args.vocabs:
+        configs = [None] + [parse_config(spec, vocab, args.rows, device) for spec in args.configs]
         for logits_name in args.logits:
             student, teacher, target, per_row = make_inputs(args.rows, vocab, logits_name, device, gen)
             work = torch.empty_like(student)
@@ -180,9 +208,7 @@ def main():
                         "errors": errors if config is None else None,
                     }
                     records.append(record)
-                    label = ("default " if config is None else "") + "x".join(
-                        str(value) for value in launch if value is not None
-                    )
+                    label = ("default " if config is None else "") + launch_label(launch)
                     err = "" if record["errors"] is None else _common.fmt(max(errors.values()))
                     table.append(
                         [vocab, logits_name, divergence, label, _common.fmt(ms), _common.fmt(gbps, ".4g"),
