@@ -35,12 +35,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from lightning_flce.kernels import distill  # noqa: E402
 from lightning_flce.kernels.distill import DIVERGENCES  # noqa: E402
 
-# The whole-row kernel and the split launch's three steps (one signature).
-KERNELS = {
-    "whole": distill._distill_kernel,
-    "statistics": distill._distill_statistics_kernel,
-    "mixture": distill._distill_mixture_kernel,
-    "finish": distill._distill_finish_kernel,
+# The kernel's steps: whole rows, and the split launch's three.
+STEPS = {
+    "whole": distill.WHOLE_ROW,
+    "statistics": distill.SLICE_STATISTICS,
+    "mixture": distill.SLICE_MIXTURE,
+    "finish": distill.SLICE_FINISH,
 }
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -102,10 +102,11 @@ def compile_variant(
         "SLICE_V": triton.cdiv(triton.cdiv(VOCAB, splits), block_v) * block_v,
         "SPLITS": splits,
         "SPLITS_POW2": max(2, triton.next_power_of_2(splits)),
+        "STEP": STEPS[kernel],
     }
     names = list(sig)
     source = ASTSource(
-        fn=KERNELS[kernel],
+        fn=distill._distill_kernel,
         signature=sig,
         constexprs={(names.index(name),): value for name, value in constants.items()},
         attrs={(names.index(name),): [["tt.divisibility", 16]] for name in ALIGNED},

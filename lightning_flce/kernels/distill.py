@@ -22,16 +22,16 @@ Up to three passes over a row (the chunk holds only rows that carry a loss):
    :func:`~lightning_flce.kernels.gradient_in_logits_rows`: then last block first, a barrier per block, as the
    cross-entropy kernel does). The teacher row is read once per pass; the teacher gets no gradient.
 
-Two launches run them (:class:`DistillLaunchConfig`'s ``row_splits``): the whole-row kernel, one program per row
-through every pass; and the split launch, where each row's columns are cut into ``row_splits`` slices, one
-program each, and the passes become kernels (pass 1 into per-slice statistics; JSD's pass 2 and the gradient
+Two launches of the one kernel run them (:class:`DistillLaunchConfig`'s ``row_splits``; the kernel's ``STEP``):
+whole rows, one program per row through every pass; and the split launch, where each row's columns are cut
+into ``row_splits`` slices, one program each, and the passes become steps, one launch each (pass 1 into per-slice statistics; JSD's pass 2 and the gradient
 pass merge them first, as the online LSE merges blocks). The teacher's blocks of a chunk are 256 rows
 (:data:`~lightning_flce.engine.AUXILIARY_BLOCK_ROWS`): one 16-warp program per row keeps two programs on
 each SM, while the kernel alone reaches 69-71% (JSD) and 91-92% (forward KL) of the copy bandwidth on 2048-row
 launches of 4096 x 8 (``benchmarks/results/*_distill_kernel_sweep_1505288``) against 54-56% / 76-80% for the
 default. With :data:`PROGRAMS_PER_SM` > 0 the launch splits rows until it has that many programs per SM; the
 default stays whole rows until the split launch is measured inside the op. The 16-bit gradient in fp32 rows
-lands past its own slice, so it keeps the whole-row kernel.
+lands past its own slice, so it keeps whole rows.
 
 Masked or padded columns (-inf logits) have p = 0 or q = 0: every product with a log-probability is taken
 under ``where(prob > 0)``, never as 0 * -inf. A column where the divergence's weight is positive and the other
@@ -71,7 +71,7 @@ class DistillLaunchConfig(NamedTuple):
     block_v: int
     num_warps: int
     num_stages: Optional[int] = None  # None: Triton's default
-    row_splits: int = 1  # 1: the whole-row kernel; more: the split launch (at most one slice per block)
+    row_splits: int = 1  # 1: whole rows; more: the split launch (at most one slice per block)
 
 
 def default_distill_launch_config(
@@ -362,180 +362,17 @@ def _gradient_pass(
         tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=mask)
 
 
-# The kernels' one signature (each reads the arguments it needs): the row-split kernels share the whole-row
-# kernel's arguments plus the scratch of the statistics they pass on.
-@triton.jit
-def _distill_kernel(
-    student_ptr,  # [C, V] student logits r_s (compute dtype, or fp32 wide logits)
-    student_row_stride,
-    teacher_ptr,  # [C, V] teacher logits r_t (any float dtype), read only
-    teacher_row_stride,
-    grad_ptr,  # [C, V] out: d/dr_s (student_ptr itself, another buffer, or GRAD_IN_ROW's 16-bit view)
-    grad_row_stride,
-    target_ptr,  # [C] int64 in [0, V) (read only with HAS_CE)
-    student_inv_t_ptr,  # fp32 [1] or [C]
-    teacher_inv_t_ptr,  # fp32 [1] or [C]
-    ce_inv_t_ptr,  # fp32 [1] or [C]
-    token_scale_ptr,  # fp32 [1] or [C]
-    student_inv_t_stride,  # 0 for a shared value, 1 per row (each of the four)
-    teacher_inv_t_stride,
-    ce_inv_t_stride,
-    token_scale_stride,
-    loss_ptr,  # [C] fp32 out: token_scale ((1 - w) divergence + w ce)
-    divergence_ptr,  # [C] fp32 out: the divergence (0 without one)
-    ce_ptr,  # [C] fp32 out (only with HAS_CE)
-    statistics_ptr,  # [C, SPLITS, STATISTICS] fp32 scratch: each slice's pass-1 results (split launch)
-    mixture_ptr,  # [C, SPLITS, 2] fp32 scratch: each slice's JSD sums (split launch, "jsd")
-    target_logit_ptr,  # [C] fp32 scratch: z_c at the target (split launch, HAS_CE)
-    beta,  # JSD's teacher weight in M
-    hard_weight,  # w
-    student_softcap,
-    teacher_softcap,
-    V: tl.constexpr,
-    DIVERGENCE: tl.constexpr,  # DIVERGENCES' value
-    DIVERGENCE_GRAD: tl.constexpr,  # the divergence's gradient term (a divergence and w < 1)
-    HAS_CE: tl.constexpr,  # w > 0
-    STUDENT_SOFTCAP: tl.constexpr,
-    TEACHER_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
-    PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
-    GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
-    BLOCK_V: tl.constexpr,
-    SLICE_V: tl.constexpr,  # columns per program (a multiple of BLOCK_V; V in this whole-row kernel)
-    SPLITS: tl.constexpr,  # programs per row (1 here)
-    SPLITS_POW2: tl.constexpr,
-):
-    """The whole-row launch: one program per row runs every pass."""
-    row = tl.program_id(0).to(tl.int64)
-    student_row = student_ptr + row * student_row_stride
-    teacher_row = teacher_ptr + row * teacher_row_stride
-    inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
-        row,
-        target_ptr,
-        student_inv_t_ptr,
-        teacher_inv_t_ptr,
-        ce_inv_t_ptr,
-        token_scale_ptr,
-        student_inv_t_stride,
-        teacher_inv_t_stride,
-        ce_inv_t_stride,
-        token_scale_stride,
-        DIVERGENCE,
-        HAS_CE,
-    )
-    m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _statistics_pass(
-        student_row,
-        teacher_row,
-        0,
-        V,
-        inv_t_s,
-        inv_t_t,
-        ce_inv_t,
-        own_ce_lse,
-        student_softcap,
-        teacher_softcap,
-        DIVERGENCE,
-        HAS_CE,
-        STUDENT_SOFTCAP,
-        TEACHER_SOFTCAP,
-        PRECISE,
-        BLOCK_V,
-    )
-    lse_s = m_s + log(d_s, PRECISE)
-    lse_t = lse_s
-    if DIVERGENCE != 0:
-        lse_t = m_t + log(d_t, PRECISE)
-    kl_q_m = tl.zeros((), tl.float32)
-    kl_p_m = tl.zeros((), tl.float32)
-    if DIVERGENCE == 3:
-        kl_q_m, kl_p_m = _mixture_pass(
-            student_row,
-            teacher_row,
-            0,
-            V,
-            lse_s,
-            lse_t,
-            inv_t_s,
-            inv_t_t,
-            beta,
-            student_softcap,
-            teacher_softcap,
-            STUDENT_SOFTCAP,
-            TEACHER_SOFTCAP,
-            PRECISE,
-            BLOCK_V,
-        )
-    z_target = tl.zeros((), tl.float32)
-    if HAS_CE:
-        z_target, _ = load_transformed(student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP)
-    loss, divergence, ce, lse_c = _row_loss(
-        lse_s,
-        lse_t,
-        d_s,
-        d_t,
-        m_c,
-        d_c,
-        kl_sum,
-        kl_q_m,
-        kl_p_m,
-        own_ce_lse,
-        z_target,
-        token_scale,
-        beta,
-        hard_weight,
-        DIVERGENCE,
-        DIVERGENCE_GRAD,
-        HAS_CE,
-        PRECISE,
-    )
-    tl.store(loss_ptr + row, loss)
-    tl.store(divergence_ptr + row, divergence)
-    if HAS_CE:
-        tl.store(ce_ptr + row, ce)
-    if COMPUTE_GRAD:
-        # Every warp has read the row (the target's logit too) before any warp overwrites it: loads may be
-        # issued ahead of the stores of the pass below.
-        tl.debug_barrier()
-        # Against the previous pass's direction, so that the blocks it read last (the likeliest still in L2)
-        # come first: last block first after pass 1, first block first after JSD's pass 2, except that the
-        # 16-bit gradient in the fp32 rows always goes last block first (its values land at or past the
-        # block being read).
-        _gradient_pass(
-            student_row,
-            teacher_row,
-            grad_ptr + row * grad_row_stride,
-            0,
-            V,
-            lse_s,
-            lse_t,
-            lse_c,
-            divergence,
-            kl_p_m,
-            target,
-            inv_t_s,
-            inv_t_t,
-            ce_inv_t,
-            token_scale,
-            beta,
-            hard_weight,
-            student_softcap,
-            teacher_softcap,
-            DIVERGENCE,
-            DIVERGENCE_GRAD,
-            HAS_CE,
-            STUDENT_SOFTCAP,
-            TEACHER_SOFTCAP,
-            PRECISE_GRAD,
-            GRAD_IN_ROW,
-            GRAD_IN_ROW or DIVERGENCE != 3,
-            BLOCK_V,
-        )
-
-
 #: Per row slice, pass 1's results: (m_s, d_s, m_t, d_t, m_c, d_c, kl_sum).
 STATISTICS = 7
-_STATISTICS = tl.constexpr(STATISTICS)  # the kernels' copy (a jit function reads only constexpr globals)
+_STATISTICS = tl.constexpr(STATISTICS)  # the kernel's copy (a jit function reads only constexpr globals)
+
+#: The kernel's STEP: the whole-row launch's one, or the split launch's three (grid [C, SPLITS] each).
+WHOLE_ROW, SLICE_STATISTICS, SLICE_MIXTURE, SLICE_FINISH = 0, 1, 2, 3
+# the kernel's copies
+_WHOLE_ROW = tl.constexpr(WHOLE_ROW)
+_SLICE_STATISTICS = tl.constexpr(SLICE_STATISTICS)
+_SLICE_MIXTURE = tl.constexpr(SLICE_MIXTURE)
+_SLICE_FINISH = tl.constexpr(SLICE_FINISH)
 
 
 @triton.jit
@@ -557,7 +394,7 @@ def _row_statistics(
     SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr,
 ):
-    """A row's pass-1 results merged from its slices' (what the whole-row kernel's pass 1 returns)."""
+    """A row's pass-1 results merged from its slices' (what :func:`_statistics_pass` returns for a whole row)."""
     parts = tl.arange(0, SPLITS_POW2)
     present = parts < SPLITS
     base = statistics_ptr + (row * SPLITS + parts) * _STATISTICS
@@ -581,54 +418,63 @@ def _row_statistics(
 
 
 @triton.jit
-def _distill_statistics_kernel(
-    student_ptr,
+def _distill_kernel(
+    student_ptr,  # [C, V] student logits r_s (compute dtype, or fp32 wide logits)
     student_row_stride,
-    teacher_ptr,
+    teacher_ptr,  # [C, V] teacher logits r_t (any float dtype), read only
     teacher_row_stride,
-    grad_ptr,
+    grad_ptr,  # [C, V] out: d/dr_s (student_ptr itself, another buffer, or GRAD_IN_ROW's 16-bit view)
     grad_row_stride,
-    target_ptr,
-    student_inv_t_ptr,
-    teacher_inv_t_ptr,
-    ce_inv_t_ptr,
-    token_scale_ptr,
-    student_inv_t_stride,
+    target_ptr,  # [C] int64 in [0, V) (read only with HAS_CE)
+    student_inv_t_ptr,  # fp32 [1] or [C]
+    teacher_inv_t_ptr,  # fp32 [1] or [C]
+    ce_inv_t_ptr,  # fp32 [1] or [C]
+    token_scale_ptr,  # fp32 [1] or [C]
+    student_inv_t_stride,  # 0 for a shared value, 1 per row (each of the four)
     teacher_inv_t_stride,
     ce_inv_t_stride,
     token_scale_stride,
-    loss_ptr,
-    divergence_ptr,
-    ce_ptr,
-    statistics_ptr,
-    mixture_ptr,
-    target_logit_ptr,
-    beta,
-    hard_weight,
+    loss_ptr,  # [C] fp32 out: token_scale ((1 - w) divergence + w ce)
+    divergence_ptr,  # [C] fp32 out: the divergence (0 without one)
+    ce_ptr,  # [C] fp32 out (only with HAS_CE)
+    statistics_ptr,  # [C, SPLITS, STATISTICS] fp32 scratch of the split launch: each slice's pass 1
+    mixture_ptr,  # [C, SPLITS, 2] fp32 scratch of the split launch ("jsd"): each slice's JSD sums
+    target_logit_ptr,  # [C] fp32 scratch of the split launch (HAS_CE): z_c at the target
+    beta,  # JSD's teacher weight in M
+    hard_weight,  # w
     student_softcap,
     teacher_softcap,
     V: tl.constexpr,
-    DIVERGENCE: tl.constexpr,
-    DIVERGENCE_GRAD: tl.constexpr,
-    HAS_CE: tl.constexpr,
+    DIVERGENCE: tl.constexpr,  # DIVERGENCES' value
+    DIVERGENCE_GRAD: tl.constexpr,  # the divergence's gradient term (a divergence and w < 1)
+    HAS_CE: tl.constexpr,  # w > 0
     STUDENT_SOFTCAP: tl.constexpr,
     TEACHER_SOFTCAP: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
-    PRECISE: tl.constexpr,
-    PRECISE_GRAD: tl.constexpr,
-    GRAD_IN_ROW: tl.constexpr,
+    PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
+    PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
+    GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
     BLOCK_V: tl.constexpr,
-    SLICE_V: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SLICE_V: tl.constexpr,  # columns per program: a multiple of BLOCK_V (split launch), V (whole rows)
+    SPLITS: tl.constexpr,  # programs per row (program_id(1) is the slice)
     SPLITS_POW2: tl.constexpr,
+    STEP: tl.constexpr,  # WHOLE_ROW, or the split launch's SLICE_STATISTICS, SLICE_MIXTURE, SLICE_FINISH
 ):
-    """Split launch, step 1 (grid [C, SPLITS]): pass 1 over one slice of a row, into ``statistics_ptr``; the
-    first slice's program also keeps the target's CE logit (the last step overwrites the row)."""
+    """WHOLE_ROW: one program per row runs every pass. The split launch, a program per slice of a row: pass 1
+    into ``statistics_ptr`` (SLICE_STATISTICS; the first slice's program also keeps the target's CE logit, which
+    the last step overwrites); JSD's pass 2 into ``mixture_ptr`` (SLICE_MIXTURE, "jsd" only); the row's loss
+    (stored by the first slice's program) and the gradient pass (SLICE_FINISH, grid [C, 1] without
+    COMPUTE_GRAD). The later steps merge every slice's statistics first."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    begin = split * SLICE_V
-    end = tl.minimum(begin + SLICE_V, V)
+    if STEP == _WHOLE_ROW:
+        begin = 0
+        end = V
+    else:
+        begin = split * SLICE_V
+        end = tl.minimum(begin + SLICE_V, V)
     student_row = student_ptr + row * student_row_stride
+    teacher_row = teacher_ptr + row * teacher_row_stride
     inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
         row,
         target_ptr,
@@ -643,263 +489,154 @@ def _distill_statistics_kernel(
         DIVERGENCE,
         HAS_CE,
     )
-    m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _statistics_pass(
-        student_row,
-        teacher_ptr + row * teacher_row_stride,
-        begin,
-        end,
-        inv_t_s,
-        inv_t_t,
-        ce_inv_t,
-        own_ce_lse,
-        student_softcap,
-        teacher_softcap,
-        DIVERGENCE,
-        HAS_CE,
-        STUDENT_SOFTCAP,
-        TEACHER_SOFTCAP,
-        PRECISE,
-        BLOCK_V,
-    )
-    out = statistics_ptr + (row * SPLITS + split) * _STATISTICS
-    tl.store(out, m_s)
-    tl.store(out + 1, d_s)
-    tl.store(out + 2, m_t)
-    tl.store(out + 3, d_t)
-    tl.store(out + 4, m_c)
-    tl.store(out + 5, d_c)
-    tl.store(out + 6, kl_sum)
-    if HAS_CE:  # noqa: SIM102
-        if split == 0:
-            z_target, _ = load_transformed(
-                student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
-            )
-            tl.store(target_logit_ptr + row, z_target)
-
-
-@triton.jit
-def _distill_mixture_kernel(
-    student_ptr,
-    student_row_stride,
-    teacher_ptr,
-    teacher_row_stride,
-    grad_ptr,
-    grad_row_stride,
-    target_ptr,
-    student_inv_t_ptr,
-    teacher_inv_t_ptr,
-    ce_inv_t_ptr,
-    token_scale_ptr,
-    student_inv_t_stride,
-    teacher_inv_t_stride,
-    ce_inv_t_stride,
-    token_scale_stride,
-    loss_ptr,
-    divergence_ptr,
-    ce_ptr,
-    statistics_ptr,
-    mixture_ptr,
-    target_logit_ptr,
-    beta,
-    hard_weight,
-    student_softcap,
-    teacher_softcap,
-    V: tl.constexpr,
-    DIVERGENCE: tl.constexpr,
-    DIVERGENCE_GRAD: tl.constexpr,
-    HAS_CE: tl.constexpr,
-    STUDENT_SOFTCAP: tl.constexpr,
-    TEACHER_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    PRECISE: tl.constexpr,
-    PRECISE_GRAD: tl.constexpr,
-    GRAD_IN_ROW: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    SLICE_V: tl.constexpr,
-    SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
-):
-    """Split launch, step 2 ("jsd" only, grid [C, SPLITS]): the row's LSEs from every slice's statistics, then
-    JSD's pass 2 over one slice, into ``mixture_ptr``."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    begin = split * SLICE_V
-    end = tl.minimum(begin + SLICE_V, V)
-    inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
-        row,
-        target_ptr,
-        student_inv_t_ptr,
-        teacher_inv_t_ptr,
-        ce_inv_t_ptr,
-        token_scale_ptr,
-        student_inv_t_stride,
-        teacher_inv_t_stride,
-        ce_inv_t_stride,
-        token_scale_stride,
-        DIVERGENCE,
-        HAS_CE,
-    )
-    m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _row_statistics(
-        statistics_ptr, row, DIVERGENCE, PRECISE, SPLITS, SPLITS_POW2
-    )
-    kl_q_m, kl_p_m = _mixture_pass(
-        student_ptr + row * student_row_stride,
-        teacher_ptr + row * teacher_row_stride,
-        begin,
-        end,
-        m_s + log(d_s, PRECISE),
-        m_t + log(d_t, PRECISE),
-        inv_t_s,
-        inv_t_t,
-        beta,
-        student_softcap,
-        teacher_softcap,
-        STUDENT_SOFTCAP,
-        TEACHER_SOFTCAP,
-        PRECISE,
-        BLOCK_V,
-    )
-    out = mixture_ptr + (row * SPLITS + split) * 2
-    tl.store(out, kl_q_m)
-    tl.store(out + 1, kl_p_m)
-
-
-@triton.jit
-def _distill_finish_kernel(
-    student_ptr,
-    student_row_stride,
-    teacher_ptr,
-    teacher_row_stride,
-    grad_ptr,
-    grad_row_stride,
-    target_ptr,
-    student_inv_t_ptr,
-    teacher_inv_t_ptr,
-    ce_inv_t_ptr,
-    token_scale_ptr,
-    student_inv_t_stride,
-    teacher_inv_t_stride,
-    ce_inv_t_stride,
-    token_scale_stride,
-    loss_ptr,
-    divergence_ptr,
-    ce_ptr,
-    statistics_ptr,
-    mixture_ptr,
-    target_logit_ptr,
-    beta,
-    hard_weight,
-    student_softcap,
-    teacher_softcap,
-    V: tl.constexpr,
-    DIVERGENCE: tl.constexpr,
-    DIVERGENCE_GRAD: tl.constexpr,
-    HAS_CE: tl.constexpr,
-    STUDENT_SOFTCAP: tl.constexpr,
-    TEACHER_SOFTCAP: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr,
-    PRECISE: tl.constexpr,
-    PRECISE_GRAD: tl.constexpr,
-    GRAD_IN_ROW: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    SLICE_V: tl.constexpr,
-    SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr,
-):
-    """Split launch, last step (grid [C, SPLITS] with COMPUTE_GRAD, else [C, 1]): the row's loss from every
-    slice's statistics (stored by the first slice's program), then the gradient pass over one slice."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    begin = split * SLICE_V
-    end = tl.minimum(begin + SLICE_V, V)
-    inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
-        row,
-        target_ptr,
-        student_inv_t_ptr,
-        teacher_inv_t_ptr,
-        ce_inv_t_ptr,
-        token_scale_ptr,
-        student_inv_t_stride,
-        teacher_inv_t_stride,
-        ce_inv_t_stride,
-        token_scale_stride,
-        DIVERGENCE,
-        HAS_CE,
-    )
-    m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _row_statistics(
-        statistics_ptr, row, DIVERGENCE, PRECISE, SPLITS, SPLITS_POW2
-    )
-    lse_s = m_s + log(d_s, PRECISE)
-    lse_t = lse_s
-    if DIVERGENCE != 0:
-        lse_t = m_t + log(d_t, PRECISE)
-    kl_q_m = tl.zeros((), tl.float32)
-    kl_p_m = tl.zeros((), tl.float32)
-    if DIVERGENCE == 3:
-        parts = tl.arange(0, SPLITS_POW2)
-        present = parts < SPLITS
-        sums = mixture_ptr + (row * SPLITS + parts) * 2
-        kl_q_m = tl.sum(tl.load(sums, mask=present, other=0.0), 0)
-        kl_p_m = tl.sum(tl.load(sums + 1, mask=present, other=0.0), 0)
-    z_target = tl.zeros((), tl.float32)
-    if HAS_CE:
-        z_target = tl.load(target_logit_ptr + row)
-    loss, divergence, ce, lse_c = _row_loss(
-        lse_s,
-        lse_t,
-        d_s,
-        d_t,
-        m_c,
-        d_c,
-        kl_sum,
-        kl_q_m,
-        kl_p_m,
-        own_ce_lse,
-        z_target,
-        token_scale,
-        beta,
-        hard_weight,
-        DIVERGENCE,
-        DIVERGENCE_GRAD,
-        HAS_CE,
-        PRECISE,
-    )
-    if split == 0:
-        tl.store(loss_ptr + row, loss)
-        tl.store(divergence_ptr + row, divergence)
-        if HAS_CE:
-            tl.store(ce_ptr + row, ce)
-    if COMPUTE_GRAD:
-        _gradient_pass(
-            student_ptr + row * student_row_stride,
-            teacher_ptr + row * teacher_row_stride,
-            grad_ptr + row * grad_row_stride,
+    if STEP != _SLICE_MIXTURE and STEP != _SLICE_FINISH:  # pass 1 here
+        m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _statistics_pass(
+            student_row,
+            teacher_row,
             begin,
             end,
-            lse_s,
-            lse_t,
-            lse_c,
-            divergence,
-            kl_p_m,
-            target,
             inv_t_s,
             inv_t_t,
             ce_inv_t,
-            token_scale,
-            beta,
-            hard_weight,
+            own_ce_lse,
             student_softcap,
             teacher_softcap,
             DIVERGENCE,
-            DIVERGENCE_GRAD,
             HAS_CE,
             STUDENT_SOFTCAP,
             TEACHER_SOFTCAP,
-            PRECISE_GRAD,
-            False,
-            False,
+            PRECISE,
             BLOCK_V,
         )
+    else:
+        m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _row_statistics(
+            statistics_ptr, row, DIVERGENCE, PRECISE, SPLITS, SPLITS_POW2
+        )
+
+    if STEP == _SLICE_STATISTICS:
+        out = statistics_ptr + (row * SPLITS + split) * _STATISTICS
+        tl.store(out, m_s)
+        tl.store(out + 1, d_s)
+        tl.store(out + 2, m_t)
+        tl.store(out + 3, d_t)
+        tl.store(out + 4, m_c)
+        tl.store(out + 5, d_c)
+        tl.store(out + 6, kl_sum)
+        if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
+            if split == 0:
+                z_target, _ = load_transformed(
+                    student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
+                )
+                tl.store(target_logit_ptr + row, z_target)
+    else:
+        lse_s = m_s + log(d_s, PRECISE)
+        lse_t = lse_s
+        if DIVERGENCE != 0:
+            lse_t = m_t + log(d_t, PRECISE)
+        kl_q_m = tl.zeros((), tl.float32)
+        kl_p_m = tl.zeros((), tl.float32)
+        if DIVERGENCE == 3 and STEP != _SLICE_FINISH:  # the row's (WHOLE_ROW) or the slice's (SLICE_MIXTURE)
+            kl_q_m, kl_p_m = _mixture_pass(
+                student_row,
+                teacher_row,
+                begin,
+                end,
+                lse_s,
+                lse_t,
+                inv_t_s,
+                inv_t_t,
+                beta,
+                student_softcap,
+                teacher_softcap,
+                STUDENT_SOFTCAP,
+                TEACHER_SOFTCAP,
+                PRECISE,
+                BLOCK_V,
+            )
+        if DIVERGENCE == 3 and STEP == _SLICE_FINISH:
+            parts = tl.arange(0, SPLITS_POW2)
+            present = parts < SPLITS
+            sums = mixture_ptr + (row * SPLITS + parts) * 2
+            kl_q_m = tl.sum(tl.load(sums, mask=present, other=0.0), 0)
+            kl_p_m = tl.sum(tl.load(sums + 1, mask=present, other=0.0), 0)
+        if STEP == _SLICE_MIXTURE:
+            out = mixture_ptr + (row * SPLITS + split) * 2
+            tl.store(out, kl_q_m)
+            tl.store(out + 1, kl_p_m)
+        else:
+            z_target = tl.zeros((), tl.float32)
+            if HAS_CE:
+                if STEP == _WHOLE_ROW:
+                    z_target, _ = load_transformed(
+                        student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
+                    )
+                else:
+                    z_target = tl.load(target_logit_ptr + row)
+            loss, divergence, ce, lse_c = _row_loss(
+                lse_s,
+                lse_t,
+                d_s,
+                d_t,
+                m_c,
+                d_c,
+                kl_sum,
+                kl_q_m,
+                kl_p_m,
+                own_ce_lse,
+                z_target,
+                token_scale,
+                beta,
+                hard_weight,
+                DIVERGENCE,
+                DIVERGENCE_GRAD,
+                HAS_CE,
+                PRECISE,
+            )
+            if split == 0:
+                tl.store(loss_ptr + row, loss)
+                tl.store(divergence_ptr + row, divergence)
+                if HAS_CE:
+                    tl.store(ce_ptr + row, ce)
+            if COMPUTE_GRAD:
+                if STEP == _WHOLE_ROW:
+                    # Every warp has read the row (the target's logit too) before any warp overwrites it: loads
+                    # may be issued ahead of the stores of the pass below. (A slice's earlier reads were other
+                    # launches.)
+                    tl.debug_barrier()
+                # Whole rows go against the previous pass's direction, so that the blocks it read last (the
+                # likeliest still in L2) come first: last block first after pass 1, first block first after
+                # JSD's pass 2, except that the 16-bit gradient in the fp32 rows always goes last block first
+                # (its values land at or past the block being read).
+                _gradient_pass(
+                    student_row,
+                    teacher_row,
+                    grad_ptr + row * grad_row_stride,
+                    begin,
+                    end,
+                    lse_s,
+                    lse_t,
+                    lse_c,
+                    divergence,
+                    kl_p_m,
+                    target,
+                    inv_t_s,
+                    inv_t_t,
+                    ce_inv_t,
+                    token_scale,
+                    beta,
+                    hard_weight,
+                    student_softcap,
+                    teacher_softcap,
+                    DIVERGENCE,
+                    DIVERGENCE_GRAD,
+                    HAS_CE,
+                    STUDENT_SOFTCAP,
+                    TEACHER_SOFTCAP,
+                    PRECISE_GRAD,
+                    GRAD_IN_ROW,
+                    STEP == _WHOLE_ROW and (GRAD_IN_ROW or DIVERGENCE != 3),
+                    BLOCK_V,
+                )
 
 
 def _scratch(numel: int, device: torch.device) -> torch.Tensor:
@@ -1037,12 +774,12 @@ def distill_chunk(
             **({} if config.num_stages is None else {"num_stages": config.num_stages}),
         )
         if not split:
-            _distill_kernel[(n_rows,)](*args, **constants)
+            _distill_kernel[(n_rows, 1)](*args, STEP=WHOLE_ROW, **constants)
         else:
-            _distill_statistics_kernel[(n_rows, splits)](*args, **constants)
+            _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_STATISTICS, **constants)
             if jsd:
-                _distill_mixture_kernel[(n_rows, splits)](*args, **constants)
-            _distill_finish_kernel[(n_rows, splits if compute_grad else 1)](*args, **constants)
+                _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_MIXTURE, **constants)
+            _distill_kernel[(n_rows, splits if compute_grad else 1)](*args, STEP=SLICE_FINISH, **constants)
     return loss, divergence_rows, ce if has_ce else None
 
 
