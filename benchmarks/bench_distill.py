@@ -222,24 +222,20 @@ def _kernel_launch(
     return build
 
 
-def _launch_name(block: int, programs_per_sm: Optional[int], rows: Optional[int]) -> str:
+def _launch_provider(block: int, programs_per_sm: int, rows: Optional[int]) -> Tuple[str, str]:
+    """(name, call) of a launch provider: ``block`` columns (a warp per 512, the library's rule), whole rows
+    (``programs_per_sm`` 0) or split for that many programs an SM, the teacher's block rows if given."""
     warps = max(4, min(16, block // 512))
     name = f"flce_launch_{block}x{warps}"
-    if programs_per_sm == 0:
-        name += "_whole_rows"
-    elif programs_per_sm is not None:
-        name += f"_split_{programs_per_sm}"
-    return name + (f"_block_{rows}" if rows else "")
-
-
-def _launch_call(block: int, programs_per_sm: Optional[int], rows: Optional[int]) -> str:
-    warps = max(4, min(16, block // 512))
     call = f"flce with the distillation kernel launched as {block}x{warps} (block columns x warps)"
     if programs_per_sm == 0:
-        call += ", one program per row (whole rows)"
-    elif programs_per_sm is not None:
+        name, call = name + "_whole_rows", call + ", one program per row (whole rows)"
+    else:
+        name += f"_split_{programs_per_sm}"
         call += f", rows split for {programs_per_sm} programs an SM"
-    return call + (f", AUXILIARY_BLOCK_ROWS = {rows}" if rows else "")
+    if rows:
+        name, call = name + f"_block_{rows}", call + f", AUXILIARY_BLOCK_ROWS = {rows}"
+    return name, call
 
 
 # name -> (call, builder, needs CUDA)
@@ -287,11 +283,7 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
     # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
     # whole rows; the teacher's block rows). The default: 8192 x 16, whole rows.
     **{
-        _launch_name(block, programs, rows): (
-            _launch_call(block, programs, rows),
-            _kernel_launch(block, rows, programs),
-            True,
-        )
+        name: (call, _kernel_launch(block, rows, programs), True)
         for block, programs, rows in (
             (4096, 0, None),
             (2048, 0, None),
@@ -304,6 +296,7 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
             (4096, 0, 512),
             (2048, 0, 512),
         )
+        for name, call in [_launch_provider(block, programs, rows)]
     },
 }
 LIGER_BASELINE = "liger_jsd_loss"  # the issue's goal: >= 1.5x its speed, at a peak no higher
