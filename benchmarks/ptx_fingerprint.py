@@ -177,6 +177,40 @@ def _run_distillation(torch, flce, tensors, generator, n) -> None:
             logits_precision="fp32" if dtype == torch.bfloat16 else "input",
         )  # fmt: skip
         loss.backward()
+    _run_distillation_split_launch(torch, generator)
+
+
+def _run_distillation_split_launch(torch, generator) -> None:
+    """The distillation kernel's split launch (the op runs whole rows unless ``PROGRAMS_PER_SM`` asks for it):
+    each divergence and the CE alone, with and without the gradient, on bf16 rows cut into three slices."""
+    from lightning_flce.kernels.distill import DistillLaunchConfig, distill_chunk
+
+    rows, columns = 4, 300
+    per_row = {
+        name: torch.rand(rows, generator=generator) + 0.5
+        for name in (
+            "student_inv_temperature",
+            "teacher_inv_temperature",
+            "ce_inv_temperature",
+            "token_scale",
+        )
+    }
+    for divergence, hard_weight in (
+        ("forward_kl", 0.0),
+        ("reverse_kl", 0.3),
+        ("jsd", 0.0),
+        ("jsd", 0.3),
+        (None, 1.0),
+    ):
+        for compute_grad in (True, False):
+            student = torch.randn(rows, columns, generator=generator).bfloat16()
+            teacher = torch.randn(rows, columns, generator=generator).bfloat16()
+            target = torch.randint(0, columns, (rows,), generator=generator)
+            distill_chunk(
+                student, teacher, target, divergence=divergence, beta=0.5, student_softcap=0.0,
+                teacher_softcap=0.0, hard_weight=hard_weight, compute_grad=compute_grad,
+                config=DistillLaunchConfig(64, 4, None, 3), **per_row,
+            )  # fmt: skip
 
 
 def _run_shard_kernels(torch, generator) -> None:
