@@ -9,7 +9,8 @@ opcodes whose counts differ; equal loops give equal speed.
     python3 benchmarks/experiments/distill_kernel_sass_diff.py 2ae6aa4
 
 Run 2026-12-06 against 2ae6aa4 (the kernel the H100 results measured) after the split launch's refactor: the
-whole-row kernel differs by one ``S2UR`` (``program_id(1)``), one compare and one branch, outside the loops.
+whole-row kernel differs by one ``S2UR`` (``program_id(1)``), one compare and one branch, outside the loops
+(with the CE also one scalar FFMA as FMUL + FADD).
 """
 
 from __future__ import annotations

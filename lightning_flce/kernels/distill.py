@@ -508,10 +508,20 @@ def _distill_kernel(
             PRECISE,
             BLOCK_V,
         )
+        z_target = tl.zeros((), tl.float32)
+        if (
+            HAS_CE
+        ):  # read before any gradient overwrites the row (the split launch keeps it for its last step)
+            z_target, _ = load_transformed(
+                student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
+            )
     else:
         m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _row_statistics(
             statistics_ptr, row, DIVERGENCE, PRECISE, SPLITS, SPLITS_POW2
         )
+        z_target = tl.zeros((), tl.float32)
+        if HAS_CE:
+            z_target = tl.load(target_logit_ptr + row)
 
     if STEP == _SLICE_STATISTICS:
         out = statistics_ptr + (row * SPLITS + split) * _STATISTICS
@@ -524,9 +534,6 @@ def _distill_kernel(
         tl.store(out + 6, kl_sum)
         if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
             if split == 0:
-                z_target, _ = load_transformed(
-                    student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
-                )
                 tl.store(target_logit_ptr + row, z_target)
     else:
         lse_s = m_s + log(d_s, PRECISE)
@@ -564,14 +571,6 @@ def _distill_kernel(
             tl.store(out, kl_q_m)
             tl.store(out + 1, kl_p_m)
         else:
-            z_target = tl.zeros((), tl.float32)
-            if HAS_CE:
-                if STEP == _WHOLE_ROW:
-                    z_target, _ = load_transformed(
-                        student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
-                    )
-                else:
-                    z_target = tl.load(target_logit_ptr + row)
             loss, divergence, ce, lse_c = _row_loss(
                 lse_s,
                 lse_t,
