@@ -515,9 +515,9 @@ def _distill_kernel(
             BLOCK_V,
         )
         z_target = tl.zeros((), tl.float32)
-        if (
-            HAS_CE
-        ):  # read before any gradient overwrites the row (the split launch keeps it for its last step)
+        # the target's CE logit, read before any gradient overwrites the row (the split launch keeps it for its
+        # last step)
+        if HAS_CE:
             z_target, _ = load_transformed(
                 student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
             )
