@@ -185,16 +185,12 @@ def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
 
 
 def _kernel_launch(
-    max_block_v: int,
-    block_rows: Optional[int] = None,
-    programs_per_sm: Optional[int] = None,
-    l2_share: Optional[float] = None,
+    max_block_v: int, block_rows: Optional[int] = None, programs_per_sm: Optional[int] = None
 ) -> Callable[..., LossFn]:
     """A builder of the default loss with the distillation kernel's blocks capped at ``max_block_v`` columns (the
     library's launch rule otherwise: a warp per 512 columns), and, if given, ``engine.AUXILIARY_BLOCK_ROWS`` set to
-    ``block_rows``, ``kernels.distill.PROGRAMS_PER_SM`` to ``programs_per_sm`` (0: whole rows, one program
-    each) and ``kernels.distill.L2_SHARE`` to ``l2_share`` (the split launch's steps on groups of rows that fill
-    that share of the L2), during each call: launch configurations inside the op, against the default, in one run
+    ``block_rows`` and ``kernels.distill.PROGRAMS_PER_SM`` to ``programs_per_sm`` (0: whole rows, one program
+    each), during each call: launch configurations inside the op, against the default, in one run
     (``experiments/bench_distill_kernel.py`` times the kernel alone on whole chunks)."""
 
     def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
@@ -210,32 +206,25 @@ def _kernel_launch(
         def fn(xs, ws, xt, wt, target):
             default_rows = engine.AUXILIARY_BLOCK_ROWS
             default_programs = distill_kernel.PROGRAMS_PER_SM
-            default_share = distill_kernel.L2_SHARE
             distill_kernel.default_distill_launch_config = launch
             engine.AUXILIARY_BLOCK_ROWS = block_rows or default_rows
             if programs_per_sm is not None:
                 distill_kernel.PROGRAMS_PER_SM = programs_per_sm
-            if l2_share is not None:
-                distill_kernel.L2_SHARE = l2_share
             try:
                 return loss_fn(xs, ws, xt, wt, target)
             finally:
                 distill_kernel.default_distill_launch_config = default_launch
                 engine.AUXILIARY_BLOCK_ROWS = default_rows
                 distill_kernel.PROGRAMS_PER_SM = default_programs
-                distill_kernel.L2_SHARE = default_share
 
         return fn
 
     return build
 
 
-def _launch_provider(
-    block: int, programs_per_sm: int, rows: Optional[int], l2_share: Optional[float] = None
-) -> Tuple[str, str]:
+def _launch_provider(block: int, programs_per_sm: int, rows: Optional[int]) -> Tuple[str, str]:
     """(name, call) of a launch provider: ``block`` columns (a warp per 512, the library's rule), whole rows
-    (``programs_per_sm`` 0) or split for that many programs an SM, the teacher's block rows and the split
-    launch's L2 share per group of rows if given."""
+    (``programs_per_sm`` 0) or split for that many programs an SM, the teacher's block rows if given."""
     warps = max(4, min(16, block // 512))
     name = f"flce_launch_{block}x{warps}"
     call = f"flce with the distillation kernel launched as {block}x{warps} (block columns x warps)"
@@ -246,9 +235,6 @@ def _launch_provider(
         call += f", rows split for {programs_per_sm} programs an SM"
     if rows:
         name, call = name + f"_block_{rows}", call + f", AUXILIARY_BLOCK_ROWS = {rows}"
-    if l2_share:
-        name += f"_l2_{round(l2_share * 100)}"
-        call += f", its steps on groups of rows that fill {l2_share:.0%} of the L2 (L2_SHARE)"
     return name, call
 
 
@@ -297,26 +283,22 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
     # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
     # whole rows; the teacher's block rows). The default: 8192 x 16, whole rows.
     **{
-        name: (call, _kernel_launch(block, rows, programs, share), True)
-        for block, programs, rows, share in (
-            (4096, 0, None, None),
-            (2048, 0, None, None),
-            (4096, 8, None, None),
-            (2048, 8, None, None),
-            (8192, 8, None, None),
-            (4096, 4, None, None),
-            (4096, 16, None, None),
-            (4096, 8, 512, None),
+        name: (call, _kernel_launch(block, rows, programs), True)
+        for block, programs, rows in (
+            (4096, 0, None),
+            (2048, 0, None),
+            (4096, 8, None),
+            (2048, 8, None),
+            (8192, 8, None),
+            (4096, 4, None),
+            (4096, 16, None),
+            (4096, 8, 512),
             # with slices the kernel needs no more rows, so the teacher's GEMM may have them
-            (4096, 8, 1024, None),
-            (4096, 0, 512, None),
-            (2048, 0, 512, None),
-            # the split launch's steps on groups of rows that fit the L2: later steps read L2, not memory
-            (4096, 8, None, 0.5),
-            (4096, 8, None, 0.75),
-            (4096, 8, 1024, 0.5),
+            (4096, 8, 1024),
+            (4096, 0, 512),
+            (2048, 0, 512),
         )
-        for name, call in [_launch_provider(block, programs, rows, share)]
+        for name, call in [_launch_provider(block, programs, rows)]
     },
 }
 LIGER_BASELINE = "liger_jsd_loss"  # the issue's goal: >= 1.5x its speed, at a peak no higher

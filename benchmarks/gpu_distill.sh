@@ -16,8 +16,7 @@
 # 9 min), then `SKIP_BENCH=1 TEST_TIMEOUT_S=500 TEST_FILES="tests/" PYTEST_STOP= bash benchmarks/gpu_distill.sh`
 # (every CUDA test of the suite, the engine's changes included; PYTEST_STOP empty: no -x, every failure listed).
 # LAUNCH_TESTS=4096:8 runs the distillation CUDA tests a second time under that launch of the kernel (blocks of at
-# most 4096 columns, rows split for 8 programs an SM: the split launch; LAUNCH_TEST_TIMEOUT_S, 120); a third field,
-# 4096:8:0.5, runs the split launch's steps on groups of rows that fill that share of the L2.
+# most 4096 columns, rows split for 8 programs an SM: the split launch; LAUNCH_TEST_TIMEOUT_S, 120).
 # Files under $OUT: env.txt, cuda_tests.log, cuda_tests_launch.log, gpu_distill.log (everything), distill.jsonl,
 # distill.md.
 NAME=gpu_distill
@@ -47,17 +46,16 @@ source "$(dirname "$0")/_gpu_env.sh"
 
     if [ -n "${LAUNCH_TESTS:-}" ]; then
         # The distillation CUDA tests again under a candidate launch of the kernel (experiments/
-        # distill_launch_override.py): LAUNCH_TESTS=<max block columns>:<programs an SM>[:<L2 share>], e.g. 4096:8
-        # (the split launch on blocks of 4096 x 8 warps), 4096:8:0.5 (its steps on groups of rows that fill half
-        # the L2) or 4096:0 (whole rows), so that one call checks a launch before it becomes the default.
+        # distill_launch_override.py): LAUNCH_TESTS=<max block columns>:<programs an SM>, e.g. 4096:8 (the split
+        # launch on blocks of 4096 x 8 warps) or 4096:0 (whole rows), so that one call checks a launch before it
+        # becomes the default.
         reserve=$([ "${SKIP_BENCH:-0}" = "1" ] && echo 20 || echo 180)
         t=$(( $(left) - reserve < ${LAUNCH_TEST_TIMEOUT_S:-120} ? $(left) - reserve : ${LAUNCH_TEST_TIMEOUT_S:-120} ))
         [ "$t" -lt 30 ] && t=30
         step "CUDA distillation tests under the launch ${LAUNCH_TESTS} (timeout ${t}s)"
-        IFS=: read -r launch_block launch_programs launch_l2_share <<<"$LAUNCH_TESTS"
         # shellcheck disable=SC2086
-        PYTHONPATH="$PWD/benchmarks/experiments:$PYTHONPATH" DISTILL_MAX_BLOCK_V="$launch_block" \
-            DISTILL_PROGRAMS_PER_SM="$launch_programs" DISTILL_L2_SHARE="${launch_l2_share:-}" timeout -k 10 "$t" "$PY" -m pytest -q -p no:cacheprovider \
+        PYTHONPATH="$PWD/benchmarks/experiments:$PYTHONPATH" DISTILL_MAX_BLOCK_V="${LAUNCH_TESTS%%:*}" \
+            DISTILL_PROGRAMS_PER_SM="${LAUNCH_TESTS##*:}" timeout -k 10 "$t" "$PY" -m pytest -q -p no:cacheprovider \
             -p distill_launch_override -k cuda tests/test_distill*.py ${PYTEST_ARGS:-} \
             2>&1 | tail -40 | tee "$OUT/cuda_tests_launch.log"
         echo "pytest exit status ${PIPESTATUS[0]} (5: none collected; 124/137: timed out)" | tee -a "$OUT/cuda_tests_launch.log"

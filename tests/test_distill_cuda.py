@@ -87,21 +87,18 @@ def _whole_rows(vocab: int):
 
 
 def _launch(name: str, vocab: int, rows: int = 256):
-    """None (the default launch), whole rows, or the split launch at 8 programs an SM (blocks of 4096 x 8), its
-    steps on all rows at once or on groups of 48 (the last one shorter)."""
+    """None (the default launch), whole rows, or the split launch at 8 programs an SM (blocks of 4096 x 8)."""
     from lightning_flce.kernels.distill import default_distill_launch_config
 
     if name == "whole-rows":
         return _whole_rows(vocab)
-    programs = 8 * torch.cuda.get_device_properties(0).multi_processor_count
     if name == "split":
-        return default_distill_launch_config(vocab, 4096, rows=rows, programs=programs)
-    if name == "split-in-groups":
-        return default_distill_launch_config(vocab, 4096, rows=rows, programs=programs, rows_per_launch=48)
+        programs = 8 * torch.cuda.get_device_properties(0).multi_processor_count
+        return default_distill_launch_config(vocab, max_block_v=4096, rows=rows, programs=programs)
     return None
 
 
-@pytest.mark.parametrize("launch", ["default", "whole-rows", "split", "split-in-groups"])
+@pytest.mark.parametrize("launch", ["default", "whole-rows", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("vocab", [32003, 128256])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", None])
@@ -150,7 +147,7 @@ def test_fp32_rows_with_bf16_teacher_and_gradient_in_rows(divergence, vocab):
     _check(got, reference_distill(student, teacher, target, **options), grad)
 
 
-@pytest.mark.parametrize("launch", ["whole-rows", "split", "split-in-groups"])
+@pytest.mark.parametrize("launch", ["whole-rows", "split"])
 @pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
 def test_repeatable(divergence, launch):
     """The same inputs give bit-identical rows and gradients run after run (a moving result is a race), whole

@@ -33,14 +33,7 @@ BLOCKS_OF_64 = (64, 4)  # DistillLaunchConfig(block_v, num_warps): five blocks p
 # the same blocks, each row in slices: (block_v, num_warps, num_stages, row_splits)
 THREE_SLICES = (64, 4, None, 3)
 FIVE_SLICES = (64, 4, None, 5)
-# three slices with the steps on groups of 3 rows: 8 rows as 3 + 3 + 2 (the last group shorter)
-GROUPED_SLICES = (64, 4, None, 3, 3)
-LAUNCHES = {
-    "whole-rows": BLOCKS_OF_64,
-    "3-slices": THREE_SLICES,
-    "5-slices": FIVE_SLICES,
-    "3-slices-in-groups": GROUPED_SLICES,
-}
+LAUNCHES = {"whole-rows": BLOCKS_OF_64, "3-slices": THREE_SLICES, "5-slices": FIVE_SLICES}
 
 
 def _transform(logits: torch.Tensor, softcap: float, inv_temperature: torch.Tensor) -> torch.Tensor:
@@ -217,25 +210,6 @@ def test_divergences_against_float64(divergence, ce_mode, per_row, launch):
     _check(got, want, grad)
 
 
-@pytest.mark.parametrize("ce_mode", CE_MODES)
-@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
-def test_split_launch_in_groups_of_rows(divergence, ce_mode):
-    """The split launch's steps on groups of rows (``rows_per_launch``: the groups that fit the L2): each group's
-    rows, per-row inputs, scratch and outputs are its own, the last group shorter; the same loss and gradient as
-    float64."""
-    hard_weight, own_ce = CE_MODES[ce_mode]
-    student, teacher, target, per_row_inputs = _problem(
-        16, masked=DIVERGENCE_MASKS[divergence], per_row=True, own_ce=own_ce
-    )
-    options = {**_options(divergence, hard_weight), **per_row_inputs}
-    grad = student.clone()
-    _check(
-        _run(grad, teacher, target, block=GROUPED_SLICES, **options),
-        reference_distill(student, teacher, target, **options),
-        grad,
-    )
-
-
 @pytest.mark.parametrize(
     "caps", [(5.0, 0.0), (0.0, 4.0), (3.0, 30.0)], ids=["student-cap", "teacher-cap", "both-caps"]
 )
@@ -322,7 +296,7 @@ def test_gradient_in_logits_rows_keeps_whole_rows(divergence):
     _check(split, reference_distill(student, teacher, target, **options), split_grad)
 
 
-@pytest.mark.parametrize("launch", ["whole-rows", "3-slices", "3-slices-in-groups"])
+@pytest.mark.parametrize("launch", ["whole-rows", "3-slices"])
 def test_strided_rows_and_separate_grad_out(launch):
     """Student and teacher rows of different strides (slices of wider buffers), the gradient into a separate
     fp32 buffer of a third stride: the logits unchanged, the rest of the wide buffers untouched."""
@@ -361,7 +335,7 @@ def test_hard_weight_one(divergence, own_ce, launch):
     _check(_run(grad, teacher, target, block=LAUNCHES[launch], **options), want, grad)
 
 
-@pytest.mark.parametrize("launch", ["whole-rows", "3-slices", "3-slices-in-groups"])
+@pytest.mark.parametrize("launch", ["whole-rows", "3-slices"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "jsd", None])
 def test_without_gradient(divergence, launch):
     """compute_grad=False: the same rows, the logits untouched; target None without the CE."""
@@ -440,8 +414,8 @@ def test_default_launch_rule_and_its_block_cap():
     split into slices of whole blocks until ``rows`` make ``programs`` programs; none asked for: whole rows."""
     from lightning_flce.kernels.distill import default_distill_launch_config
 
-    assert tuple(default_distill_launch_config(300)) == (512, 4, None, 1, 0)
-    assert tuple(default_distill_launch_config(128256)) == (8192, 16, None, 1, 0)
+    assert tuple(default_distill_launch_config(300)) == (512, 4, None, 1)
+    assert tuple(default_distill_launch_config(128256)) == (8192, 16, None, 1)
     assert tuple(default_distill_launch_config(128256, max_block_v=4096))[:2] == (4096, 8)
     assert tuple(default_distill_launch_config(256000, max_block_v=2048))[:2] == (2048, 4)
     assert tuple(default_distill_launch_config(1000, max_block_v=4096))[:2] == (1024, 4)
@@ -450,14 +424,3 @@ def test_default_launch_rule_and_its_block_cap():
     assert default_distill_launch_config(128256, 4096, rows=2048, programs=1056).row_splits == 1
     # no more slices than blocks
     assert default_distill_launch_config(5000, 4096, rows=4, programs=1056).row_splits == 2
-    # the steps on groups of 48 rows (those that fill an L2 share): the slices make the programs of a group
-    grouped = default_distill_launch_config(128256, 4096, rows=256, programs=1056, rows_per_launch=48)
-    assert (grouped.row_splits, grouped.rows_per_launch) == (22, 48)
-    # no group where the rows are fewer, or where the launch keeps whole rows
-    assert default_distill_launch_config(128256, 4096, rows=40, programs=1056, rows_per_launch=48)[3:] == (
-        27,
-        0,
-    )
-    assert default_distill_launch_config(128256, 4096, rows=2048, programs=1056, rows_per_launch=3000)[
-        3:
-    ] == (1, 0)

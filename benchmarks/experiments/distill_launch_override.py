@@ -1,9 +1,7 @@
 """A pytest plugin for the GPU: a candidate launch of the distillation kernel for the whole test session, so that
 the CUDA tests check it before it becomes the default. ``DISTILL_MAX_BLOCK_V`` caps the blocks (e.g. ``4096``: the
 library's launch rule otherwise, a warp per 512 columns, so 4096 x 8 warps); ``DISTILL_PROGRAMS_PER_SM`` sets
-``kernels.distill.PROGRAMS_PER_SM`` (e.g. ``8``: the split launch, rows cut into slices for 8 programs an SM),
-``DISTILL_L2_SHARE`` ``kernels.distill.L2_SHARE`` (e.g. ``0.5``: the split launch's steps on groups of rows that
-fill half the L2).
+``kernels.distill.PROGRAMS_PER_SM`` (e.g. ``8``: the split launch, rows cut into slices for 8 programs an SM).
 
     PYTHONPATH=benchmarks/experiments DISTILL_MAX_BLOCK_V=4096 python3 -m pytest -p distill_launch_override -k cuda tests/test_distill*.py
     PYTHONPATH=benchmarks/experiments DISTILL_MAX_BLOCK_V=4096 DISTILL_PROGRAMS_PER_SM=8 python3 -m pytest -p distill_launch_override -k cuda tests/test_distill*.py
@@ -30,9 +28,3 @@ def pytest_configure(config) -> None:
     if programs_per_sm:
         distill.PROGRAMS_PER_SM = int(programs_per_sm)
         print(f"distill_launch_override: rows split for {programs_per_sm} programs an SM")
-    l2_share = os.environ.get("DISTILL_L2_SHARE")
-    if l2_share:
-        distill.L2_SHARE = float(l2_share)
-        print(
-            f"distill_launch_override: the split launch's steps on groups of rows that fill {l2_share} of the L2"
-        )

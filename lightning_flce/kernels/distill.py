@@ -63,12 +63,6 @@ _ELEMENTS_PER_WARP = 512
 #: programs). 0, the default until the split launch is measured inside the op on a GPU: whole rows.
 PROGRAMS_PER_SM = 0
 
-#: The split launch's share of the GPU's L2 per group of rows: its steps run group by group, each group's two
-#: logit rows at most this share of the L2, so that a step after pass 1 reads them from L2 rather than from
-#: memory (JSD reads both rows three times). 0, the default until measured: every row in each launch (at the
-#: cost of 3 launches per group; 256 rows of both sides at V = 128K are 2.5x an H100's 50 MB).
-L2_SHARE = 0.0
-
 
 class DistillLaunchConfig(NamedTuple):
     """Launch parameters of the distillation kernels: the cross-entropy kernel's
@@ -78,56 +72,26 @@ class DistillLaunchConfig(NamedTuple):
     num_warps: int
     num_stages: Optional[int] = None  # None: Triton's default
     row_splits: int = 1  # 1: whole rows; more: the split launch (at most one slice per block)
-    rows_per_launch: int = 0  # the split launch: its steps on groups of at most this many rows (0: every row)
 
 
 def default_distill_launch_config(
-    vocab: int,
-    max_block_v: int = _MAX_BLOCK_V,
-    *,
-    rows: int = 0,
-    programs: int = 0,
-    rows_per_launch: int = 0,
+    vocab: int, max_block_v: int = _MAX_BLOCK_V, *, rows: int = 0, programs: int = 0
 ) -> DistillLaunchConfig:
     """The launch for ``rows`` rows of ``vocab`` logits: blocks of at most ``max_block_v`` columns, a warp per 512
-    of them, and each row split into as many slices (of whole blocks) as it takes for ``rows`` (or a group of
-    ``rows_per_launch`` of them, the split launch's steps then running group by group) to make ``programs``
-    programs (``distill_chunk`` asks for :data:`PROGRAMS_PER_SM` per SM on a GPU and the rows that fill
-    :data:`L2_SHARE` of its L2; 0: whole rows, every row in one launch).
+    of them, and each row split into as many slices (of whole blocks) as it takes for ``rows`` to make
+    ``programs`` programs (``distill_chunk`` asks for :data:`PROGRAMS_PER_SM` per SM on a GPU; 0: whole rows).
     ``benchmarks/experiments/bench_distill_kernel.py`` sweeps the alternatives alone, ``bench_distill.py``'s
     ``flce_launch_*`` rows inside the op."""
     block_v = min(max_block_v, triton.next_power_of_2(vocab))
     splits = 1
-    grouped = 0 < rows_per_launch < rows
-    rows = rows_per_launch if grouped else rows
     if rows and programs > rows:
         splits = min(triton.cdiv(programs, rows), triton.cdiv(vocab, block_v))
-    warps = max(4, min(16, block_v // _ELEMENTS_PER_WARP))
-    return DistillLaunchConfig(block_v, warps, None, splits, rows if grouped and splits > 1 else 0)
+    return DistillLaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)), None, splits)
 
 
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def target_rows_per_launch(device: torch.device, row_bytes: int) -> int:
-    """The rows whose logits (``row_bytes`` a row, both sides) fill :data:`L2_SHARE` of the device's L2: the split
-    launch's group (0 off CUDA or with the share 0: every row in each launch)."""
-    if device.type != "cuda" or L2_SHARE <= 0.0:
-        return 0
-    l2_bytes = _l2_bytes(device.index if device.index is not None else torch.cuda.current_device())
-    if not l2_bytes:
-        return 0
-    rows = int(L2_SHARE * l2_bytes) // max(1, row_bytes)
-    # whole multiples of 8 rows keep every group's per-row pointers 16-byte aligned (one specialization)
-    return max(8, rows - rows % 8)
-
-
-@functools.cache
-def _l2_bytes(device_index: int) -> int:
-    # 0 where this torch does not report it: every row in each launch
-    return getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0)
 
 
 def target_programs(device: torch.device) -> int:
@@ -760,13 +724,7 @@ def distill_chunk(
     divergence_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     ce = torch.empty(n_rows if has_ce else 0, dtype=torch.float32, device=device)
     if n_rows:
-        row_bytes = vocab * (student_logits.element_size() + teacher_logits.element_size())
-        config = config or default_distill_launch_config(
-            vocab,
-            rows=n_rows,
-            programs=target_programs(device),
-            rows_per_launch=target_rows_per_launch(device, row_bytes),
-        )
+        config = config or default_distill_launch_config(vocab, rows=n_rows, programs=target_programs(device))
         block_v = config.block_v
         # 1 for a LaunchConfig; the 16-bit gradient in fp32 rows lands past its own slice: whole rows
         splits = 1 if grad_in_row else max(1, getattr(config, "row_splits", 1))
@@ -775,9 +733,35 @@ def distill_chunk(
         split = splits > 1
         jsd = divergence == "jsd"
         precise = exp_precision(student_logits.dtype, None)[0] or exp_precision(teacher_logits.dtype, None)[0]
-        statistics = _scratch(n_rows * splits * STATISTICS, device) if split else loss
-        mixture = _scratch(n_rows * splits * 2, device) if split and jsd else loss
-        target_logit = _scratch(n_rows, device) if split and has_ce else loss
+        scratch = loss  # a dummy pointer where a scratch buffer is not used
+        args = (
+            student_logits,
+            student_logits.stride(0),
+            teacher_logits,
+            teacher_logits.stride(0),
+            grad,
+            grad.stride(0),
+            target if has_ce else loss,  # a dummy pointer without the CE
+            student_inv_t,
+            teacher_inv_t,
+            ce_inv_t,
+            scale,
+            student_stride,
+            teacher_stride,
+            ce_stride,
+            scale_stride,
+            loss,
+            divergence_rows,
+            ce if has_ce else loss,
+            _scratch(n_rows * splits * STATISTICS, device) if split else scratch,
+            _scratch(n_rows * splits * 2, device) if split and jsd else scratch,
+            _scratch(n_rows, device) if split and has_ce else scratch,
+            float(beta),
+            float(hard_weight),
+            float(student_softcap),
+            float(teacher_softcap),
+            vocab,
+        )
         constants = dict(
             DIVERGENCE=DIVERGENCES[divergence],
             DIVERGENCE_GRAD=divergence is not None and hard_weight < 1.0,
@@ -795,53 +779,13 @@ def distill_chunk(
             num_warps=config.num_warps,
             **({} if config.num_stages is None else {"num_stages": config.num_stages}),
         )
-
-        def rows(values: torch.Tensor, begin: int, end: int, per_row: int = 1) -> torch.Tensor:
-            # rows [begin, end) of a per-row tensor (``per_row`` values a row); a dummy or shared one as it is
-            return values[begin * per_row : end * per_row] if values is not loss and per_row else values
-
-        # The split launch's steps run on groups of rows (``rows_per_launch``), so that a step after pass 1
-        # finds its group's logits still in L2; whole rows and the default split launch: one group.
-        group = getattr(config, "rows_per_launch", 0) if split else 0
-        group = group if 0 < group < n_rows else n_rows
-        for begin in range(0, n_rows, group):
-            end = min(begin + group, n_rows)
-            args = (
-                student_logits[begin:end],
-                student_logits.stride(0),
-                teacher_logits[begin:end],
-                teacher_logits.stride(0),
-                grad[begin:end],
-                grad.stride(0),
-                target[begin:end] if has_ce else loss,  # a dummy pointer without the CE
-                rows(student_inv_t, begin, end, student_stride),
-                rows(teacher_inv_t, begin, end, teacher_stride),
-                rows(ce_inv_t, begin, end, ce_stride),
-                rows(scale, begin, end, scale_stride),
-                student_stride,
-                teacher_stride,
-                ce_stride,
-                scale_stride,
-                loss[begin:end],
-                divergence_rows[begin:end],
-                rows(ce, begin, end) if has_ce else loss[begin:end],
-                rows(statistics, begin, end, splits * STATISTICS),
-                rows(mixture, begin, end, splits * 2),
-                rows(target_logit, begin, end),
-                float(beta),
-                float(hard_weight),
-                float(student_softcap),
-                float(teacher_softcap),
-                vocab,
-            )
-            n = end - begin
-            if not split:
-                _distill_kernel[(n, 1)](*args, STEP=WHOLE_ROW, **constants)
-            else:
-                _distill_kernel[(n, splits)](*args, STEP=SLICE_STATISTICS, **constants)
-                if jsd:
-                    _distill_kernel[(n, splits)](*args, STEP=SLICE_MIXTURE, **constants)
-                _distill_kernel[(n, splits if compute_grad else 1)](*args, STEP=SLICE_FINISH, **constants)
+        if not split:
+            _distill_kernel[(n_rows, 1)](*args, STEP=WHOLE_ROW, **constants)
+        else:
+            _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_STATISTICS, **constants)
+            if jsd:
+                _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_MIXTURE, **constants)
+            _distill_kernel[(n_rows, splits if compute_grad else 1)](*args, STEP=SLICE_FINISH, **constants)
     return loss, divergence_rows, ce if has_ce else None
 
 
@@ -849,9 +793,7 @@ __all__ = [
     "DIVERGENCES",
     "PROGRAMS_PER_SM",
     "DistillLaunchConfig",
-    "L2_SHARE",
     "default_distill_launch_config",
     "distill_chunk",
     "target_programs",
-    "target_rows_per_launch",
 ]
