@@ -8,6 +8,7 @@ by name). The gap between the wall time and the kernels' sum is launch and host 
 
     python3 benchmarks/experiments/profile_distill.py                      # $OUT/profile_distill.json
     python3 benchmarks/experiments/profile_distill.py --shapes 2 --divergences jsd --accum-dtype bfloat16
+    python3 benchmarks/experiments/profile_distill.py --divergences jsd --launches default,4096@8   # the split launch beside
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common, bench_distill
+
+from contextlib import contextmanager  # noqa: E402
 
 import _common  # noqa: E402
 import bench_distill  # noqa: E402
@@ -55,6 +58,27 @@ def kernel_times(step, calls: int):
     return dict(per_name)
 
 
+@contextmanager
+def kernel_launch(launch: str):
+    """``default``: the library's launch of the distillation kernel; ``<block>@<programs an SM>``: blocks of at most
+    that many columns, rows split for that many programs an SM (0: whole rows), while the block runs."""
+    from functools import partial
+
+    from lightning_flce.kernels import distill
+
+    if launch == "default":
+        yield
+        return
+    block, programs = (int(value) for value in launch.split("@"))
+    saved = distill.default_distill_launch_config, distill.PROGRAMS_PER_SM
+    distill.default_distill_launch_config = partial(saved[0], max_block_v=block)
+    distill.PROGRAMS_PER_SM = programs
+    try:
+        yield
+    finally:
+        distill.default_distill_launch_config, distill.PROGRAMS_PER_SM = saved
+
+
 def make_step(inputs, divergence: str, accum_dtype):
     """One forward + backward of the loss on ``inputs`` (the student's gradients cleared first)."""
     xs, ws, xt, wt, target = inputs
@@ -76,63 +100,69 @@ def main() -> None:
     parser.add_argument("--accum-dtype", default=None)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--launches", default="default", help="default and/or <block>@<programs an SM>, e.g. default,4096@8"
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     env = _common.environment(device)
     records, table = [], []
     for shape in bench_distill.parse_shapes(args.shapes):
         xs, ws, xt, wt, target = bench_distill.make_inputs(shape, device, seed=0, ignore_fraction=0.0)
-        for divergence in args.divergences.split(","):
-            step = make_step((xs, ws, xt, wt, target), divergence, args.accum_dtype)
+        cases = [(div, launch) for div in args.divergences.split(",") for launch in args.launches.split(",")]
+        for divergence, launch in cases:
+            with kernel_launch(launch):
+                step = make_step((xs, ws, xt, wt, target), divergence, args.accum_dtype)
 
-            for _ in range(2):  # compiles, autotuning, allocator warm-up
-                step()
-            times = []
-            for _ in range(args.repeats):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            wall = sorted(times)[len(times) // 2]
-            per_name = kernel_times(step, args.calls)
-            groups = defaultdict(float)
-            for name, ms in per_name.items():
-                groups[group_of(name)] += ms
-            others = sorted(
-                ((ms, name) for name, ms in per_name.items() if group_of(name) == "other"), reverse=True
-            )[:5]
-            record = {
-                "shape": shape,
-                "divergence": divergence,
-                "accum_dtype": args.accum_dtype,
-                "wall_ms": wall,
-                "groups_ms": dict(groups),
-                "kernels_ms": per_name,
-                "largest_other": [[name, ms] for ms, name in others],
-            }
-            records.append(record)
-            kernels = sum(groups.values())
-            table.append(
-                [
-                    "x".join(map(str, shape)),
-                    divergence,
-                    _common.fmt(wall),
-                    _common.fmt(groups["GEMM"]),
-                    _common.fmt(groups["distill kernel"]),
-                    _common.fmt(groups["other"]),
-                    _common.fmt(wall - kernels),
-                    "; ".join(f"{name[:40]} {ms:.2f}" for ms, name in others[:3]),
-                ]
-            )
+                for _ in range(2):  # compiles, autotuning, allocator warm-up
+                    step()
+                times = []
+                for _ in range(args.repeats):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step()
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end))
+                wall = sorted(times)[len(times) // 2]
+                per_name = kernel_times(step, args.calls)
+                groups = defaultdict(float)
+                for name, ms in per_name.items():
+                    groups[group_of(name)] += ms
+                others = sorted(
+                    ((ms, name) for name, ms in per_name.items() if group_of(name) == "other"), reverse=True
+                )[:5]
+                record = {
+                    "shape": shape,
+                    "divergence": divergence,
+                    "launch": launch,
+                    "accum_dtype": args.accum_dtype,
+                    "wall_ms": wall,
+                    "groups_ms": dict(groups),
+                    "kernels_ms": per_name,
+                    "largest_other": [[name, ms] for ms, name in others],
+                }
+                records.append(record)
+                kernels = sum(groups.values())
+                table.append(
+                    [
+                        "x".join(map(str, shape)),
+                        f"{divergence} {launch}",
+                        _common.fmt(wall),
+                        _common.fmt(groups["GEMM"]),
+                        _common.fmt(groups["distill kernel"]),
+                        _common.fmt(groups["other"]),
+                        _common.fmt(wall - kernels),
+                        "; ".join(f"{name[:40]} {ms:.2f}" for ms, name in others[:3]),
+                    ]
+                )
         del xs, ws, xt, wt, target, step
         _common.free_memory(device)
     _common.write_json(_common.out_dir() / "profile_distill.json", {"environment": env, "records": records})
     print(*_common.header_lines(env), sep="\n")
     headers = [
         "shape",
-        "divergence",
+        "divergence, launch",
         "wall ms",
         "GEMM ms",
         "distill kernel ms",
