@@ -206,16 +206,20 @@ def _kernel_launch(
         def fn(xs, ws, xt, wt, target):
             default_rows = engine.AUXILIARY_BLOCK_ROWS
             default_programs = distill_kernel.PROGRAMS_PER_SM
+            default_split = distill_kernel.SPLIT_DIVERGENCES
             distill_kernel.default_distill_launch_config = launch
             engine.AUXILIARY_BLOCK_ROWS = block_rows or default_rows
             if programs_per_sm is not None:
                 distill_kernel.PROGRAMS_PER_SM = programs_per_sm
+                # a split provider splits every divergence's kernel (the library: JSD's only)
+                distill_kernel.SPLIT_DIVERGENCES = frozenset(distill_kernel.DIVERGENCES)
             try:
                 return loss_fn(xs, ws, xt, wt, target)
             finally:
                 distill_kernel.default_distill_launch_config = default_launch
                 engine.AUXILIARY_BLOCK_ROWS = default_rows
                 distill_kernel.PROGRAMS_PER_SM = default_programs
+                distill_kernel.SPLIT_DIVERGENCES = default_split
 
         return fn
 
@@ -281,10 +285,12 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         False,
     ),
     # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
-    # whole rows; the teacher's block rows). The default: 8192 x 16, whole rows.
+    # whole rows; the teacher's block rows). The default: JSD split at 4096 x 8 for 8 programs an SM, the other
+    # divergences whole rows at 8192 x 16.
     **{
         name: (call, _kernel_launch(block, rows, programs), True)
         for block, programs, rows in (
+            (8192, 0, None),  # whole rows for every divergence: the default before JSD's split launch
             (4096, 0, None),
             (2048, 0, None),
             (4096, 8, None),

@@ -181,7 +181,7 @@ def _run_distillation(torch, flce, tensors, generator, n) -> None:
 
 
 def _run_distillation_split_launch(torch, generator) -> None:
-    """The distillation kernel's split launch (the op runs whole rows unless ``PROGRAMS_PER_SM`` asks for it):
+    """The distillation kernel's split launch (the op's launch for JSD on a GPU; whole rows for the others):
     each divergence and the CE alone, with and without the gradient, on bf16 rows cut into three slices."""
     from lightning_flce.kernels.distill import DistillLaunchConfig, distill_chunk
 

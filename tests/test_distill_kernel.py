@@ -424,3 +424,34 @@ def test_default_launch_rule_and_its_block_cap():
     assert default_distill_launch_config(128256, 4096, rows=2048, programs=1056).row_splits == 1
     # no more slices than blocks
     assert default_distill_launch_config(5000, 4096, rows=4, programs=1056).row_splits == 2
+    # the split launch's own blocks: at most 4096 columns x 8 warps (whole rows keep 8192 x 16)
+    assert tuple(default_distill_launch_config(128256, rows=256, programs=1056)) == (4096, 8, None, 5)
+    assert tuple(default_distill_launch_config(128256, rows=2048, programs=1056)) == (8192, 16, None, 1)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", None])
+def test_only_jsd_asks_for_the_split_launch(monkeypatch, divergence):
+    """With a GPU's programs to fill (here 64), JSD's kernel (SPLIT_DIVERGENCES) asks the launch rule for them and
+    runs split; the two-pass kernels ask for none and run whole rows; both match float64."""
+    from lightning_flce.kernels import distill
+
+    asked = []
+    rule = distill.default_distill_launch_config
+
+    def spy(vocab, max_block_v=64, **kwargs):
+        config = rule(vocab, max_block_v, **kwargs)
+        asked.append((kwargs["programs"], config.row_splits))
+        return config
+
+    monkeypatch.setattr(distill, "default_distill_launch_config", spy)
+    monkeypatch.setattr(distill, "target_programs", lambda device: 64)
+    hard_weight = 1.0 if divergence is None else 0.3
+    student, teacher, target, per_row_inputs = _problem(21, masked=DIVERGENCE_MASKS[divergence], per_row=True)
+    options = {**_options(divergence, hard_weight), **per_row_inputs}
+    grad = student.clone()
+    _check(
+        _run(grad, teacher, target, block=None, **options),
+        reference_distill(student, teacher, target, **options),
+        grad,
+    )
+    assert asked == ([(64, 5)] if divergence == "jsd" else [(0, 1)])

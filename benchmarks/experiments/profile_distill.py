@@ -70,13 +70,16 @@ def kernel_launch(launch: str):
         yield
         return
     block, programs = (int(value) for value in launch.split("@"))
-    saved = distill.default_distill_launch_config, distill.PROGRAMS_PER_SM
+    saved = distill.default_distill_launch_config, distill.PROGRAMS_PER_SM, distill.SPLIT_DIVERGENCES
     distill.default_distill_launch_config = partial(saved[0], max_block_v=block)
     distill.PROGRAMS_PER_SM = programs
+    distill.SPLIT_DIVERGENCES = frozenset(
+        distill.DIVERGENCES
+    )  # every divergence's kernel (the library: JSD's)
     try:
         yield
     finally:
-        distill.default_distill_launch_config, distill.PROGRAMS_PER_SM = saved
+        distill.default_distill_launch_config, distill.PROGRAMS_PER_SM, distill.SPLIT_DIVERGENCES = saved
 
 
 def make_step(inputs, divergence: str, accum_dtype):

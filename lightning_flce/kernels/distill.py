@@ -29,9 +29,10 @@ pass merge them first, as the online LSE merges blocks). The teacher's blocks of
 (:data:`~lightning_flce.engine.AUXILIARY_BLOCK_ROWS`): one 16-warp program per row keeps two programs on
 each SM, while the kernel alone reaches 69-71% (JSD) and 91-92% (forward KL) of the copy bandwidth on 2048-row
 launches of 4096 x 8 (``benchmarks/results/*_distill_kernel_sweep_1505288``) against 54-56% / 76-80% for the
-default. With :data:`PROGRAMS_PER_SM` > 0 the launch splits rows until it has that many programs per SM; the
-default stays whole rows until the split launch is measured inside the op. The 16-bit gradient in fp32 rows
-lands past its own slice, so it keeps whole rows.
+default. On a GPU, JSD's kernel (:data:`SPLIT_DIVERGENCES`) splits rows until it has :data:`PROGRAMS_PER_SM`
+programs per SM, on blocks of 4096 x 8: inside the op that made the kernel 15-19% faster and the call 1-2.5%
+(H100); the two-pass kernels gained nothing and keep whole rows. The 16-bit gradient in fp32 rows lands past its
+own slice, so it keeps whole rows.
 
 Masked or padded columns (-inf logits) have p = 0 or q = 0: every product with a log-probability is taken
 under ``where(prob > 0)``, never as 0 * -inf. A column where the divergence's weight is positive and the other
@@ -60,8 +61,15 @@ _MAX_BLOCK_V = 8192
 _ELEMENTS_PER_WARP = 512
 
 #: The split launch's aim: this many programs per SM in one launch (8: two waves of four resident 8-warp
-#: programs). 0, the default until the split launch is measured inside the op on a GPU: whole rows.
-PROGRAMS_PER_SM = 0
+#: programs); 0: whole rows for every divergence.
+PROGRAMS_PER_SM = 8
+#: The split launch's blocks: 4096 columns x 8 warps, four programs an SM (the launch that was measured).
+_SPLIT_MAX_BLOCK_V = 4096
+#: The divergences whose kernel takes the split launch on a GPU: JSD, which reads both rows three times. Measured
+#: inside the op on an H100 (2026-12-06, ``benchmarks/results/2026-12-06_h100_*_distill_split_*``): JSD's kernel
+#: 15-19% faster, the call 1-2.5% at the issue's three shapes; forward KL's two passes gained nothing (the call
+#: -1% to +1%, its kernel slower at 128256 columns), so the two-pass kernels (the KLs, the CE alone) keep whole rows.
+SPLIT_DIVERGENCES = frozenset({"jsd"})
 
 
 class DistillLaunchConfig(NamedTuple):
@@ -78,13 +86,15 @@ def default_distill_launch_config(
     vocab: int, max_block_v: int = _MAX_BLOCK_V, *, rows: int = 0, programs: int = 0
 ) -> DistillLaunchConfig:
     """The launch for ``rows`` rows of ``vocab`` logits: blocks of at most ``max_block_v`` columns, a warp per 512
-    of them, and each row split into as many slices (of whole blocks) as it takes for ``rows`` to make
-    ``programs`` programs (``distill_chunk`` asks for :data:`PROGRAMS_PER_SM` per SM on a GPU; 0: whole rows).
+    of them, and each row split into as many slices (of whole blocks, then at most 4096 columns) as it takes for
+    ``rows`` to make ``programs`` programs (``distill_chunk`` asks for :data:`PROGRAMS_PER_SM` per SM on a GPU for
+    :data:`SPLIT_DIVERGENCES`; 0: whole rows).
     ``benchmarks/experiments/bench_distill_kernel.py`` sweeps the alternatives alone, ``bench_distill.py``'s
     ``flce_launch_*`` rows inside the op."""
-    block_v = min(max_block_v, triton.next_power_of_2(vocab))
+    split = bool(rows) and programs > rows
+    block_v = min(max_block_v, _SPLIT_MAX_BLOCK_V if split else max_block_v, triton.next_power_of_2(vocab))
     splits = 1
-    if rows and programs > rows:
+    if split:
         splits = min(triton.cdiv(programs, rows), triton.cdiv(vocab, block_v))
     return DistillLaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)), None, splits)
 
@@ -724,7 +734,9 @@ def distill_chunk(
     divergence_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     ce = torch.empty(n_rows if has_ce else 0, dtype=torch.float32, device=device)
     if n_rows:
-        config = config or default_distill_launch_config(vocab, rows=n_rows, programs=target_programs(device))
+        # the split launch for JSD's kernel (SPLIT_DIVERGENCES); a 16-bit gradient in fp32 rows keeps whole rows
+        programs = target_programs(device) if divergence in SPLIT_DIVERGENCES and not grad_in_row else 0
+        config = config or default_distill_launch_config(vocab, rows=n_rows, programs=programs)
         block_v = config.block_v
         # 1 for a LaunchConfig; the 16-bit gradient in fp32 rows lands past its own slice: whole rows
         splits = 1 if grad_in_row else max(1, getattr(config, "row_splits", 1))
@@ -792,6 +804,7 @@ def distill_chunk(
 __all__ = [
     "DIVERGENCES",
     "PROGRAMS_PER_SM",
+    "SPLIT_DIVERGENCES",
     "DistillLaunchConfig",
     "default_distill_launch_config",
     "distill_chunk",
