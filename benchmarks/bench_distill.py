@@ -31,12 +31,13 @@ benchmarks/README.md has the columns and the caveats.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import _common as C
 import torch
@@ -184,42 +185,53 @@ def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
     return build
 
 
+@contextlib.contextmanager
+def launch_override(max_block_v: int, programs_per_sm: int) -> Iterator[None]:
+    """While the block runs: the distillation kernel's blocks capped at ``max_block_v`` columns (the library's
+    launch rule otherwise: a warp per 512 columns) and rows split for ``programs_per_sm`` programs an SM for every
+    divergence's kernel (the library: JSD's only), 0: whole rows. Here and in ``experiments/profile_distill.py``."""
+    from functools import partial
+
+    from lightning_flce.kernels import distill as distill_kernel
+
+    saved = (
+        distill_kernel.default_distill_launch_config,
+        distill_kernel.PROGRAMS_PER_SM,
+        distill_kernel.SPLIT_DIVERGENCES,
+    )
+    distill_kernel.default_distill_launch_config = partial(saved[0], max_block_v=max_block_v)
+    distill_kernel.PROGRAMS_PER_SM = programs_per_sm
+    distill_kernel.SPLIT_DIVERGENCES = frozenset(distill_kernel.DIVERGENCES)
+    try:
+        yield
+    finally:
+        (
+            distill_kernel.default_distill_launch_config,
+            distill_kernel.PROGRAMS_PER_SM,
+            distill_kernel.SPLIT_DIVERGENCES,
+        ) = saved
+
+
 def _kernel_launch(
-    max_block_v: int, block_rows: Optional[int] = None, programs_per_sm: Optional[int] = None
+    max_block_v: int, block_rows: Optional[int], programs_per_sm: int
 ) -> Callable[..., LossFn]:
-    """A builder of the default loss with the distillation kernel's blocks capped at ``max_block_v`` columns (the
-    library's launch rule otherwise: a warp per 512 columns), and, if given, ``engine.AUXILIARY_BLOCK_ROWS`` set to
-    ``block_rows`` and ``kernels.distill.PROGRAMS_PER_SM`` to ``programs_per_sm`` (0: whole rows, one program
-    each), during each call: launch configurations inside the op, against the default, in one run
+    """A builder of the default loss under :func:`launch_override` and, if given, ``engine.AUXILIARY_BLOCK_ROWS`` set
+    to ``block_rows``, during each call: launch configurations inside the op, against the default, in one run
     (``experiments/bench_distill_kernel.py`` times the kernel alone on whole chunks)."""
 
     def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
-        from functools import partial
-
         from lightning_flce import engine
-        from lightning_flce.kernels import distill as distill_kernel
 
         loss_fn = _build_flce(device, divergence, beta, temperature)
-        default_launch = distill_kernel.default_distill_launch_config
-        launch = partial(default_launch, max_block_v=max_block_v)
 
         def fn(xs, ws, xt, wt, target):
             default_rows = engine.AUXILIARY_BLOCK_ROWS
-            default_programs = distill_kernel.PROGRAMS_PER_SM
-            default_split = distill_kernel.SPLIT_DIVERGENCES
-            distill_kernel.default_distill_launch_config = launch
             engine.AUXILIARY_BLOCK_ROWS = block_rows or default_rows
-            if programs_per_sm is not None:
-                distill_kernel.PROGRAMS_PER_SM = programs_per_sm
-                # a split provider splits every divergence's kernel (the library: JSD's only)
-                distill_kernel.SPLIT_DIVERGENCES = frozenset(distill_kernel.DIVERGENCES)
             try:
-                return loss_fn(xs, ws, xt, wt, target)
+                with launch_override(max_block_v, programs_per_sm):
+                    return loss_fn(xs, ws, xt, wt, target)
             finally:
-                distill_kernel.default_distill_launch_config = default_launch
                 engine.AUXILIARY_BLOCK_ROWS = default_rows
-                distill_kernel.PROGRAMS_PER_SM = default_programs
-                distill_kernel.SPLIT_DIVERGENCES = default_split
 
         return fn
 

@@ -27,7 +27,6 @@ def pytest_configure(config) -> None:
     programs_per_sm = os.environ.get("DISTILL_PROGRAMS_PER_SM")
     if programs_per_sm:
         distill.PROGRAMS_PER_SM = int(programs_per_sm)
-        distill.SPLIT_DIVERGENCES = frozenset(
-            distill.DIVERGENCES
-        )  # every divergence's kernel (the library: JSD's)
+        # every divergence's kernel split (the library splits JSD's only)
+        distill.SPLIT_DIVERGENCES = frozenset(distill.DIVERGENCES)
         print(f"distill_launch_override: rows split for {programs_per_sm} programs an SM")

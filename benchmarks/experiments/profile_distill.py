@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common, bench_distill
 
-from contextlib import contextmanager  # noqa: E402
+import contextlib  # noqa: E402
 
 import _common  # noqa: E402
 import bench_distill  # noqa: E402
@@ -58,28 +58,13 @@ def kernel_times(step, calls: int):
     return dict(per_name)
 
 
-@contextmanager
 def kernel_launch(launch: str):
     """``default``: the library's launch of the distillation kernel; ``<block>@<programs an SM>``: blocks of at most
-    that many columns, rows split for that many programs an SM (0: whole rows), while the block runs."""
-    from functools import partial
-
-    from lightning_flce.kernels import distill
-
+    that many columns, rows split for that many programs an SM for every divergence (0: whole rows)."""
     if launch == "default":
-        yield
-        return
+        return contextlib.nullcontext()
     block, programs = (int(value) for value in launch.split("@"))
-    saved = distill.default_distill_launch_config, distill.PROGRAMS_PER_SM, distill.SPLIT_DIVERGENCES
-    distill.default_distill_launch_config = partial(saved[0], max_block_v=block)
-    distill.PROGRAMS_PER_SM = programs
-    distill.SPLIT_DIVERGENCES = frozenset(
-        distill.DIVERGENCES
-    )  # every divergence's kernel (the library: JSD's)
-    try:
-        yield
-    finally:
-        distill.default_distill_launch_config, distill.PROGRAMS_PER_SM, distill.SPLIT_DIVERGENCES = saved
+    return bench_distill.launch_override(block, programs)
 
 
 def make_step(inputs, divergence: str, accum_dtype):

@@ -734,7 +734,8 @@ def distill_chunk(
     divergence_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
     ce = torch.empty(n_rows if has_ce else 0, dtype=torch.float32, device=device)
     if n_rows:
-        # the split launch for JSD's kernel (SPLIT_DIVERGENCES); a 16-bit gradient in fp32 rows keeps whole rows
+        # the split launch for JSD's kernel (SPLIT_DIVERGENCES); a 16-bit gradient in fp32 rows runs whole rows
+        # (below), so it asks for none and keeps the whole-row blocks
         programs = target_programs(device) if divergence in SPLIT_DIVERGENCES and not grad_in_row else 0
         config = config or default_distill_launch_config(vocab, rows=n_rows, programs=programs)
         block_v = config.block_v
