@@ -189,7 +189,8 @@ def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
 def launch_override(max_block_v: int, programs_per_sm: int) -> Iterator[None]:
     """While the block runs: the distillation kernel's blocks capped at ``max_block_v`` columns (the library's
     launch rule otherwise: a warp per 512 columns) and rows split for ``programs_per_sm`` programs an SM for every
-    divergence's kernel (the library: JSD's only), 0: whole rows. Here and in ``experiments/profile_distill.py``."""
+    divergence's kernel (the library: JSD's only), 0: whole rows. Here, in ``experiments/profile_distill.py`` and
+    in the pytest plugin ``experiments/distill_launch_override.py``."""
     from functools import partial
 
     from lightning_flce.kernels import distill as distill_kernel

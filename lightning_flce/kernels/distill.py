@@ -92,7 +92,8 @@ def default_distill_launch_config(
     ``benchmarks/experiments/bench_distill_kernel.py`` sweeps the alternatives alone, ``bench_distill.py``'s
     ``flce_launch_*`` rows inside the op."""
     split = bool(rows) and programs > rows
-    block_v = min(max_block_v, _SPLIT_MAX_BLOCK_V if split else max_block_v, triton.next_power_of_2(vocab))
+    cap = min(max_block_v, _SPLIT_MAX_BLOCK_V) if split else max_block_v
+    block_v = min(cap, triton.next_power_of_2(vocab))
     splits = 1
     if split:
         splits = min(triton.cdiv(programs, rows), triton.cdiv(vocab, block_v))
