@@ -142,13 +142,15 @@ class Rates:
 def instrument(log: Dict[str, List[Dict[str, Any]]]) -> Iterator[None]:
     """Record the op's per-chunk CE and dW calls (shapes, dtypes, path) and label the CE calls.
 
-    Wraps ``lightning_flce.op.cross_entropy_chunk`` and ``accumulate_grad_weight`` (the names the chunk
-    loop looks up at call time); a name the op no longer has is left alone.
+    Wraps ``lightning_flce.op.cross_entropy_chunk`` and ``lightning_flce.accumulate.accumulate_grad_weight`` (the
+    names the chunk loop looks up at call time; dW's accumulator calls the latter once per row block); a name the
+    modules no longer have is left alone.
     """
+    import lightning_flce.accumulate as accumulation
     import lightning_flce.op as op
 
-    saved = {name: getattr(op, name, None) for name in ("cross_entropy_chunk", "accumulate_grad_weight")}
-    orig_ce, orig_acc = saved["cross_entropy_chunk"], saved["accumulate_grad_weight"]
+    orig_ce = getattr(op, "cross_entropy_chunk", None)
+    orig_acc = getattr(accumulation, "accumulate_grad_weight", None)
 
     def ce(logits, *args, **kwargs):
         log["ce"].append({"rows": int(logits.shape[0]), "cols": int(logits.shape[1]), "dtype": logits.dtype})
@@ -172,13 +174,14 @@ def instrument(log: Dict[str, List[Dict[str, Any]]]) -> Iterator[None]:
     if orig_ce is not None:
         op.cross_entropy_chunk = ce
     if orig_acc is not None:
-        op.accumulate_grad_weight = acc
+        accumulation.accumulate_grad_weight = acc
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            if fn is not None:
-                setattr(op, name, fn)
+        if orig_ce is not None:
+            op.cross_entropy_chunk = orig_ce
+        if orig_acc is not None:
+            accumulation.accumulate_grad_weight = orig_acc
 
 
 def _us(evt: Any, *names: str) -> float:

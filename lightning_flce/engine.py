@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from lightning_flce._compat import TORCH_VERSION, resolved_annotations, triton_usable
-from lightning_flce.accumulate import accumulate_grad_weight, choose_path
+from lightning_flce.accumulate import GradWeightAccumulator, head_rows, round_into_head_, rounded_view
 from lightning_flce.chunk_loss import DEFAULT_WORKSPACE_COPIES, AuxiliaryHead, ChunkLoss, gather_side_inputs
 from lightning_flce.kernels import LOW_PRECISION, gradient_in_logits_rows, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
@@ -62,10 +62,13 @@ _MIN_TRITON_CHUNK_ROWS = 4096
 AUXILIARY_BLOCK_ROWS = 256
 # A chunk loss with an auxiliary head (two [C, V] buffers) and a 16-bit dW accumulator (an explicit
 # ``accum_dtype`` equal to the 16-bit weight's dtype: the memory-lean choice) lets its buffers grow to this share
-# of the floor only. With an fp32 accumulator the buffers may take the whole floor for free (the peak is then the
-# accumulator plus backward's cast to the weight's dtype: about 3 floors); a 16-bit one leaves the buffers as the
-# peak's only term over dW + dX, so they set it: 1.75 floors (Liger's fused JSD, chunked by 1024 rows, peaks at
-# 1.87 floors at N 8192, H 4096, V 128256; issue 37).
+# of the floor only: the buffers are the peak's only term over dW + dX, so they set it: 1.75 floors (Liger's fused
+# JSD, chunked by 1024 rows, peaks at 1.87 floors at N 8192, H 4096, V 128256; issue 37). Beside a wider
+# accumulator, which dW's final rounding reuses (GradWeightAccumulator), the peak is the accumulator, dX and the
+# buffers, and the buffers get dW's own size (V x H in the compute dtype, the floor less dX): for a 16-bit weight
+# the peak stays within 3 dW + dX (the accumulator plus a separate cast's output, this loss's peak before the
+# rounding reused the accumulator), and at the issue's shapes under Liger's fused JSD's (one chunk more at V
+# 128256, 3 instead of 2; the same 3 and 4 at 151936 and 256000).
 _NARROW_ACCUMULATOR_FLOOR_SHARE = 0.75
 _FLOOR_LIMITED_ALIGN = 256
 # The PyTorch path works on a few copies of a chunk in the softmax dtype (fp32, or fp64; the chunk loss's
@@ -212,18 +215,18 @@ def chunk_rows(
     default's). ``auxiliary_dtype``: the compute dtype of the chunk loss's
     :class:`~lightning_flce.chunk_loss.AuxiliaryHead` (None: none), whose buffer is counted too (as the main head's:
     in its compute dtype): per row of the chunk on the PyTorch path, as one block of :func:`auxiliary_block_rows`
-    on the GPU. ``narrow_accumulator``: dW accumulates in the 16-bit
-    weight's dtype by the caller's choice, so the two buffers of an auxiliary head get a smaller share of the
-    floor (``_NARROW_ACCUMULATOR_FLOOR_SHARE``)."""
+    on the GPU. The two buffers of an auxiliary head get dW's own size of the floor (V x H of dX + dW), or with
+    ``narrow_accumulator`` (dW accumulates in the 16-bit weight's dtype by the caller's choice)
+    ``_NARROW_ACCUMULATOR_FLOOR_SHARE`` of it."""
     if chunk_size:
         return int(chunk_size)
     itemsize = torch.empty((), dtype=compute_dtype).element_size()
     auxiliary_itemsize = (
         0 if auxiliary_dtype is None else torch.empty((), dtype=auxiliary_dtype).element_size()
     )
-    floor_share = (
-        _NARROW_ACCUMULATOR_FLOOR_SHARE if narrow_accumulator and auxiliary_dtype is not None else 1.0
-    )
+    floor_share = 1.0
+    if auxiliary_dtype is not None:
+        floor_share = _NARROW_ACCUMULATOR_FLOOR_SHARE if narrow_accumulator else vocab / (n_rows + vocab)
     max_rows = default_chunk_size(
         n_rows,
         vocab,
@@ -392,9 +395,10 @@ def run_chunks(
     a later reduction or narrower for backward to widen) pre-multiplied by the scales in :class:`GradScales`
     (for a backward that multiplies them by grad_output anyway), otherwise every gradient is returned
     unscaled. ``fp16_bounds``: the values of :func:`fp16_bound_stats`, when the caller has read them
-    already. ``grad_weight_dtype``: dW's accumulator dtype, returned as it is (no cast to the weight's
-    dtype; see :func:`saved_grad_weight_dtype`). ``triton_logits_gemm``: the chunk kernels are the "triton"
-    backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`),
+    already. ``grad_weight_dtype``: dW's accumulator dtype, and dW is then returned as its
+    :class:`~lightning_flce.accumulate.GradWeightAccumulator`, unrounded, for the caller to keep for backward
+    (:func:`saved_gradients`, :func:`finish_saved_grads`; see :func:`saved_grad_weight_dtype`).
+    ``triton_logits_gemm``: the chunk kernels are the "triton" backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`),
     and where ``loss.tile_stats_suffice()`` its tile statistics may replace the chunk kernel's first pass.
     A ``loss.auxiliary_head()`` (a distillation teacher) gets its chunk logits computed beside the main head's, for
     the same rows and with the same ``logits_precision``, without a gradient (:class:`_AuxiliaryLogits`); with
@@ -487,8 +491,10 @@ def run_chunks(
         weight_c.double() if need_grad_input and accum_dtype == torch.float64 else weight_c
     )
     if need_grad_weight:
-        grad_weight = torch.empty(vocab, hidden, dtype=accum_dtype, device=device)
-        accum_path = choose_path(grad_weight, x2[:0].to(compute_dtype), x2[:0].to(compute_dtype))
+        grad_weight = GradWeightAccumulator.empty(
+            vocab, hidden, accum_dtype, device, final_dtype=weight.dtype
+        )
+        accum_path = grad_weight.choose_path(x2[:0].to(compute_dtype))
     if need_grad_bias:  # summed in the loss dtype: fp32, or fp64 for fp64 GEMMs
         grad_bias = torch.zeros(vocab, dtype=loss_dtype, device=device)
 
@@ -550,8 +556,7 @@ def run_chunks(
         if need_grad_input:
             _write_grad_input(grad_input, chunk_rows_, grad_logits, weight_for_grad_input, scales)
         if need_grad_weight:
-            accumulate_grad_weight(
-                grad_weight,
+            grad_weight.add(
                 grad_logits,
                 x_c,
                 first=chunk_index == 0,
@@ -562,8 +567,8 @@ def run_chunks(
             grad_bias.add_(grad_logits.sum(dim=0, dtype=loss_dtype), alpha=scales.grad_bias / scales.logits)
         x_c = side_c = None  # before the next chunk's row gather (and its cast) allocates
 
-    # Release the chunk buffer and the weight copies before dW's cast to the weight's dtype allocates its
-    # output: with an fp32 accumulator that cast is the op's peak (accumulator + output + this buffer).
+    # Release the chunk buffer and the weight copies before dW's rounding to the weight's dtype (into the
+    # accumulator's memory, see GradWeightAccumulator), or before the caller keeps the accumulator for backward.
     logits_buffer = logits = grad_logits = x_c = weight_c = weight_for_grad_input = bias_c = None
     auxiliary_logits = None
     tile_lse = tile_lse_c = None
@@ -572,7 +577,7 @@ def run_chunks(
         if n_valid == 0:
             grad_weight.zero_()
         if grad_weight_dtype is None:
-            grad_weight = grad_weight.to(weight.dtype)
+            grad_weight = grad_weight.result(weight.dtype)
     if need_grad_bias:
         grad_bias = grad_bias.to(bias.dtype)
     return (*outputs, grad_input, grad_weight, grad_bias, scales)
@@ -913,6 +918,54 @@ def _(saved, scale, inverse_scales, index, dtype):
     return saved.new_empty(saved.shape, dtype=dtype)
 
 
+@torch.library.custom_op("lightning_flce::flce_round_grad_weight_", mutates_args=("head",))
+@resolved_annotations
+def flce_round_grad_weight_(
+    head: Tensor, tail: Tensor, scale: Tensor, inverse_scales: Tensor, dtype: torch.dtype
+) -> None:
+    """dW from forward's wider accumulator kept in two blocks (:class:`~lightning_flce.accumulate.GradWeightAccumulator`):
+    ``accumulator * grad_output`` (and the fp16 inverse scale ``inverse_scales[1]``) rounded once to ``dtype`` into
+    ``head``'s memory (:func:`~lightning_flce.accumulate.round_into_head_`), read back by
+    :func:`~lightning_flce.accumulate.rounded_view`. No second allocation: backward's peak is the accumulator's."""
+    factor = scale.reshape(1).float()
+    if inverse_scales.numel():
+        factor = factor * inverse_scales[1]
+    round_into_head_(head, tail, dtype, factor)
+
+
+@flce_round_grad_weight_.register_fake
+def _(head, tail, scale, inverse_scales, dtype):
+    return None
+
+
+def saved_gradients(
+    like: Tensor,
+    grad_input: Optional[Tensor],
+    grad_weight: Optional[GradWeightAccumulator],
+    grad_bias: Optional[Tensor],
+) -> List[Tensor]:
+    """What a "gradients in forward" op returns and keeps for backward: dX, dW's two accumulator blocks (head,
+    tail) and d bias, a distinct empty tensor (of ``like``'s device) for each one not computed (custom-op outputs
+    may not alias each other)."""
+    weight_parts = grad_weight.parts() if grad_weight is not None else (like.new_empty(0), like.new_empty(0))
+    return [
+        grad_input if grad_input is not None else like.new_empty(0),
+        *weight_parts,
+        grad_bias if grad_bias is not None else like.new_empty(0),
+    ]
+
+
+def saved_grad_weight_fakes(weight: Tensor, accumulator: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """The fake implementations' dW blocks (head, tail) of :func:`saved_gradients`, for an accumulator in
+    ``accumulator`` (:func:`saved_grad_weight_dtype`)."""
+    vocab, hidden = weight.shape
+    rows = head_rows(vocab, accumulator, weight.dtype)
+    return (
+        weight.new_empty((rows, hidden), dtype=accumulator),
+        weight.new_empty((vocab - rows, hidden), dtype=accumulator),
+    )
+
+
 def double_backward_error(
     why: str, op: str = "fused linear cross-entropy", alternative: Optional[str] = None
 ) -> str:
@@ -971,8 +1024,8 @@ def register_forward_grads_autograd(
 ) -> None:
     """The autograd of a custom op that computes its gradients in forward (the policy and distillation losses):
     its inputs named ``names`` (``x``, ``weight``, ``bias`` and ``need_grad_input`` / ``_weight`` / ``_bias``
-    among them), its outputs ``(loss, *metrics, dX, dW, d bias, inverse scales)`` with the last four from
-    :func:`run_chunks` (empty where not computed). Backward multiplies the saved gradients by grad_output
+    among them), its outputs ``(loss, *metrics, dX, dW head, dW tail, d bias, inverse scales)``: the gradients of
+    :func:`saved_gradients` and :func:`run_chunks`'s scales (empty where not computed). Backward multiplies the saved gradients by grad_output
     (:func:`finish_saved_grads`) once, checked by :func:`check_single_backward`."""
 
     def setup_context(ctx, inputs, output) -> None:
@@ -981,7 +1034,7 @@ def register_forward_grads_autograd(
         ctx.final_dtypes = (a["x"].dtype, a["weight"].dtype, None if a["bias"] is None else a["bias"].dtype)
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*output[1:])
-        ctx.save_for_backward(*output[-4:])
+        ctx.save_for_backward(*output[-5:])
 
     def backward(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]:
         grads = dict.fromkeys(names)
@@ -1003,17 +1056,24 @@ def finish_saved_grads(
     grad_loss: Tensor,
     inverse_scales: Tensor,
 ) -> List[Tensor]:
-    """Backward of "mean"/"sum": the gradients that forward computed (dX, dW, d bias; empty tensors where not
-    computed) times ``grad_loss``, in their ``final_dtypes``. One kept in its final dtype is scaled in place;
-    one in another dtype (dW's wider accumulator, dX kept in the GEMM's narrower dtype) is cast with the scale
-    folded into the same pass, rounded once. ``inverse_scales`` (fp32 [3], fp16 only; else empty) undoes the
-    powers of two the fp16 gradients carry (:func:`inverse_scales`)."""
-    grads = list(saved)
-    in_place = list(saved)
+    """Backward of "mean"/"sum": the gradients that forward computed (:func:`saved_gradients`: dX, dW's head and
+    tail, d bias; empty tensors where not computed) times ``grad_loss``, in their ``final_dtypes`` (dX, dW, d
+    bias). One kept in its final dtype is scaled in place. dW's wider accumulator is rounded into its head's
+    memory with the scale folded in (:func:`flce_round_grad_weight_`); dX kept in the GEMM's narrower dtype is
+    cast with the scale folded in. Each is rounded once. ``inverse_scales`` (fp32 [3], fp16 only; else empty)
+    undoes the powers of two the fp16 gradients carry (:func:`inverse_scales`)."""
+    grad_input, weight_head, weight_tail, grad_bias = saved
+    grads = [grad_input, weight_head, grad_bias]
+    in_place = list(grads)
     for i, dtype in enumerate(final_dtypes):
-        if grads[i].numel() and grads[i].dtype != dtype:
+        if not grads[i].numel() or grads[i].dtype == dtype:
+            continue
+        if i == 1:
+            flce_round_grad_weight_(weight_head, weight_tail, grad_loss, inverse_scales, dtype)
+            grads[1] = rounded_view(weight_head, weight_tail, dtype)
+        else:
             grads[i] = flce_cast_grad(grads[i], grad_loss, inverse_scales, i, dtype)
-            in_place[i] = grads[i].new_empty(0)
+        in_place[i] = grads[i].new_empty(0)
     flce_scale_grads_(*in_place, grad_loss, inverse_scales)
     return grads
 

@@ -36,6 +36,8 @@ from lightning_flce.engine import (
     refuse_double_backward,
     run_chunks,
     saved_grad_dtypes,
+    saved_grad_weight_fakes,
+    saved_gradients,
     token_rows,
     valid_rows,
 )
@@ -147,7 +149,9 @@ def _chunk_loop(
 
     Returns per-token loss/LSE/stats [N], the gradients, and :func:`~lightning_flce.engine.inverse_scales`
     (``keep_scaled``, ``grad_input_dtype`` (default: x's) and ``grad_weight_dtype`` as in ``run_chunks``);
-    unused outputs are distinct empty tensors (custom-op outputs may not alias each other).
+    unused outputs are distinct empty tensors (custom-op outputs may not alias each other). The gradients are
+    dX, dW and d bias, or with ``grad_weight_dtype`` the four of :func:`~lightning_flce.engine.saved_gradients`
+    (dW as its accumulator's two blocks, for backward to round).
     """
     x, weight, compute_dtype = args.x, args.weight, args.compute_dtype
     options = kernel_options(
@@ -209,7 +213,10 @@ def _chunk_loop(
     )
     if grad_input is not None:
         grad_input = grad_input.view(x.shape)
-    grads = [g if g is not None else x.new_empty(0) for g in (grad_input, grad_weight, grad_bias)]
+    if grad_weight_dtype is not None:
+        grads = saved_gradients(x, grad_input, grad_weight, grad_bias)
+    else:
+        grads = [g if g is not None else x.new_empty(0) for g in (grad_input, grad_weight, grad_bias)]
     return (*per_token, *grads, inverse_scales(scales, compute_dtype, x.device))
 
 
@@ -231,11 +238,12 @@ def _token_scales(args, reduction: str) -> Tuple[Tensor, Tensor]:
 
 
 def _forward(*values) -> Tuple[Tensor, ...]:
-    """Returns (loss, lse, correct, entropy, grad_input, grad_weight, grad_bias, inverse_scales); unused
-    ones are empty. loss, lse and entropy are in :func:`~lightning_flce.kernels.softmax_dtype` of
-    ``compute_dtype`` (fp32; fp64 for fp64 GEMMs). ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients
+    """Returns (loss, lse, correct, entropy, grad_input, grad_weight head, grad_weight tail, grad_bias,
+    inverse_scales); unused ones are empty. loss, lse and entropy are in
+    :func:`~lightning_flce.kernels.softmax_dtype` of ``compute_dtype`` (fp32; fp64 for fp64 GEMMs). ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients
     only) undoes the powers of two the fp16 gradients carry. ``grad_input`` and ``grad_weight`` are in the
-    dtypes of :func:`_saved_dtypes` (backward casts them).
+    dtypes of :func:`_saved_dtypes` (backward casts them); ``grad_weight`` in the two row blocks of its
+    accumulator (:func:`~lightning_flce.engine.saved_gradients`).
 
     For "none" no gradient is computed here (backward recomputes); the need_grad_* flags then only
     say what backward will produce.
@@ -245,7 +253,7 @@ def _forward(*values) -> Tuple[Tensor, ...]:
     grad_input_dtype, grad_weight_dtype = _saved_dtypes(args)
     with torch.autocast(args.x.device.type, enabled=False):
         ce_scale, z_scale = _token_scales(args, args.reduction)
-        loss, lse, correct, entropy, gx, gw, gb, inverse = _chunk_loop(
+        loss, lse, correct, entropy, *grads, inverse = _chunk_loop(
             args,
             ce_scale=ce_scale,
             z_scale=z_scale,
@@ -263,7 +271,7 @@ def _forward(*values) -> Tuple[Tensor, ...]:
         lse = lse.new_empty(0)
     if not (grads_now and (args.need_grad_input or args.need_grad_weight or args.need_grad_bias)):
         inverse = inverse.new_empty(0)
-    return loss, lse, correct, entropy, gx, gw, gb, inverse
+    return (loss, lse, correct, entropy, *grads, inverse)
 
 
 def _forward_fake(*values) -> Tuple[Tensor, ...]:
@@ -285,9 +293,11 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
         x.new_empty(x.shape, dtype=grad_input_dtype)
         if args.need_grad_input and grads_now
         else x.new_empty(0),
-        weight.new_empty(weight.shape, dtype=grad_weight_dtype)
-        if args.need_grad_weight and grads_now
-        else x.new_empty(0),
+        *(
+            saved_grad_weight_fakes(weight, grad_weight_dtype)
+            if args.need_grad_weight and grads_now
+            else (x.new_empty(0), x.new_empty(0))
+        ),
         bias.new_empty(bias.shape) if args.need_grad_bias and grads_now else x.new_empty(0),
         x.new_empty(3 if scaled else 0, dtype=torch.float32),
     )
@@ -325,7 +335,7 @@ def _backward_recompute_fake(*values) -> Tuple[Tensor, Tensor, Tensor]:
 
 
 flce_forward = torch.library.custom_op(
-    "lightning_flce::flce_forward", _forward, mutates_args=(), schema=_schema(FORWARD_ARGS, 8)
+    "lightning_flce::flce_forward", _forward, mutates_args=(), schema=_schema(FORWARD_ARGS, 9)
 )
 flce_forward.register_fake(_forward_fake)
 flce_backward = torch.library.custom_op(

@@ -8,7 +8,15 @@ from reference import relative_error
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_flce import fused_linear_cross_entropy
-from lightning_flce.accumulate import AccumulationPath, accumulate_grad_weight, choose_path, decide_path
+from lightning_flce.accumulate import (
+    AccumulationPath,
+    GradWeightAccumulator,
+    accumulate_grad_weight,
+    choose_path,
+    decide_path,
+    head_rows,
+    round_into_head_,
+)
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -224,3 +232,91 @@ def test_scale_into_rounds_once_and_bounds_its_cpu_temporary(monkeypatch):
         assert torch.equal(out, (src.double() * torch.tensor(0.7, dtype=torch.float32).double()).to(dtype))
     with pytest.raises(ValueError, match="shapes differ"):
         scale.scale_into(torch.empty(3, dtype=torch.bfloat16), src, torch.tensor([1.0]))
+
+
+# ------------------------------------------------------------------------------ the two-block accumulator
+
+
+@pytest.mark.parametrize(
+    ("accum", "final", "vocab", "hidden"),
+    [
+        (F32, BF16, 300, 40),  # even V: the head is exactly the result's size
+        (F32, F16, 301, 37),  # odd V: one row more in the head, one result row's bytes spare
+        (F32, BF16, 1, 8),  # a single row: no tail
+        (torch.float64, F32, 97, 24),  # fp32 weights' fp64 accumulator
+        (torch.float64, BF16, 203, 16),  # ratio 4: a quarter of the rows in the head
+    ],
+    ids=str,
+)
+def test_round_into_head_is_the_once_rounded_cast_in_the_heads_memory(
+    monkeypatch, accum, final, vocab, hidden
+):
+    """dW's final rounding written over the accumulator's first block: bit for bit ``(sum * scale).to(dtype)``,
+    in the head's memory (nothing [V, H] allocated), through many slices (the first one via a temporary, then
+    growing ones whose read and written bytes are disjoint); a wrongly ordered or overlapping slice would
+    overwrite accumulator values before reading them."""
+    import lightning_flce.accumulate as accumulation
+
+    monkeypatch.setattr(accumulation, "_FIRST_SLICE", 7)  # many slices, the first and last partial
+    gen = torch.Generator().manual_seed(5)
+    full = (torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) * 3).to(accum)
+    accumulator = GradWeightAccumulator.empty(vocab, hidden, accum, torch.device("cpu"), final_dtype=final)
+    rows = head_rows(vocab, accum, final)
+    assert accumulator.head.shape == (rows, hidden) and accumulator.tail.shape == (vocab - rows, hidden)
+    assert rows * accum.itemsize >= vocab * final.itemsize > (rows - 1) * accum.itemsize
+    accumulator.head.copy_(full[:rows])
+    accumulator.tail.copy_(full[rows:])
+    scale = torch.tensor([0.7])
+    with OpRecorder() as recorder:
+        result = round_into_head_(accumulator.head, accumulator.tail, final, scale)
+    assert torch.equal(result, torch.mul(full, scale).to(final))
+    assert result.shape == (vocab, hidden) and result.is_contiguous()
+    assert result.untyped_storage().data_ptr() == accumulator.head.untyped_storage().data_ptr()
+    assert not [shapes for _, shapes in recorder.calls if (vocab, hidden) in shapes]
+
+
+def test_round_into_head_refuses_a_head_too_small():
+    with pytest.raises(ValueError, match="cannot hold"):
+        round_into_head_(torch.zeros(2, 4), torch.zeros(3, 4), BF16)
+    with pytest.raises(ValueError, match="cannot hold"):
+        round_into_head_(torch.zeros(4, 4, dtype=BF16), torch.zeros(0, 4, dtype=BF16), BF16)
+
+
+@pytest.mark.parametrize(("dtype", "accum"), [(BF16, F32), (F16, F32), (BF16, BF16), (F32, torch.float64)])
+def test_two_block_accumulator_matches_float64(dtype, accum):
+    """Chunks accumulated block by block (one GEMM per block, on its columns of the logit gradient) and rounded
+    into the head: the float64 sum of the chunks' products, to the accumulator's precision, then rounded once to
+    the weight's dtype (within one of its ulps); an accumulator as narrow as the weight is a single block."""
+    vocab, hidden, chunk = 301, 24, 16
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(chunk, vocab, generator=gen).to(dtype) for _ in range(4)]
+    inputs = [torch.randn(chunk, hidden, generator=gen).to(dtype) for _ in range(4)]
+    accumulator = GradWeightAccumulator.empty(vocab, hidden, accum, torch.device("cpu"), final_dtype=dtype)
+    assert accumulator.tail.numel() == (0 if accum == dtype else (vocab // 2) * hidden)
+    path = accumulator.choose_path(inputs[0])
+    for i, (g, x) in enumerate(zip(grads, inputs)):
+        accumulator.add(g, x, first=i == 0, path=path)
+    expected = sum(g.double().t() @ x.double() for g, x in zip(grads, inputs))
+    result = accumulator.result(dtype)
+    assert result.dtype == dtype and result.shape == (vocab, hidden)
+    ulp = torch.finfo(dtype).eps * (4 if accum == dtype else 1)  # a narrow accumulator rounds every chunk
+    assert relative_error(result, expected) < ulp
+
+
+def test_op_rounds_dw_into_its_accumulator():
+    """Through the op (bf16 over several chunks, an fp32 accumulator kept for backward): backward rounds dW
+    into the accumulator's first block, allocating nothing of the weight's size, so the head's peak is the
+    accumulator, not accumulator + result. (The recomputing backward of "none", one opaque op here, is
+    test_op.py's test_chunk_buffer_released_before_the_dw_cast.)"""
+    vocab, hidden = 96, 40
+    x = torch.randn(64, hidden, dtype=BF16, requires_grad=True)
+    weight = torch.randn(vocab, hidden, dtype=BF16, requires_grad=True)
+    loss = fused_linear_cross_entropy(x, weight, torch.randint(0, vocab, (64,)), chunk_size=16)
+    with OpRecorder() as recorder:
+        loss.backward()
+    names = [name for name, _ in recorder.calls]
+    assert "flce_round_grad_weight_" in names and "flce_cast_grad" not in names, names
+    # Only scalars (grad_output) are allocated.
+    assert all(shape == () for _, shapes in recorder.calls for shape in shapes), recorder.calls
+    assert weight.grad.dtype == BF16
+    assert weight.grad.untyped_storage().nbytes() == weight.numel() * weight.element_size()

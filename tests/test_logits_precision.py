@@ -132,16 +132,16 @@ def test_per_token_loss_within_1e5_of_float64_and_grads_no_worse(precision, redu
 
 def test_fp32_head_uses_fp32_gemms_and_fp32_accumulator(monkeypatch):
     """ "fp32_head": the chunk GEMMs see fp32 operands (widened once), dW accumulates in fp32."""
-    import lightning_flce.engine as engine
+    import lightning_flce.accumulate as accumulation
 
     seen = set()
-    accumulate = engine.accumulate_grad_weight
+    accumulate = accumulation.accumulate_grad_weight
 
     def spy(grad_weight, grad_logits, x_c, **kwargs):
         seen.add((grad_weight.dtype, grad_logits.dtype, x_c.dtype))
         return accumulate(grad_weight, grad_logits, x_c, **kwargs)
 
-    monkeypatch.setattr(engine, "accumulate_grad_weight", spy)
+    monkeypatch.setattr(accumulation, "accumulate_grad_weight", spy)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(64, 32, generator=gen).bfloat16().requires_grad_()
     w = torch.randn(300, 32, generator=gen).bfloat16().requires_grad_()

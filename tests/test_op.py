@@ -637,6 +637,7 @@ def test_auto_accumulator_follows_gemm_dtype(monkeypatch, autocast):
     """The "auto" accumulator: from the GEMMs' dtype, not the weight's storage: an fp32 weight under
     bf16 autocast accumulates in fp32 (fp64 there would run every dW/dX GEMM in fp64: 10x slower on an
     H100); without autocast, fp32 GEMMs get fp64 on GPUs with full-rate fp64 (forced here on the CPU)."""
+    import lightning_flce.accumulate as accumulation
     import lightning_flce.engine as op
 
     accumulator_dtypes = set()
@@ -645,8 +646,8 @@ def test_auto_accumulator_follows_gemm_dtype(monkeypatch, autocast):
         accumulator_dtypes.add((grad_weight.dtype, grad_logits.dtype))
         return accumulate(grad_weight, grad_logits, x, **kwargs)
 
-    accumulate = op.accumulate_grad_weight
-    monkeypatch.setattr(op, "accumulate_grad_weight", spy)
+    accumulate = accumulation.accumulate_grad_weight
+    monkeypatch.setattr(accumulation, "accumulate_grad_weight", spy)
     monkeypatch.setattr(op, "_has_full_rate_fp64", lambda device: True)
     x, weight, target, *_ = make_problem(64, 32, 200, seed=9)
     hidden = (x.bfloat16() if autocast else x).requires_grad_()
@@ -802,16 +803,19 @@ def test_default_chunk_size_is_balanced_in_the_op(monkeypatch):
 
 
 def test_chunk_buffer_released_before_the_dw_cast(monkeypatch):
-    """With an fp32 accumulator, dW's cast to the weight's dtype allocates the chunk loop's last large
-    tensor (in the backward of "none", which recomputes the chunks); the chunk's logits buffer must be gone
-    by then, or the peak holds accumulator + output + buffer."""
+    """With an fp32 accumulator, dW's rounding to the weight's dtype ends the chunk loop (in the backward of
+    "none", which recomputes the chunks); the chunk's logits buffer must be gone by then, and the rounding
+    writes dW into the accumulator's own memory (its first row block) instead of allocating it, so the peak
+    holds the accumulator alone: not accumulator + output (+ buffer)."""
     import gc
     import weakref
 
+    import lightning_flce.accumulate as accumulation
+
     x, weight, target, *_ = make_problem(600, 16, 300, ignore_frac=0.0, seed=4)
     x, weight = x.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
-    buffers, alive_at_cast = [], []
-    real_empty, real_to = torch.empty, torch.Tensor.to
+    buffers, alive_at_cast, heads = [], [], []
+    real_empty, real_round = torch.empty, accumulation.round_into_head_
 
     def spy_empty(*size, **kwargs):
         tensor = real_empty(*size, **kwargs)
@@ -819,21 +823,19 @@ def test_chunk_buffer_released_before_the_dw_cast(monkeypatch):
             buffers.append(weakref.ref(tensor))
         return tensor
 
-    def spy_to(self, *args, **kwargs):
-        if (
-            self.dtype == torch.float32
-            and self.shape == (300, 16)
-            and torch.bfloat16 in (*args, kwargs.get("dtype"))
-        ):
-            gc.collect()
-            alive_at_cast.append([ref() is not None for ref in buffers])
-        return real_to(self, *args, **kwargs)
+    def spy_round(head, tail, dtype, *args, **kwargs):
+        gc.collect()
+        alive_at_cast.append([ref() is not None for ref in buffers])
+        heads.append((head.dtype, head.shape[0] + tail.shape[0], head.untyped_storage().data_ptr()))
+        return real_round(head, tail, dtype, *args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", spy_empty)
-    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    monkeypatch.setattr(accumulation, "round_into_head_", spy_round)
     fused_linear_cross_entropy(x, weight, target, chunk_size=128, reduction="none").sum().backward()
     # One buffer in forward (the loss), one in backward's recompute.
     assert len(buffers) == 2 and alive_at_cast == [[False, False]], (len(buffers), alive_at_cast)
+    assert heads == [(torch.float32, 300, weight.grad.untyped_storage().data_ptr())]
+    assert weight.grad.untyped_storage().nbytes() == weight.numel() * weight.element_size()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

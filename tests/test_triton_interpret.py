@@ -378,6 +378,31 @@ def test_scale_into_kernel(source_dtype):
         torch.testing.assert_close(out, expected, rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("accum", "final"), [(torch.float32, torch.bfloat16), (torch.float64, torch.float16)]
+)
+def test_round_into_head_with_the_kernel(monkeypatch, accum, final):
+    """dW's rounding into its accumulator's first block through the Triton kernel: each launch reads and writes
+    disjoint bytes of the same memory; an overlapping launch would read values already overwritten (O(1) errors),
+    where the interpreter's truncation is within one ulp of torch's rounding."""
+    import lightning_flce.accumulate as accumulation
+
+    monkeypatch.setattr(accumulation, "_FIRST_SLICE", 1000)  # several launches of 4096-element blocks
+    vocab, hidden = 301, 64
+    gen = torch.Generator().manual_seed(4)
+    full = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64).to(accum)
+    accumulator = accumulation.GradWeightAccumulator.empty(
+        vocab, hidden, accum, torch.device("cpu"), final_dtype=final
+    )
+    rows = accumulator.head.shape[0]
+    accumulator.head.copy_(full[:rows])
+    accumulator.tail.copy_(full[rows:])
+    result = accumulation.round_into_head_(accumulator.head, accumulator.tail, final, torch.tensor([0.7]))
+    assert result.untyped_storage().data_ptr() == accumulator.head.untyped_storage().data_ptr()
+    ulp = torch.finfo(final).eps
+    torch.testing.assert_close(result, (full.double() * 0.7).to(final), rtol=ulp, atol=0)
+
+
 @pytest.mark.parametrize("source_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_scale_into_kernel_widens(source_dtype):
     """dX kept in the GEMM's dtype (fp32 hidden states under autocast), widened with the scale folded in:

@@ -28,6 +28,8 @@ from lightning_flce.engine import (
     register_forward_grads_autograd,
     run_valid_rows,
     saved_grad_dtypes,
+    saved_grad_weight_fakes,
+    saved_gradients,
     token_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
@@ -166,7 +168,8 @@ def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
 
 
 def _forward(*values) -> Tuple[Tensor, ...]:
-    """(loss 0-d, divergence [N], ce [N] or empty, dX, dW, d bias, inverse_scales); unused ones empty."""
+    """(loss 0-d, divergence [N], ce [N] or empty, dX, dW head, dW tail, d bias, inverse_scales); unused ones
+    empty (the gradients: :func:`~lightning_flce.engine.saved_gradients`)."""
     a = dict(zip(_NAMES, values))
     x = a["x"]
     with torch.autocast(x.device.type, enabled=False):
@@ -179,7 +182,7 @@ def _forward(*values) -> Tuple[Tensor, ...]:
     )
     if gx is not None:
         gx = gx.view(x.shape)
-    grads = [g if g is not None else x.new_empty(0) for g in (gx, gw, gb)]
+    grads = saved_gradients(x, gx, gw, gb)
     return (per_token_loss.sum(), divergence, ce, *grads, inverse)
 
 
@@ -196,7 +199,11 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
         x.new_empty(n_rows, dtype=dtype),
         x.new_empty(n_rows if a["hard_weight"] != 0.0 else 0, dtype=dtype),
         x.new_empty(x.shape, dtype=grad_input_dtype) if needs[0] else x.new_empty(0),
-        weight.new_empty(weight.shape, dtype=grad_weight_dtype) if needs[1] else x.new_empty(0),
+        *(
+            saved_grad_weight_fakes(weight, grad_weight_dtype)
+            if needs[1]
+            else (x.new_empty(0), x.new_empty(0))
+        ),
         bias.new_empty(bias.shape) if needs[2] else x.new_empty(0),
         x.new_empty(3 if scaled else 0, dtype=torch.float32),
     )
@@ -206,7 +213,7 @@ flce_distill = torch.library.custom_op(
     "lightning_flce::flce_distill",
     _forward,
     mutates_args=(),
-    schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 flce_distill.register_fake(_forward_fake)
 

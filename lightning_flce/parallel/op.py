@@ -48,6 +48,7 @@ from lightning_flce.engine import (
     finish_saved_grads,
     inverse_scales,
     run_chunks,
+    saved_gradients,
     target_range_error,
     valid_rows,
 )
@@ -348,8 +349,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
         if reduction == "none":
             ctx.save_for_backward(x_all, weight, target, bias)
         else:
-            empty = x.new_empty(0)
-            saved = [empty if g is None else g for g in (gx, gw, gb)]
+            saved = saved_gradients(x, gx, gw, gb)
             ctx.save_for_backward(*saved, inverse_scales(scales, plan.compute_dtype, x.device))
         return loss, lse, correct, entropy
 

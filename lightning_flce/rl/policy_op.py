@@ -19,6 +19,8 @@ from lightning_flce.engine import (
     register_forward_grads_autograd,
     run_valid_rows,
     saved_grad_dtypes,
+    saved_grad_weight_fakes,
+    saved_gradients,
     token_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
@@ -47,7 +49,8 @@ def _advantages_error(count: Tensor) -> ValueError:
 
 
 def _forward(*values) -> Tuple[Tensor, ...]:
-    """(loss 0-d, logprobs [N], entropy [N] or empty, dX, dW, d bias, inverse_scales); unused ones empty."""
+    """(loss 0-d, logprobs [N], entropy [N] or empty, dX, dW head, dW tail, d bias, inverse_scales); unused ones
+    empty (the gradients: :func:`~lightning_flce.engine.saved_gradients`)."""
     a = dict(zip(_NAMES, values))
     x, weight, compute_dtype = a["x"], a["weight"], a["compute_dtype"]
     vocab, hidden = weight.shape
@@ -103,7 +106,7 @@ def _forward(*values) -> Tuple[Tensor, ...]:
     )
     if gx is not None:
         gx = gx.view(x.shape)
-    grads = [g if g is not None else x.new_empty(0) for g in (gx, gw, gb)]
+    grads = saved_gradients(x, gx, gw, gb)
     return (per_token_loss.sum(), logprobs, entropy, *grads, inverse)
 
 
@@ -120,7 +123,11 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
         x.new_empty(n_rows, dtype=dtype),
         x.new_empty(n_rows if a["with_entropy"] else 0, dtype=dtype),
         x.new_empty(x.shape, dtype=grad_input_dtype) if needs[0] else x.new_empty(0),
-        weight.new_empty(weight.shape, dtype=grad_weight_dtype) if needs[1] else x.new_empty(0),
+        *(
+            saved_grad_weight_fakes(weight, grad_weight_dtype)
+            if needs[1]
+            else (x.new_empty(0), x.new_empty(0))
+        ),
         bias.new_empty(bias.shape) if needs[2] else x.new_empty(0),
         x.new_empty(3 if scaled else 0, dtype=torch.float32),
     )
@@ -130,7 +137,7 @@ flce_policy_loss = torch.library.custom_op(
     "lightning_flce::flce_policy_loss",
     _forward,
     mutates_args=(),
-    schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 flce_policy_loss.register_fake(_forward_fake)
 
