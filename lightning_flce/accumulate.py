@@ -161,15 +161,21 @@ def accumulate_grad_weight(
 
 # Elements of the first slice that the rounding copies through a temporary (see round_into_head_): 4 MiB in fp32.
 _FIRST_SLICE = 1 << 20
+# The tail block's GEMM reads the logit gradient from the head's row count on (a column offset): a multiple of 8
+# keeps that operand 16-byte aligned for 16-bit GEMMs, as cuBLAS's fastest kernels want (at most 7 rows more
+# in the head, a few KiB).
+_HEAD_ROW_ALIGN = 8
 
 
 def head_rows(vocab: int, accum_dtype: torch.dtype, final_dtype: torch.dtype) -> int:
     """Rows of a [vocab, H] accumulator in ``accum_dtype`` kept in its first block (see
     :class:`GradWeightAccumulator`): all of them unless the accumulator is at least twice as wide as the final
     dW, else the fewest whose memory holds the whole dW in ``final_dtype`` (half of them for fp32 and a 16-bit
-    weight, a quarter for fp64)."""
+    weight, a quarter for fp64), rounded up to a multiple of ``_HEAD_ROW_ALIGN``."""
     ratio = accum_dtype.itemsize // final_dtype.itemsize
-    return vocab if ratio < 2 else -(-vocab // ratio)
+    if ratio < 2:
+        return vocab
+    return min(vocab, -(-vocab // (ratio * _HEAD_ROW_ALIGN)) * _HEAD_ROW_ALIGN)
 
 
 def round_into_head_(

@@ -835,7 +835,9 @@ def test_chunk_buffer_released_before_the_dw_cast(monkeypatch):
     # One buffer in forward (the loss), one in backward's recompute.
     assert len(buffers) == 2 and alive_at_cast == [[False, False]], (len(buffers), alive_at_cast)
     assert heads == [(torch.float32, 300, weight.grad.untyped_storage().data_ptr())]
-    assert weight.grad.untyped_storage().nbytes() == weight.numel() * weight.element_size()
+    # the head's rows: half of V's rounded up to 8 (152 of 300 here), a few rows' bytes more than dW
+    weight_bytes = weight.numel() * weight.element_size()
+    assert weight_bytes <= weight.grad.untyped_storage().nbytes() <= weight_bytes + 8 * 16 * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
