@@ -198,23 +198,24 @@ def round_into_head_(
         raise ValueError(
             f"round_into_head_: a {tuple(head.shape)} {head.dtype} head cannot hold {rows} x {hidden} {dtype}"
         )
-    if scale is None:
-        scale = torch.ones(1, dtype=torch.float32, device=head.device)
+
+    def write(out: Tensor, values: Tensor) -> Tensor:
+        # without a scale, torch's own cast (Triton's interpreter truncates where scale_into's kernel rounds)
+        return out.copy_(values) if scale is None else scale_into(out, values, scale)
+
     source = head.view(-1)
     result = source.view(dtype)  # the head's bytes as `dtype` elements (ratio per accumulator element)
     n_head = source.numel()
     if n_head:
         first = min(n_head, _FIRST_SLICE)
-        result[:first].copy_(
-            scale_into(torch.empty(first, dtype=dtype, device=head.device), source[:first], scale)
-        )
+        result[:first].copy_(write(torch.empty(first, dtype=dtype, device=head.device), source[:first]))
         start = first
         while start < n_head:
             end = min(start * ratio, n_head)
-            scale_into(result[start:end], source[start:end], scale)
+            write(result[start:end], source[start:end])
             start = end
     if tail.numel():
-        scale_into(result[n_head : n_head + tail.numel()], tail.reshape(-1), scale)
+        write(result[n_head : n_head + tail.numel()], tail.reshape(-1))
     return result[: rows * hidden].view(rows, hidden)
 
 
