@@ -248,8 +248,9 @@ def test_scale_into_rounds_once_and_bounds_its_cpu_temporary(monkeypatch):
     ],
     ids=str,
 )
+@pytest.mark.parametrize("scaled", [True, False], ids=["grad_output-folded-in", "plain-cast"])
 def test_round_into_head_is_the_once_rounded_cast_in_the_heads_memory(
-    monkeypatch, accum, final, vocab, hidden
+    monkeypatch, accum, final, vocab, hidden, scaled
 ):
     """dW's final rounding written over the accumulator's first block: bit for bit ``(sum * scale).to(dtype)``,
     in the head's memory (nothing [V, H] allocated), through many slices (the first one via a temporary, then
@@ -268,10 +269,10 @@ def test_round_into_head_is_the_once_rounded_cast_in_the_heads_memory(
     assert rows == vocab or (rows % 8 == 0 and (rows - 8) * accum.itemsize < vocab * final.itemsize)
     accumulator.head.copy_(full[:rows])
     accumulator.tail.copy_(full[rows:])
-    scale = torch.tensor([0.7])
+    scale = torch.tensor([0.7]) if scaled else None
     with OpRecorder() as recorder:
         result = round_into_head_(accumulator.head, accumulator.tail, final, scale)
-    assert torch.equal(result, torch.mul(full, scale).to(final))
+    assert torch.equal(result, (torch.mul(full, scale) if scaled else full).to(final))
     assert result.shape == (vocab, hidden) and result.is_contiguous()
     assert result.untyped_storage().data_ptr() == accumulator.head.untyped_storage().data_ptr()
     assert not [shapes for _, shapes in recorder.calls if (vocab, hidden) in shapes]
