@@ -161,6 +161,25 @@ def _build_flce_accum_bf16(device: torch.device, divergence: str, beta: float, t
     return _build_flce(device, divergence, beta, temperature, accum_dtype=torch.bfloat16)
 
 
+def _build_flce_base(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
+    """The default loss of another commit, as package ``lightning_flce_base`` in this process: the copy that
+    ``benchmarks/make_baseline.py REV`` writes to ``.baseline/`` (carried to the GPU), so that a change is measured
+    against the loss before it in the same run."""
+    import make_baseline
+    from _providers import DEFAULT_BASELINE_DIR
+
+    module = make_baseline.import_baseline(DEFAULT_BASELINE_DIR)
+    options = dict(divergence=divergence, temperature=temperature, hard_weight=0.0)
+    if divergence == "jsd":
+        options["beta"] = beta
+
+    def fn(xs, ws, xt, wt, target):
+        return module.fused_linear_distillation(xs, ws, xt, wt, target, **options)
+
+    fn.note = make_baseline.describe(DEFAULT_BASELINE_DIR)
+    return fn
+
+
 def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
     """A builder of the default loss with ``engine.AUXILIARY_BLOCK_ROWS`` set to ``rows`` during each call (the
     chunk rule and the chunk loop read it then; "mean" computes its gradients in forward): the teacher's block
@@ -285,6 +304,12 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         _build_flce_accum_bf16,
         False,
     ),
+    "flce_base": (
+        "lightning_flce_base.fused_linear_distillation(divergence, beta, temperature, hard_weight=0.0): the default of"
+        " the commit in .baseline/ (benchmarks/make_baseline.py REV)",
+        _build_flce_base,
+        False,
+    ),
     # the teacher's block size (engine.AUXILIARY_BLOCK_ROWS, 256 by default), measured beside the default
     "flce_teacher_block_512": (
         "flce with engine.AUXILIARY_BLOCK_ROWS = 512 (the teacher's GEMM and the row kernel on 512-row blocks)",
@@ -320,6 +345,8 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         for name, call in [_launch_provider(block, programs, rows)]
     },
 }
+# Providers that run only when named in --providers: flce_base needs the copy benchmarks/make_baseline.py writes.
+NAMED_ONLY = ("flce_base",)
 LIGER_BASELINE = "liger_jsd_loss"  # the issue's goal: >= 1.5x its speed, at a peak no higher
 # "Within the unfused loss's errors": two results of the same precision differ in their rounding, so an error
 # ratio a few percent over 1 is a tie, not a miss.
@@ -720,7 +747,11 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
         "--shapes", default="0,1,2", help="indices into SHAPES (0,1,2) or NxH_sxH_txV, comma-separated"
     )
     parser.add_argument("--divergences", default=",".join(DIVERGENCES))
-    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument(
+        "--providers",
+        default=",".join(name for name in PROVIDERS if name not in NAMED_ONLY),
+        help=f"comma-separated; {', '.join(NAMED_ONLY)} only when named (they need .baseline/)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=10, help="timed rounds (one call of each provider each)"
     )
