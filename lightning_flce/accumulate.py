@@ -26,9 +26,9 @@ chunk's product once. With ``first=True`` the chunk overwrites instead (``beta=0
 
 :class:`GradWeightAccumulator` holds the running sum when it is wider than the weight (fp32 for a bf16 or fp16
 weight): in two row blocks, the first exactly the size of the finished dW, so that dW's final rounding is
-written into the accumulator's own memory and the second block is freed. The head's peak is then the
+written into the accumulator's own memory and the second block is freed. The LM head's peak is then the
 accumulator's, two weight sizes for a 16-bit weight, not three (the accumulator and a separately allocated
-result): 1 GiB less at V=128256, H=4096.
+result): 1 GiB less at V=128256, H=4096 where the chunk buffer is smaller than dW.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def accumulate_grad_weight(
 # The accumulator, in two row blocks when it is wider than the weight
 # ----------------------------------------------------------------------------------------------
 
-# Elements of the first slice that the rounding copies through a temporary (see round_into_head_): 4 MiB in fp32.
+# Elements of the first slice, which the rounding copies through a temporary (round_into_head_): 4 MiB in fp32.
 _FIRST_SLICE = 1 << 20
 # The tail block's GEMM reads the logit gradient from the head's row count on (a column offset): a multiple of 8
 # keeps that operand 16-byte aligned for 16-bit GEMMs, as cuBLAS's fastest kernels want (at most 7 rows more
@@ -181,9 +181,10 @@ def head_rows(vocab: int, accum_dtype: torch.dtype, final_dtype: torch.dtype) ->
 def round_into_head_(
     head: Tensor, tail: Tensor, dtype: torch.dtype, scale: Optional[Tensor] = None
 ) -> Tensor:
-    """Round the accumulator ``(head; tail)`` (its rows in two blocks) times ``scale`` to ``dtype`` into the memory of
-    ``head`` and return the result, a [rows, H] view of that memory. ``head`` must hold at least as many bytes as
-    the result (:func:`head_rows`); its contents are overwritten, ``tail`` is only read (free it afterwards).
+    """Round the accumulator ``(head; tail)`` (its rows in two blocks) times ``scale`` to ``dtype`` into the
+    memory of ``head`` and return the result, a [rows, H] view of that memory. ``head`` must hold at least as many
+    bytes as the result (:func:`head_rows`); its contents are overwritten, ``tail`` is only read (free it
+    afterwards).
 
     The result's element ``i`` is written over bytes of ``head`` that hold accumulator elements ``< i``: in
     slices ``[a, b)`` with ``b <= ratio * a`` the written and the read bytes are disjoint, so each slice is one
@@ -216,7 +217,7 @@ def round_into_head_(
             start = end
     if tail.numel():
         write(result[n_head : n_head + tail.numel()], tail.reshape(-1))
-    return result[: rows * hidden].view(rows, hidden)
+    return rounded_view(head, tail, dtype)
 
 
 def rounded_view(head: Tensor, tail: Tensor, dtype: torch.dtype) -> Tensor:
@@ -231,8 +232,8 @@ class GradWeightAccumulator:
     :func:`head_rows` rows) and ``tail`` (the rest, empty when the accumulator is no wider than the weight).
 
     A wider accumulator is the accurate default (the chunks' products summed in fp32, rounded to the 16-bit
-    weight's dtype once), and its final rounding is what makes the head's memory peak: accumulator and result at
-    once. Split this way, :meth:`result` rounds into the head's memory (:func:`round_into_head_`), so the result
+    weight's dtype once), and its final rounding used to set the LM head's memory peak: accumulator and result
+    at once. Split this way, :meth:`result` rounds into the head's memory (:func:`round_into_head_`), so the result
     costs nothing beyond the accumulator; a forward that keeps the sum for backward returns :meth:`parts`, which
     backward rounds the same way (``lightning_flce.engine.finish_saved_grads``).
     """
@@ -251,10 +252,6 @@ class GradWeightAccumulator:
             torch.empty(vocab - rows, hidden, dtype=dtype, device=device),
         )
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.head.dtype
-
     def parts(self) -> Tuple[Tensor, Tensor]:
         return self.head, self.tail
 
@@ -271,8 +268,8 @@ class GradWeightAccumulator:
         path: Optional[AccumulationPath] = None,
         alpha: float = 1.0,
     ) -> None:
-        """``dW (+)= alpha * grad_logits.T @ input`` (see :func:`accumulate_grad_weight`): one GEMM per block, each
-        on its columns of ``grad_logits``."""
+        """``dW (+)= alpha * grad_logits.T @ input`` (see :func:`accumulate_grad_weight`): one GEMM per block,
+        each on its columns of ``grad_logits``."""
         split = self.head.shape[0]
         accumulate_grad_weight(self.head, grad_logits[:, :split], input, first=first, path=path, alpha=alpha)
         if self.tail.numel():

@@ -398,8 +398,9 @@ def run_chunks(
     already. ``grad_weight_dtype``: dW's accumulator dtype, and dW is then returned as its
     :class:`~lightning_flce.accumulate.GradWeightAccumulator`, unrounded, for the caller to keep for backward
     (:func:`saved_gradients`, :func:`finish_saved_grads`; see :func:`saved_grad_weight_dtype`).
-    ``triton_logits_gemm``: the chunk kernels are the "triton" backend's, so ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`),
-    and where ``loss.tile_stats_suffice()`` its tile statistics may replace the chunk kernel's first pass.
+    ``triton_logits_gemm``: the chunk kernels are the "triton" backend's, so
+    ``logits_precision="fp32_compensated"`` may run its Triton GEMM (see :class:`WideLogitsGemm`), and where
+    ``loss.tile_stats_suffice()`` its tile statistics may replace the chunk kernel's first pass.
     A ``loss.auxiliary_head()`` (a distillation teacher) gets its chunk logits computed beside the main head's, for
     the same rows and with the same ``logits_precision``, without a gradient (:class:`_AuxiliaryLogits`); with
     ``auxiliary_block_rows`` its GEMM and the chunk loss run on blocks of at most that many of the chunk's rows
@@ -923,9 +924,10 @@ def _(saved, scale, inverse_scales, index, dtype):
 def flce_round_grad_weight_(
     head: Tensor, tail: Tensor, scale: Tensor, inverse_scales: Tensor, dtype: torch.dtype
 ) -> None:
-    """dW from forward's wider accumulator kept in two blocks (:class:`~lightning_flce.accumulate.GradWeightAccumulator`):
-    ``accumulator * grad_output`` (and the fp16 inverse scale ``inverse_scales[1]``) rounded once to ``dtype`` into
-    ``head``'s memory (:func:`~lightning_flce.accumulate.round_into_head_`), read back by
+    """dW from forward's wider accumulator kept in two blocks
+    (:class:`~lightning_flce.accumulate.GradWeightAccumulator`): ``accumulator * grad_output`` (and the fp16
+    inverse scale ``inverse_scales[1]``) rounded once to ``dtype`` into ``head``'s memory
+    (:func:`~lightning_flce.accumulate.round_into_head_`), read back by
     :func:`~lightning_flce.accumulate.rounded_view`. No second allocation: backward's peak is the accumulator's."""
     factor = scale.reshape(1).float()
     if inverse_scales.numel():
@@ -1025,8 +1027,8 @@ def register_forward_grads_autograd(
     """The autograd of a custom op that computes its gradients in forward (the policy and distillation losses):
     its inputs named ``names`` (``x``, ``weight``, ``bias`` and ``need_grad_input`` / ``_weight`` / ``_bias``
     among them), its outputs ``(loss, *metrics, dX, dW head, dW tail, d bias, inverse scales)``: the gradients of
-    :func:`saved_gradients` and :func:`run_chunks`'s scales (empty where not computed). Backward multiplies the saved gradients by grad_output
-    (:func:`finish_saved_grads`) once, checked by :func:`check_single_backward`."""
+    :func:`saved_gradients` and :func:`run_chunks`'s scales (empty where not computed). Backward multiplies the
+    saved gradients by grad_output (:func:`finish_saved_grads`) once, checked by :func:`check_single_backward`."""
 
     def setup_context(ctx, inputs, output) -> None:
         a = dict(zip(names, inputs))
