@@ -36,6 +36,11 @@ KERNELS = {
 )
 def test_every_kernel_compiles_for_sm90():
     pytest.importorskip("triton.backends.nvidia.compiler")
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    if not hasattr(interpreter.InterpretedFunction, "run"):  # triton 3.0 (torch 2.4's): no launch to hook
+        pytest.skip(
+            "ptx_fingerprint.py records launches through InterpretedFunction.run, which this Triton lacks"
+        )
     env = {**os.environ, "TRITON_DEFAULT_FP_FUSION": "1", "PYTHONPATH": str(SCRIPT.parents[1])}
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--sass"], capture_output=True, text=True, env=env, timeout=900

@@ -15,6 +15,12 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ThroughputMonitor
 from torch import Tensor, nn
+
+# The optimizers from their modules: torch 2.4's torch.optim imports them without re-exporting them (no __all__),
+# which mypy --strict refuses; the package supports torch >= 2.4.
+from torch.optim.adamw import AdamW
+from torch.optim.optimizer import Optimizer
+from torch.optim.sgd import SGD
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import assert_type
 
@@ -136,8 +142,8 @@ class MyLM(FLCEMixin, L.LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         self.flce_loss(self.hidden_states(batch["input_ids"]), batch["labels"], shift=False)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    def configure_optimizers(self) -> Optimizer:
+        return AdamW(self.parameters(), lr=1e-3)
 
 
 model = MyLM(flce_label_smoothing=0.1, flce_lse_square_scale=1e-4, flce_chunk_size=4096)
@@ -197,8 +203,8 @@ assert_type(head_loss.impl, ImplName)
 class MyTinyGPT(TinyGPT):
     """A subclass may override the models' hooks with any type Lightning accepts."""
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+    def configure_optimizers(self) -> Optimizer:
+        return SGD(self.parameters(), lr=0.1)
 
 
 # --- reinforcement learning (docs/rl.md)
