@@ -37,6 +37,7 @@ import json
 import math
 import os
 import time
+from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import _common as C
@@ -142,16 +143,25 @@ def _build_liger_fused_linear_jsd(
 
 
 def _build_flce(
-    device: torch.device, divergence: str, beta: float, temperature: float, **extra: Any
+    device: torch.device,
+    divergence: str,
+    beta: float,
+    temperature: float,
+    *,
+    package: Optional[ModuleType] = None,
+    **extra: Any,
 ) -> LossFn:
-    from lightning_flce import fused_linear_distillation
+    """``fused_linear_distillation`` of this package, or of ``package`` (another commit's copy), with ``extra``."""
+    if package is None:
+        import lightning_flce as package
 
     options = dict(divergence=divergence, temperature=temperature, hard_weight=0.0, **extra)
     if divergence == "jsd":  # beta is JSD's alone
         options["beta"] = beta
+    loss = package.fused_linear_distillation
 
     def fn(xs, ws, xt, wt, target):
-        return fused_linear_distillation(xs, ws, xt, wt, target, **options)
+        return loss(xs, ws, xt, wt, target, **options)
 
     return fn
 
@@ -168,14 +178,8 @@ def _build_flce_base(device: torch.device, divergence: str, beta: float, tempera
     import make_baseline
     from _providers import DEFAULT_BASELINE_DIR
 
-    module = make_baseline.import_baseline(DEFAULT_BASELINE_DIR)
-    options = dict(divergence=divergence, temperature=temperature, hard_weight=0.0)
-    if divergence == "jsd":
-        options["beta"] = beta
-
-    def fn(xs, ws, xt, wt, target):
-        return module.fused_linear_distillation(xs, ws, xt, wt, target, **options)
-
+    package = make_baseline.import_baseline(DEFAULT_BASELINE_DIR)
+    fn = _build_flce(device, divergence, beta, temperature, package=package)
     fn.note = make_baseline.describe(DEFAULT_BASELINE_DIR)
     return fn
 

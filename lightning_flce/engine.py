@@ -957,9 +957,13 @@ def saved_gradients(
     ]
 
 
-def saved_grad_weight_fakes(weight: Tensor, accumulator: torch.dtype) -> Tuple[Tensor, Tensor]:
+def saved_grad_weight_fakes(
+    like: Tensor, weight: Tensor, accumulator: torch.dtype, needed: bool
+) -> Tuple[Tensor, Tensor]:
     """The fake implementations' dW blocks (head, tail) of :func:`saved_gradients`, for an accumulator in
-    ``accumulator`` (:func:`saved_grad_weight_dtype`)."""
+    ``accumulator`` (:func:`saved_grad_weight_dtype`); two empty tensors of ``like`` where dW is not ``needed``."""
+    if not needed:
+        return like.new_empty(0), like.new_empty(0)
     vocab, hidden = weight.shape
     rows = head_rows(vocab, accumulator, weight.dtype)
     return (

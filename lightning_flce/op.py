@@ -240,10 +240,10 @@ def _token_scales(args, reduction: str) -> Tuple[Tensor, Tensor]:
 def _forward(*values) -> Tuple[Tensor, ...]:
     """Returns (loss, lse, correct, entropy, grad_input, grad_weight head, grad_weight tail, grad_bias,
     inverse_scales); unused ones are empty. loss, lse and entropy are in
-    :func:`~lightning_flce.kernels.softmax_dtype` of ``compute_dtype`` (fp32; fp64 for fp64 GEMMs). ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients
-    only) undoes the powers of two the fp16 gradients carry. ``grad_input`` and ``grad_weight`` are in the
-    dtypes of :func:`_saved_dtypes` (backward casts them); ``grad_weight`` in the two row blocks of its
-    accumulator (:func:`~lightning_flce.engine.saved_gradients`).
+    :func:`~lightning_flce.kernels.softmax_dtype` of ``compute_dtype`` (fp32; fp64 for fp64 GEMMs).
+    ``inverse_scales`` (fp32 [3], fp16 GEMMs with gradients only) undoes the powers of two the fp16 gradients
+    carry. ``grad_input`` and ``grad_weight`` are in the dtypes of :func:`_saved_dtypes` (backward casts them);
+    ``grad_weight`` in the two row blocks of its accumulator (:func:`~lightning_flce.engine.saved_gradients`).
 
     For "none" no gradient is computed here (backward recomputes); the need_grad_* flags then only
     say what backward will produce.
@@ -293,11 +293,7 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
         x.new_empty(x.shape, dtype=grad_input_dtype)
         if args.need_grad_input and grads_now
         else x.new_empty(0),
-        *(
-            saved_grad_weight_fakes(weight, grad_weight_dtype)
-            if args.need_grad_weight and grads_now
-            else (x.new_empty(0), x.new_empty(0))
-        ),
+        *saved_grad_weight_fakes(x, weight, grad_weight_dtype, args.need_grad_weight and grads_now),
         bias.new_empty(bias.shape) if args.need_grad_bias and grads_now else x.new_empty(0),
         x.new_empty(3 if scaled else 0, dtype=torch.float32),
     )

@@ -123,11 +123,7 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
         x.new_empty(n_rows, dtype=dtype),
         x.new_empty(n_rows if a["with_entropy"] else 0, dtype=dtype),
         x.new_empty(x.shape, dtype=grad_input_dtype) if needs[0] else x.new_empty(0),
-        *(
-            saved_grad_weight_fakes(weight, grad_weight_dtype)
-            if needs[1]
-            else (x.new_empty(0), x.new_empty(0))
-        ),
+        *saved_grad_weight_fakes(x, weight, grad_weight_dtype, needs[1]),
         bias.new_empty(bias.shape) if needs[2] else x.new_empty(0),
         x.new_empty(3 if scaled else 0, dtype=torch.float32),
     )
