@@ -64,7 +64,8 @@ class AuxiliaryHead(NamedTuple):
     """A head the engine runs on the chunk's rows beside the main one, without a gradient (a distillation
     teacher's): ``logits = input[rows] @ weight.T (+ bias)`` in ``compute_dtype``, with the call's
     ``logits_precision`` (the wide precisions write fp32 logits, as the main head's; never its 16-bit relative
-    logits or tile statistics), passed to the loss as ``side[name]`` ([C, V], read only).
+    logits or tile statistics), passed to the loss as ``side[name]`` ([C, V]; the engine recomputes it for each
+    block, so the loss may use it as scratch once it has read it: the Triton JSD kernel does).
 
     ``input`` is [N, H_aux] (the call's N rows), ``weight`` [V, H_aux] with the main head's V, ``bias`` [V] or
     None. The chunk-size rule counts its buffer (:func:`lightning_flce.engine.chunk_rows`'s

@@ -146,6 +146,24 @@ def _run(student, teacher, target, *, block=BLOCKS_OF_64, grad_out=None, compute
     )
 
 
+def _log_ratio_rounding_bound(student, teacher, options, want_grad) -> float:
+    """JSD's gradient with ``log p - log M`` stored in the 16-bit teacher row as fp16 (u = 2^-11 per element)
+    computes ``coef p (log p - log M + shift)`` from the rounded ratio: its error is at most
+    ``u |coef p (log p - log M)|`` per element (the softcap's factor is at most 1), returned relative to the
+    float64 gradient's norm."""
+    beta, w = options["beta"], options["hard_weight"]
+    inv_t_s = options["student_inv_temperature"].double().reshape(-1, 1)
+    scale = options["token_scale"].double().reshape(-1, 1)
+    log_p = torch.log_softmax(_transform(student.double(), options["student_softcap"], inv_t_s.flatten()), -1)
+    log_q = torch.log_softmax(
+        _transform(teacher.double(), options["teacher_softcap"], options["teacher_inv_temperature"]), -1
+    )
+    log_m = torch.logaddexp(log_q + math.log(beta), log_p + math.log(1.0 - beta))
+    term = torch.where(log_p > float("-inf"), log_p.exp() * (log_p - log_m), 0.0)
+    coef = scale * (1.0 - w) * (1.0 - beta) * inv_t_s
+    return 2.0**-11 * (coef * term).norm().item() / want_grad.norm().item()
+
+
 def _options(divergence, hard_weight, student_softcap=0.0, teacher_softcap=0.0, beta=0.3):
     return {
         "divergence": divergence,
@@ -455,3 +473,61 @@ def test_only_jsd_asks_for_the_split_launch(monkeypatch, divergence):
         grad,
     )
     assert asked == ([(64, 5)] if divergence == "jsd" else [(0, 1)])
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("ce_mode", ["no-ce", "ce-own-t"])
+@pytest.mark.parametrize(
+    "dtypes, caps",
+    [
+        ((torch.float32, torch.float32), (0.0, 0.0)),
+        ((torch.bfloat16, torch.bfloat16), (0.0, 0.0)),
+        ((torch.float16, torch.float16), (3.0, 30.0)),
+        ((torch.float32, torch.bfloat16), (0.0, 4.0)),
+        ((torch.bfloat16, torch.float32), (5.0, 0.0)),
+    ],
+    ids=["fp32", "bf16", "fp16-both-caps", "fp32-student-bf16-teacher", "bf16-student-fp32-teacher"],
+)
+def test_jsd_log_ratio_in_the_teacher_row(dtypes, caps, ce_mode, launch):
+    """``teacher_scratch``: JSD's pass 2 stores ``log p - log M`` over the teacher row (fp16 in a 16-bit row, fp32
+    in an fp32 one) and the gradient pass reads it there. The rows as the read-only kernel's (the same pass-2
+    sums), the gradient against float64 within the kernel's tolerance plus the stored ratio's fp16 rounding
+    (``_log_ratio_rounding_bound``) where the teacher row is 16-bit; over -inf columns on either side, whole and
+    split rows, softcaps, per-row temperatures and the CE on its own temperature."""
+    student_dtype, teacher_dtype = dtypes
+    hard_weight, own_ce = CE_MODES[ce_mode]
+    student, teacher, target, per_row_inputs = _problem(23, masked="both_sides", per_row=True, own_ce=own_ce)
+    student, teacher = student.to(student_dtype), teacher.to(teacher_dtype)
+    options = {**_options("jsd", hard_weight, *caps), **per_row_inputs}
+    want = reference_distill(student, teacher, target, **options)
+    read_only = _run(student.clone(), teacher.clone(), target, block=LAUNCHES[launch], **options)
+    grad, scratch = student.clone(), teacher.clone()
+    got = _run(grad, scratch, target, block=LAUNCHES[launch], teacher_scratch=True, **options)
+    assert not torch.equal(scratch, teacher)  # the ratio is where the teacher's logits were
+    for rows, same in zip(got, read_only):
+        assert (rows is None and same is None) or torch.equal(rows, same)
+    loss, div, ce = got
+    torch.testing.assert_close(loss.double(), want[0], **ROWS_TOL)
+    torch.testing.assert_close(div.double(), want[1], **ROWS_TOL)
+    assert torch.isfinite(grad).all()
+    rounding = torch.finfo(grad.dtype).eps if grad.dtype != torch.float32 else 0.0
+    stored = _log_ratio_rounding_bound(student, teacher, options, want[3])
+    if teacher_dtype == torch.float32:
+        stored = 0.0
+    assert _relative_error(grad, want[3]) < FP32_GRAD_TOL + rounding + stored
+
+
+@pytest.mark.parametrize(
+    "divergence, hard_weight, compute_grad",
+    [("forward_kl", 0.3, True), ("reverse_kl", 0.3, True), ("jsd", 1.0, True), ("jsd", 0.3, False)],
+    ids=["forward_kl", "reverse_kl", "jsd-ce-alone", "jsd-no-gradient"],
+)
+def test_teacher_scratch_left_unwritten_without_jsd_gradient(divergence, hard_weight, compute_grad):
+    """``teacher_scratch`` is a permission, used only where JSD's gradient pass follows: the KLs, a JSD whose
+    loss is the CE alone, and a JSD without the gradient leave the teacher row as it was."""
+    student, teacher, target, per_row_inputs = _problem(24, masked="both", per_row=True)
+    teacher = teacher.bfloat16()
+    options = {**_options(divergence, hard_weight), **per_row_inputs}
+    scratch = teacher.clone()
+    _run(student.clone(), scratch, target, compute_grad=compute_grad, teacher_scratch=True, **options)
+    assert torch.equal(scratch, teacher)

@@ -217,6 +217,7 @@ def _statistics_pass(
 def _mixture_pass(
     student_row,
     teacher_row,
+    ratio_row,
     begin,
     end,
     lse_s,
@@ -229,10 +230,14 @@ def _mixture_pass(
     STUDENT_SOFTCAP: tl.constexpr,
     TEACHER_SOFTCAP: tl.constexpr,
     PRECISE: tl.constexpr,
+    STORE_RATIO: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """JSD's pass 2 over columns [begin, end), last block first (the blocks pass 1 read last are the likeliest
-    still in L2): ``(sum q (log q - log M), sum p (log p - log M))``; ``log M`` needs both final LSEs."""
+    still in L2): ``(sum q (log q - log M), sum p (log p - log M))``; ``log M`` needs both final LSEs. With
+    STORE_RATIO it also writes ``log p - log M`` over the teacher row (``ratio_row``, the row's memory as fp16
+    or fp32; 0 where p = 0, and finite: below -60000 p is 0), which the gradient pass then reads instead of
+    recomputing it from both rows."""
     offsets = tl.arange(0, BLOCK_V)
     last_start = begin + (end - 1 - begin) // BLOCK_V * BLOCK_V
     kl_q_m = tl.zeros((), tl.float32)
@@ -247,8 +252,14 @@ def _mixture_pass(
         p = exp(log_p, PRECISE)
         q = exp(log_q, PRECISE)
         log_m, m_positive = _mixture_log(p, q, beta, PRECISE)
+        p_term = (p > 0.0) & m_positive
+        log_ratio = tl.where(p_term, log_p - log_m, 0.0)
         kl_q_m += tl.sum(tl.where((q > 0.0) & m_positive, q * (log_q - log_m), 0.0), 0)
-        kl_p_m += tl.sum(tl.where((p > 0.0) & m_positive, p * (log_p - log_m), 0.0), 0)
+        kl_p_m += tl.sum(p * log_ratio, 0)
+        if STORE_RATIO:
+            tl.store(
+                ratio_row + cols, tl.maximum(log_ratio, -60000.0).to(ratio_row.dtype.element_ty), mask=mask
+            )
     return kl_q_m, kl_p_m
 
 
@@ -299,6 +310,7 @@ def _row_loss(
 def _gradient_pass(
     student_row,
     teacher_row,
+    ratio_row,
     grad_row,
     begin,
     end,
@@ -323,11 +335,14 @@ def _gradient_pass(
     TEACHER_SOFTCAP: tl.constexpr,
     PRECISE_GRAD: tl.constexpr,
     GRAD_IN_ROW: tl.constexpr,
+    RATIO_IN_TEACHER: tl.constexpr,
     LAST_BLOCK_FIRST: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """d/dr_s over columns [begin, end), written to ``grad_row`` (in place over the student row, another buffer,
-    or GRAD_IN_ROW's 16-bit view of the fp32 row's second half: then LAST_BLOCK_FIRST, a barrier per block)."""
+    or GRAD_IN_ROW's 16-bit view of the fp32 row's second half: then LAST_BLOCK_FIRST, a barrier per block).
+    RATIO_IN_TEACHER (JSD): ``log p - log M`` from ``ratio_row``, where pass 2 stored it, instead of the teacher
+    row."""
     offsets = tl.arange(0, BLOCK_V)
     last_start = begin + (end - 1 - begin) // BLOCK_V * BLOCK_V
     divergence_coef = token_scale * (1.0 - hard_weight) * inv_t_s  # d/dz_s -> d/dr_s, weighted
@@ -345,7 +360,11 @@ def _gradient_pass(
         mask = cols < end
         z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
         grad = tl.zeros([BLOCK_V], dtype=tl.float32)
-        if DIVERGENCE_GRAD:
+        if DIVERGENCE_GRAD and RATIO_IN_TEACHER:
+            # p = 0 where pass 2 stored 0; masked lanes: p = 0
+            log_ratio = tl.load(ratio_row + cols, mask=mask, other=0.0).to(tl.float32)
+            grad = divergence_coef * (exp(z_s - lse_s, PRECISE_GRAD) * (log_ratio + shift))
+        elif DIVERGENCE_GRAD:
             log_p = z_s - lse_s
             p = exp(log_p, PRECISE_GRAD)
             z_t, capped_t = load_transformed(
@@ -432,8 +451,9 @@ def _row_statistics(
 def _distill_kernel(
     student_ptr,  # [C, V] student logits r_s (compute dtype, or fp32 wide logits)
     student_row_stride,
-    teacher_ptr,  # [C, V] teacher logits r_t (any float dtype), read only
+    teacher_ptr,  # [C, V] teacher logits r_t (any float dtype), read only unless RATIO_IN_TEACHER
     teacher_row_stride,
+    ratio_ptr,  # RATIO_IN_TEACHER: the teacher's memory as fp16 (16-bit teacher) or fp32, teacher_row_stride apart
     grad_ptr,  # [C, V] out: d/dr_s (student_ptr itself, another buffer, or GRAD_IN_ROW's 16-bit view)
     grad_row_stride,
     target_ptr,  # [C] int64 in [0, V) (read only with HAS_CE)
@@ -465,6 +485,7 @@ def _distill_kernel(
     PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
     PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
     GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
+    RATIO_IN_TEACHER: tl.constexpr,  # JSD: pass 2 stores log p - log M over the teacher row, the gradient reads it
     BLOCK_V: tl.constexpr,
     SLICE_V: tl.constexpr,  # columns per program: a multiple of BLOCK_V (split launch), V (whole rows)
     SPLITS: tl.constexpr,  # programs per row (program_id(1) is the slice)
@@ -492,6 +513,7 @@ def _distill_kernel(
         end = tl.minimum(begin + SLICE_V, V)
     student_row = student_ptr + row * student_row_stride
     teacher_row = teacher_ptr + row * teacher_row_stride
+    ratio_row = ratio_ptr + row * teacher_row_stride
     inv_t_s, inv_t_t, ce_inv_t, token_scale, target, own_ce_lse = _row_parameters(
         row,
         target_ptr,
@@ -563,6 +585,7 @@ def _distill_kernel(
             kl_q_m, kl_p_m = _mixture_pass(
                 student_row,
                 teacher_row,
+                ratio_row,
                 begin,
                 end,
                 lse_s,
@@ -575,6 +598,7 @@ def _distill_kernel(
                 STUDENT_SOFTCAP,
                 TEACHER_SOFTCAP,
                 PRECISE,
+                RATIO_IN_TEACHER,
                 BLOCK_V,
             )
         if DIVERGENCE == 3 and STEP == _SLICE_FINISH:
@@ -627,6 +651,7 @@ def _distill_kernel(
                 _gradient_pass(
                     student_row,
                     teacher_row,
+                    ratio_row,
                     grad_ptr + row * grad_row_stride,
                     begin,
                     end,
@@ -651,6 +676,7 @@ def _distill_kernel(
                     TEACHER_SOFTCAP,
                     PRECISE_GRAD,
                     GRAD_IN_ROW,
+                    RATIO_IN_TEACHER,
                     GRAD_IN_ROW or DIVERGENCE != 3,
                     BLOCK_V,
                 )
@@ -686,13 +712,17 @@ def distill_chunk(
     compute_grad: bool,
     grad_out: Optional[torch.Tensor] = None,
     config: Optional[Union[DistillLaunchConfig, LaunchConfig]] = None,
+    teacher_scratch: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The distillation loss of one [C, V] chunk (the module's docstring; the PyTorch twin of this contract
     is ``kernels/distill_torch.py``): returns fp32 ``(loss_rows, divergence_rows, ce_rows)`` (``ce_rows`` None when ``hard_weight`` is 0) and,
     with ``compute_grad``, writes d loss / d student logits over ``student_logits`` or into ``grad_out`` (a
     [C, V] tensor, or :func:`~lightning_flce.kernels.gradient_in_logits_rows` of the fp32 student logits).
     ``target`` is read only when ``hard_weight`` > 0 (and may be None otherwise); ``config`` overrides
-    :func:`default_distill_launch_config`."""
+    :func:`default_distill_launch_config`. ``teacher_scratch``: the caller lets the kernel overwrite the teacher
+    logits (the engine's per-block buffer): JSD's gradient pass then reads ``log p - log M`` where pass 2 stored it
+    over the teacher row (fp16 in a 16-bit row, fp32 in an fp32 one) instead of recomputing it from both rows, one
+    exp, one log and the teacher's read-and-transform an element fewer; otherwise the teacher is read only."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {list(DIVERGENCES)}, got {divergence!r}")
     if divergence == "jsd" and not 0.0 < beta < 1.0:
@@ -746,6 +776,13 @@ def distill_chunk(
         splits = triton.cdiv(vocab, slice_v)
         split = splits > 1
         jsd = divergence == "jsd"
+        divergence_grad = divergence is not None and hard_weight < 1.0
+        ratio_in_teacher = teacher_scratch and jsd and compute_grad and divergence_grad
+        # log p - log M over the teacher's own memory: fp16 (more mantissa than bf16; |values| < 60000) in a
+        # 16-bit row, fp32 in an fp32 one
+        ratio = teacher_logits
+        if ratio_in_teacher and teacher_logits.element_size() == 2:
+            ratio = teacher_logits.view(torch.float16)
         precise = exp_precision(student_logits.dtype, None)[0] or exp_precision(teacher_logits.dtype, None)[0]
         scratch = loss  # a dummy pointer where a scratch buffer is not used
         args = (
@@ -753,6 +790,7 @@ def distill_chunk(
             student_logits.stride(0),
             teacher_logits,
             teacher_logits.stride(0),
+            ratio,
             grad,
             grad.stride(0),
             target if has_ce else loss,  # a dummy pointer without the CE
@@ -778,7 +816,7 @@ def distill_chunk(
         )
         constants = dict(
             DIVERGENCE=DIVERGENCES[divergence],
-            DIVERGENCE_GRAD=divergence is not None and hard_weight < 1.0,
+            DIVERGENCE_GRAD=divergence_grad,
             HAS_CE=has_ce,
             STUDENT_SOFTCAP=student_softcap > 0.0,
             TEACHER_SOFTCAP=teacher_softcap > 0.0,
@@ -786,6 +824,7 @@ def distill_chunk(
             PRECISE=precise,
             PRECISE_GRAD=exp_precision(student_logits.dtype, grad.dtype)[1],
             GRAD_IN_ROW=grad_in_row,
+            RATIO_IN_TEACHER=ratio_in_teacher,
             BLOCK_V=block_v,
             SLICE_V=slice_v,
             SPLITS=splits,

@@ -106,6 +106,7 @@ def distill_chunk(
     compute_grad: bool,
     grad_out: Optional[Tensor] = None,
     student_excluded: Optional[Tensor] = None,
+    teacher_scratch: bool = False,
 ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """One chunk of the distillation loss (see the module docstring).
 
@@ -126,6 +127,8 @@ def distill_chunk(
             :func:`~lightning_flce.kernels.gradient_in_logits_rows` of ``student_logits``).
         student_excluded: [C, V] bool, columns left out of the student's distribution (probability 0, gradient
             0; a cached teacher's padding, whose teacher logits are -inf); the divergence's only.
+        teacher_scratch: the caller allows ``teacher_logits`` to be overwritten (the Triton kernel's JSD keeps
+            ``log p - log M`` there); this twin reads it only.
 
     Returns:
         ``(loss_rows, divergence_rows, ce_rows)``: [C] each in the softmax dtype; ``ce_rows`` None when

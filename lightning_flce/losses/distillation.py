@@ -196,6 +196,7 @@ class DistillationChunkLoss(ChunkLoss):
                 token_scale=token_scale,
                 compute_grad=compute_grad,
                 grad_out=grad_out,
+                teacher_scratch=True,  # the engine's block buffer, recomputed for the next block
                 **options,
             )
         # softcap and temperature are increasing: the raw logits' top k are the transformed ones'
