@@ -260,9 +260,9 @@ def compile_launches(path: str, arch: int, sass: bool) -> None:
             else:
                 signature[param.name] = described["type"]
         # The interpreter has no libdevice, so it runs PRECISE=False; a GPU run of fp32 logits takes the precise
-        # exp/log: compile both.
+        # exp/log: compile both. Likewise FAST_MATH (inline PTX, off in the interpreter, on for every GPU run).
         variants = [constexprs]
-        for flag in ("PRECISE", "PRECISE_GRAD"):
+        for flag in ("PRECISE", "PRECISE_GRAD", "FAST_MATH"):
             if constexprs.get(flag) is False:
                 variants.append({**constexprs, flag: True})
         for variant in variants:

@@ -116,14 +116,14 @@ def target_programs(device: torch.device) -> int:
 
 
 @triton.jit
-def _mixture_log(p, q, beta, PRECISE: tl.constexpr):
+def _mixture_log(p, q, beta, PRECISE: tl.constexpr, FAST_MATH: tl.constexpr):
     """log M = log(beta q + (1 - beta) p), and whether M > 0: a lane whose p and q both underflowed (or a
     -inf column) has M = 0; its terms are 0 under the callers' ``where``. From p and q, which every caller
     holds, one log per lane (the lse-combination of log q and log p costs an exp and a log more, and is no
     more accurate to first order: its log1p term rounds as this log does)."""
     mixture = beta * q + (1.0 - beta) * p
     positive = mixture > 0.0
-    return log(tl.where(positive, mixture, 1.0), PRECISE), positive
+    return log(tl.where(positive, mixture, 1.0), PRECISE, FAST_MATH), positive
 
 
 @triton.jit
@@ -174,6 +174,7 @@ def _statistics_pass(
     STUDENT_SOFTCAP: tl.constexpr,
     TEACHER_SOFTCAP: tl.constexpr,
     PRECISE: tl.constexpr,
+    FAST_MATH: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """Pass 1 over columns [begin, end) of both rows: the online log-sum-exps ``(m, d)`` of z_s, z_t and z_c (the
@@ -193,7 +194,7 @@ def _statistics_pass(
         z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
         if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
             if own_ce_lse:
-                m_c, d_c, _, _, _ = online_lse_step(capped_s * ce_inv_t, m_c, d_c, PRECISE)
+                m_c, d_c, _, _, _ = online_lse_step(capped_s * ce_inv_t, m_c, d_c, PRECISE, FAST_MATH)
         if DIVERGENCE != 0:
             z_t, capped_t = load_transformed(
                 teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
@@ -201,10 +202,10 @@ def _statistics_pass(
         # The side whose exps weight the KL's terms steps last, so that they need not stay live (in registers)
         # across the other side's step.
         if DIVERGENCE == 2:
-            m_t, d_t, _, _, _ = online_lse_step(z_t, m_t, d_t, PRECISE)
-        m_s_new, d_s, e_s, rescale_s, _ = online_lse_step(z_s, m_s, d_s, PRECISE)
+            m_t, d_t, _, _, _ = online_lse_step(z_t, m_t, d_t, PRECISE, FAST_MATH)
+        m_s_new, d_s, e_s, rescale_s, _ = online_lse_step(z_s, m_s, d_s, PRECISE, FAST_MATH)
         if DIVERGENCE == 1 or DIVERGENCE == 3:
-            m_t, d_t, e_t, rescale_t, _ = online_lse_step(z_t, m_t, d_t, PRECISE)
+            m_t, d_t, e_t, rescale_t, _ = online_lse_step(z_t, m_t, d_t, PRECISE, FAST_MATH)
         if DIVERGENCE == 1:
             kl_sum = kl_sum * rescale_t + tl.sum(tl.where(e_t > 0.0, e_t * (z_t - z_s), 0.0), 0)
         elif DIVERGENCE == 2:
@@ -230,6 +231,7 @@ def _mixture_pass(
     STUDENT_SOFTCAP: tl.constexpr,
     TEACHER_SOFTCAP: tl.constexpr,
     PRECISE: tl.constexpr,
+    FAST_MATH: tl.constexpr,
     STORE_RATIO: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -249,9 +251,9 @@ def _mixture_pass(
         z_t, capped_t = load_transformed(teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP)
         log_p = z_s - lse_s
         log_q = z_t - lse_t
-        p = exp(log_p, PRECISE)
-        q = exp(log_q, PRECISE)
-        log_m, m_positive = _mixture_log(p, q, beta, PRECISE)
+        p = exp(log_p, PRECISE, FAST_MATH)
+        q = exp(log_q, PRECISE, FAST_MATH)
+        log_m, m_positive = _mixture_log(p, q, beta, PRECISE, FAST_MATH)
         p_term = (p > 0.0) & m_positive
         log_ratio = tl.where(p_term, log_p - log_m, 0.0)
         kl_q_m += tl.sum(tl.where((q > 0.0) & m_positive, q * (log_q - log_m), 0.0), 0)
@@ -334,6 +336,7 @@ def _gradient_pass(
     STUDENT_SOFTCAP: tl.constexpr,
     TEACHER_SOFTCAP: tl.constexpr,
     PRECISE_GRAD: tl.constexpr,
+    FAST_MATH: tl.constexpr,
     GRAD_IN_ROW: tl.constexpr,
     RATIO_IN_TEACHER: tl.constexpr,
     LAST_BLOCK_FIRST: tl.constexpr,
@@ -363,24 +366,26 @@ def _gradient_pass(
         if DIVERGENCE_GRAD and RATIO_IN_TEACHER:
             # p = 0 where pass 2 stored 0; masked lanes: p = 0
             log_ratio = tl.load(ratio_row + cols, mask=mask, other=0.0).to(tl.float32)
-            grad = divergence_coef * (exp(z_s - lse_s, PRECISE_GRAD) * (log_ratio + shift))
+            grad = divergence_coef * (exp(z_s - lse_s, PRECISE_GRAD, FAST_MATH) * (log_ratio + shift))
         elif DIVERGENCE_GRAD:
             log_p = z_s - lse_s
-            p = exp(log_p, PRECISE_GRAD)
+            p = exp(log_p, PRECISE_GRAD, FAST_MATH)
             z_t, capped_t = load_transformed(
                 teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
             )
             if DIVERGENCE == 1:
-                grad_z = p - exp(z_t - lse_t, PRECISE_GRAD)
+                grad_z = p - exp(z_t - lse_t, PRECISE_GRAD, FAST_MATH)
             elif DIVERGENCE == 2:
                 grad_z = tl.where(p > 0.0, p * (z_s - z_t + shift), 0.0)
             else:
                 log_q = z_t - lse_t
-                log_m, m_positive = _mixture_log(p, exp(log_q, PRECISE_GRAD), beta, PRECISE_GRAD)
+                log_m, m_positive = _mixture_log(
+                    p, exp(log_q, PRECISE_GRAD, FAST_MATH), beta, PRECISE_GRAD, FAST_MATH
+                )
                 grad_z = tl.where((p > 0.0) & m_positive, p * (log_p - log_m + shift), 0.0)
             grad = divergence_coef * grad_z
         if HAS_CE:
-            p_c = exp(capped_s * ce_inv_t - lse_c, PRECISE_GRAD)
+            p_c = exp(capped_s * ce_inv_t - lse_c, PRECISE_GRAD, FAST_MATH)
             grad += token_scale * hard_weight * ce_inv_t * tl.where(cols == target, p_c - 1.0, p_c)
         grad = transform_backward(
             grad, capped_s, mask, student_softcap, 1.0, STUDENT_SOFTCAP, HAS_TEMPERATURE=False
@@ -484,6 +489,7 @@ def _distill_kernel(
     COMPUTE_GRAD: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
     PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
+    FAST_MATH: tl.constexpr,  # a GPU: the per-element exps and logs that are not PRECISE as single MUFU ops
     GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
     RATIO_IN_TEACHER: tl.constexpr,  # JSD: pass 2 stores log p - log M over the teacher row, the gradient reads it
     BLOCK_V: tl.constexpr,
@@ -545,6 +551,7 @@ def _distill_kernel(
             STUDENT_SOFTCAP,
             TEACHER_SOFTCAP,
             PRECISE,
+            FAST_MATH,
             BLOCK_V,
         )
         z_target = tl.zeros((), tl.float32)
@@ -598,6 +605,7 @@ def _distill_kernel(
                 STUDENT_SOFTCAP,
                 TEACHER_SOFTCAP,
                 PRECISE,
+                FAST_MATH,
                 RATIO_IN_TEACHER,
                 BLOCK_V,
             )
@@ -675,6 +683,7 @@ def _distill_kernel(
                     STUDENT_SOFTCAP,
                     TEACHER_SOFTCAP,
                     PRECISE_GRAD,
+                    FAST_MATH,
                     GRAD_IN_ROW,
                     RATIO_IN_TEACHER,
                     GRAD_IN_ROW or DIVERGENCE != 3,
@@ -823,6 +832,7 @@ def distill_chunk(
             COMPUTE_GRAD=compute_grad,
             PRECISE=precise,
             PRECISE_GRAD=exp_precision(student_logits.dtype, grad.dtype)[1],
+            FAST_MATH=device.type == "cuda",  # inline PTX: not in the interpreter
             GRAD_IN_ROW=grad_in_row,
             RATIO_IN_TEACHER=ratio_in_teacher,
             BLOCK_V=block_v,

@@ -25,18 +25,29 @@ def tanh(x):
     return tl.where(tl.abs(x) < 0.3, poly, 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 
+_LOG2_E = tl.constexpr(1.4426950408889634)
+_LN_2 = tl.constexpr(0.6931471805599453)
+
+
 @triton.jit
-def exp(x, PRECISE: tl.constexpr):
+def exp(x, PRECISE: tl.constexpr, FAST: tl.constexpr = False):
     # tl.exp is ex2.approx on an argument scaled by log2(e): fine for 16-bit logits, but for fp32 it
     # makes the gradient measurably less accurate than torch's. libdevice is not in the interpreter.
+    # FAST (a GPU kernel's per-element exps of 16-bit logits): ex2.approx.ftz, one MUFU.EX2 where tl.exp adds
+    # three instructions that keep results under 2^-126 (1e-38) from flushing to 0; no inline PTX in the
+    # interpreter, so a CUDA-only flag.
     if PRECISE:
         return libdevice.exp(x)
+    elif FAST:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * _LOG2_E], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         return tl.exp(x)
 
 
 @triton.jit
-def online_lse_step(z, m, d, PRECISE: tl.constexpr):
+def online_lse_step(z, m, d, PRECISE: tl.constexpr, FAST: tl.constexpr = False):
     """One block ``z`` of a row's online log-sum-exp: from the running max ``m`` and ``d = sum(exp(z - m))``,
     returns the new ``(m, d)``, the block's ``exp(z - m_new)``, the factor ``exp(m - m_new)`` that carries
     earlier sums over, and the block's max."""
@@ -45,15 +56,22 @@ def online_lse_step(z, m, d, PRECISE: tl.constexpr):
     # Exponents relative to 0 until a finite logit shows up (exp(-inf - -inf) is NaN): a row may start with a
     # block masked to -inf (a bias mask, a padded vocabulary).
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    rescale = exp(m - m_ref, PRECISE)
-    e = exp(z - m_ref, PRECISE)
+    rescale = exp(m - m_ref, PRECISE, FAST)
+    e = exp(z - m_ref, PRECISE, FAST)
     return m_new, d * rescale + tl.sum(e, 0), e, rescale, block_max
 
 
 @triton.jit
-def log(x, PRECISE: tl.constexpr):
+def log(x, PRECISE: tl.constexpr, FAST: tl.constexpr = False):
+    # tl.log is a polynomial of about 25 instructions; FAST (a GPU kernel's per-element logs of 16-bit
+    # logits): lg2.approx.ftz (relative error ~2^-22, far under the logits' 2^-9), one MUFU.LG2 and a multiply.
     if PRECISE:
         return libdevice.log(x)
+    elif FAST:
+        log2 = tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return log2 * _LN_2
     else:
         return tl.log(x)
 
