@@ -208,6 +208,29 @@ def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
     return build
 
 
+def _jsd_log_ratio_in_teacher(keep: bool) -> Callable[..., LossFn]:
+    """A builder of the default loss with ``kernels.distill.JSD_LOG_RATIO_IN_TEACHER`` set to ``keep`` during each
+    call: JSD's gradient pass recomputing ``log p - log M`` from both rows against reading it from the teacher row
+    where pass 2 stored it, in the same run."""
+
+    def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
+        from lightning_flce.kernels import distill
+
+        loss_fn = _build_flce(device, divergence, beta, temperature)
+
+        def fn(xs, ws, xt, wt, target):
+            default = distill.JSD_LOG_RATIO_IN_TEACHER
+            distill.JSD_LOG_RATIO_IN_TEACHER = keep
+            try:
+                return loss_fn(xs, ws, xt, wt, target)
+            finally:
+                distill.JSD_LOG_RATIO_IN_TEACHER = default
+
+        return fn
+
+    return build
+
+
 @contextlib.contextmanager
 def launch_override(max_block_v: int, programs_per_sm: int) -> Iterator[None]:
     """While the block runs: the distillation kernel's blocks capped at ``max_block_v`` columns (the library's
@@ -325,6 +348,11 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         "gives the two buffers the floor together, about half the default's rows)",
         _teacher_blocks(1 << 30),
         False,
+    ),
+    "flce_jsd_recompute_ratio": (
+        "flce with kernels.distill.JSD_LOG_RATIO_IN_TEACHER = False (JSD's gradient pass reads both rows again)",
+        _jsd_log_ratio_in_teacher(False),
+        True,
     ),
     # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
     # whole rows; the teacher's block rows). The default: JSD split at 4096 x 8 for 8 programs an SM, the other

@@ -70,6 +70,11 @@ _SPLIT_MAX_BLOCK_V = 4096
 #: 15-19% faster, the call 1-2.5% at the issue's three shapes; forward KL's two passes gained nothing (the call
 #: -1% to +1%, its kernel slower at 128256 columns), so the two-pass kernels (the KLs, the CE alone) keep whole rows.
 SPLIT_DIVERGENCES = frozenset({"jsd"})
+#: Whether JSD keeps ``log p - log M`` in the teacher row for its gradient pass where the caller allows it
+#: (``distill_chunk``'s ``teacher_scratch``): one write of the row in pass 2 for one exp, one log and the
+#: teacher's transform an element fewer in the gradient pass. ``bench_distill.py``'s ``flce_jsd_recompute_ratio``
+#: measures the call without it.
+JSD_LOG_RATIO_IN_TEACHER = True
 
 
 class DistillLaunchConfig(NamedTuple):
@@ -786,7 +791,9 @@ def distill_chunk(
         split = splits > 1
         jsd = divergence == "jsd"
         divergence_grad = divergence is not None and hard_weight < 1.0
-        ratio_in_teacher = teacher_scratch and jsd and compute_grad and divergence_grad
+        ratio_in_teacher = (
+            JSD_LOG_RATIO_IN_TEACHER and teacher_scratch and jsd and compute_grad and divergence_grad
+        )
         # log p - log M over the teacher's own memory: fp16 (more mantissa than bf16; |values| < 60000) in a
         # 16-bit row, fp32 in an fp32 one
         ratio = teacher_logits
