@@ -243,8 +243,8 @@ def _mixture_pass(
     """JSD's pass 2 over columns [begin, end), last block first (the blocks pass 1 read last are the likeliest
     still in L2): ``(sum q (log q - log M), sum p (log p - log M))``; ``log M`` needs both final LSEs. With
     STORE_RATIO it also writes ``log p - log M`` over the teacher row (``ratio_row``, the row's memory as fp16
-    or fp32; 0 where p = 0, and finite: below -60000 p is 0), which the gradient pass then reads instead of
-    recomputing it from both rows."""
+    or fp32; finite, also where p = 0), which the gradient pass then reads instead of recomputing it from both
+    rows."""
     offsets = tl.arange(0, BLOCK_V)
     last_start = begin + (end - 1 - begin) // BLOCK_V * BLOCK_V
     kl_q_m = tl.zeros((), tl.float32)
@@ -254,19 +254,19 @@ def _mixture_pass(
         mask = cols < end
         z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
         z_t, capped_t = load_transformed(teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP)
-        log_p = z_s - lse_s
-        log_q = z_t - lse_t
+        # Clamped, not masked: below -10000 the probability is 0 in fp32 either way, and a -inf column (masked
+        # or padded) gets a finite log-probability, so that its terms are 0 * finite = 0 without a where per
+        # product; M is 0 only where p and q both are, and then its log is merely finite.
+        log_p = tl.maximum(z_s - lse_s, -10000.0)
+        log_q = tl.maximum(z_t - lse_t, -10000.0)
         p = exp(log_p, PRECISE, FAST_MATH)
         q = exp(log_q, PRECISE, FAST_MATH)
-        log_m, m_positive = _mixture_log(p, q, beta, PRECISE, FAST_MATH)
-        p_term = (p > 0.0) & m_positive
-        log_ratio = tl.where(p_term, log_p - log_m, 0.0)
-        kl_q_m += tl.sum(tl.where((q > 0.0) & m_positive, q * (log_q - log_m), 0.0), 0)
+        log_m = log(tl.maximum(beta * q + (1.0 - beta) * p, 1e-37), PRECISE, FAST_MATH)
+        log_ratio = log_p - log_m  # in [-10000, -log(1 - beta)] up to log M's 85: fp16 holds it
+        kl_q_m += tl.sum(q * (log_q - log_m), 0)
         kl_p_m += tl.sum(p * log_ratio, 0)
         if STORE_RATIO:
-            tl.store(
-                ratio_row + cols, tl.maximum(log_ratio, -60000.0).to(ratio_row.dtype.element_ty), mask=mask
-            )
+            tl.store(ratio_row + cols, log_ratio.to(ratio_row.dtype.element_ty), mask=mask)
     return kl_q_m, kl_p_m
 
 
@@ -369,7 +369,7 @@ def _gradient_pass(
         z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
         grad = tl.zeros([BLOCK_V], dtype=tl.float32)
         if DIVERGENCE_GRAD and RATIO_IN_TEACHER:
-            # p = 0 where pass 2 stored 0; masked lanes: p = 0
+            # finite ratios (p = 0 times them is 0); masked lanes: p = 0
             log_ratio = tl.load(ratio_row + cols, mask=mask, other=0.0).to(tl.float32)
             grad = divergence_coef * (exp(z_s - lse_s, PRECISE_GRAD, FAST_MATH) * (log_ratio + shift))
         elif DIVERGENCE_GRAD:
