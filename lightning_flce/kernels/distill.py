@@ -25,11 +25,13 @@ Up to three passes over a row (the chunk holds only rows that carry a loss):
    :func:`~lightning_flce.kernels.gradient_in_logits_rows`: then last block first, a barrier per block, as the
    cross-entropy kernel does). The teacher row is read once per pass; the teacher gets no gradient.
 
-On a GPU (``FAST_MATH``) the per-element exps and JSD's per-element log of 16-bit logits are single special-function
-instructions (``ex2.approx.ftz``, ``lg2.approx.ftz``), where ``tl.exp`` adds three instructions for results under
-2^-126 and ``tl.log`` is a polynomial of about 25: the JSD kernel was bound by instruction issue, not by memory
-(2,976 -> 1,464 instructions for sm_90 over its three steps with the stored ratio; on an H100 its steps now run
-at 67-82% of DRAM throughput). fp32 logits keep libdevice's exp and log (``PRECISE``), the interpreter ``tl.exp``.
+The JSD kernel was bound by instruction issue, not by memory. On a GPU (``FAST_MATH``) the per-element exps of
+16-bit logits are one ``ex2.approx.ftz`` each, where ``tl.exp`` adds three instructions that keep results under
+2^-126 from flushing to 0 (fp32 logits keep libdevice's exp, ``PRECISE``; the interpreter ``tl.exp``), and with
+the stored ratio the gradient pass has one exp an element where it had two and a log: 2,976 -> 1,768 instructions
+for sm_90 over the three steps. JSD's per-element log stays ``tl.log`` (a polynomial of about 25 instructions):
+``lg2.approx`` (one) made the steps 1,464 instructions but raised the loss's error at V = 256000 from 1.02x to
+1.13x the unfused bf16 loss's on an H100 (docs/distill.md).
 
 Two launches of the one kernel run them (:class:`DistillLaunchConfig`'s ``row_splits``; the kernel's ``STEP``):
 whole rows, one program per row through every pass; and the split launch, where each row's columns are cut
@@ -130,14 +132,14 @@ def target_programs(device: torch.device) -> int:
 
 
 @triton.jit
-def _mixture_log(p, q, beta, PRECISE: tl.constexpr, FAST_MATH: tl.constexpr):
+def _mixture_log(p, q, beta, PRECISE: tl.constexpr):
     """log M = log(beta q + (1 - beta) p), and whether M > 0: a lane whose p and q both underflowed (or a
     -inf column) has M = 0; its terms are 0 under the callers' ``where``. From p and q, which every caller
     holds, one log per lane (the lse-combination of log q and log p costs an exp and a log more, and is no
     more accurate to first order: its log1p term rounds as this log does)."""
     mixture = beta * q + (1.0 - beta) * p
     positive = mixture > 0.0
-    return log(tl.where(positive, mixture, 1.0), PRECISE, FAST_MATH), positive
+    return log(tl.where(positive, mixture, 1.0), PRECISE), positive
 
 
 @triton.jit
@@ -270,7 +272,7 @@ def _mixture_pass(
         log_q = tl.maximum(z_t - lse_t, -10000.0)
         p = exp(log_p, PRECISE, FAST_MATH)
         q = exp(log_q, PRECISE, FAST_MATH)
-        log_m = log(tl.maximum(beta * q + (1.0 - beta) * p, 1e-37), PRECISE, FAST_MATH)
+        log_m = log(tl.maximum(beta * q + (1.0 - beta) * p, 1e-37), PRECISE)
         log_ratio = log_p - log_m  # in [-10000, -log(1 - beta)] up to log M's 85: fp16 holds it
         kl_q_m += tl.sum(q * (log_q - log_m), 0)
         kl_p_m += tl.sum(p * log_ratio, 0)
@@ -393,9 +395,7 @@ def _gradient_pass(
                 grad_z = tl.where(p > 0.0, p * (z_s - z_t + shift), 0.0)
             else:
                 log_q = z_t - lse_t
-                log_m, m_positive = _mixture_log(
-                    p, exp(log_q, PRECISE_GRAD, FAST_MATH), beta, PRECISE_GRAD, FAST_MATH
-                )
+                log_m, m_positive = _mixture_log(p, exp(log_q, PRECISE_GRAD, FAST_MATH), beta, PRECISE_GRAD)
                 grad_z = tl.where((p > 0.0) & m_positive, p * (log_p - log_m + shift), 0.0)
             grad = divergence_coef * grad_z
         if HAS_CE:
@@ -503,7 +503,7 @@ def _distill_kernel(
     COMPUTE_GRAD: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
     PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
-    FAST_MATH: tl.constexpr,  # a GPU: the per-element exps and logs that are not PRECISE as single MUFU ops
+    FAST_MATH: tl.constexpr,  # a GPU: the per-element exps that are not PRECISE as single MUFU.EX2 ops
     GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
     RATIO_IN_TEACHER: tl.constexpr,  # JSD: pass 2 stores log p - log M over the teacher row, the gradient reads it
     BLOCK_V: tl.constexpr,
