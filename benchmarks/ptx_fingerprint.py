@@ -259,10 +259,13 @@ def compile_launches(path: str, arch: int, sass: bool) -> None:
                 constexprs[param.name] = described.get("value")
             else:
                 signature[param.name] = described["type"]
-        # The interpreter has no libdevice, so it runs PRECISE=False; a GPU run of fp32 logits takes the precise
-        # exp/log: compile both. Likewise FAST_MATH (inline PTX, off in the interpreter, on for every GPU run).
+        # FAST_MATH (inline PTX) is off in the interpreter and on in every GPU run: compile the GPU's. The
+        # interpreter has no libdevice, so it runs PRECISE=False; a GPU run of fp32 logits takes the precise
+        # exp/log: compile both.
+        if constexprs.get("FAST_MATH") is False:
+            constexprs = {**constexprs, "FAST_MATH": True}
         variants = [constexprs]
-        for flag in ("PRECISE", "PRECISE_GRAD", "FAST_MATH"):
+        for flag in ("PRECISE", "PRECISE_GRAD"):
             if constexprs.get(flag) is False:
                 variants.append({**constexprs, flag: True})
         for variant in variants:

@@ -475,18 +475,28 @@ def test_only_jsd_asks_for_the_split_launch(monkeypatch, divergence):
     assert asked == ([(64, 5)] if divergence == "jsd" else [(0, 1)])
 
 
-@pytest.mark.parametrize("launch", LAUNCHES)
-@pytest.mark.parametrize("ce_mode", ["no-ce", "ce-own-t"])
 @pytest.mark.parametrize(
-    "dtypes, caps",
+    "dtypes, caps, ce_mode, launch",
     [
-        ((torch.float32, torch.float32), (0.0, 0.0)),
-        ((torch.bfloat16, torch.bfloat16), (0.0, 0.0)),
-        ((torch.float16, torch.float16), (3.0, 30.0)),
-        ((torch.float32, torch.bfloat16), (0.0, 4.0)),
-        ((torch.bfloat16, torch.float32), (5.0, 0.0)),
+        ((torch.float32, torch.float32), (0.0, 0.0), "no-ce", "whole-rows"),
+        ((torch.float32, torch.float32), (0.0, 0.0), "ce-own-t", "5-slices"),
+        ((torch.bfloat16, torch.bfloat16), (0.0, 0.0), "no-ce", "3-slices"),
+        ((torch.float16, torch.float16), (3.0, 30.0), "ce-own-t", "whole-rows"),
+        ((torch.float16, torch.float16), (3.0, 30.0), "no-ce", "3-slices"),
+        ((torch.float32, torch.bfloat16), (0.0, 4.0), "no-ce", "3-slices"),
+        ((torch.float32, torch.bfloat16), (0.0, 4.0), "ce-own-t", "whole-rows"),
+        ((torch.bfloat16, torch.float32), (5.0, 0.0), "ce-own-t", "5-slices"),
     ],
-    ids=["fp32", "bf16", "fp16-both-caps", "fp32-student-bf16-teacher", "bf16-student-fp32-teacher"],
+    ids=[
+        "fp32-whole-rows",
+        "fp32-ce-5-slices",
+        "bf16-3-slices",
+        "fp16-caps-ce-whole-rows",
+        "fp16-caps-3-slices",
+        "fp32-student-bf16-teacher-3-slices",
+        "fp32-student-bf16-teacher-ce-whole-rows",
+        "bf16-student-fp32-teacher-ce-5-slices",
+    ],
 )
 def test_jsd_log_ratio_in_the_teacher_row(dtypes, caps, ce_mode, launch):
     """``teacher_scratch``: JSD's pass 2 stores ``log p - log M`` over the teacher row (fp16 in a 16-bit row, fp32
