@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
 import json
 import math
@@ -184,51 +185,33 @@ def _build_flce_base(device: torch.device, divergence: str, beta: float, tempera
     return fn
 
 
+def _with_module_setting(module: str, name: str, value) -> Callable[..., LossFn]:
+    """A builder of the default loss with the library's ``module.name`` set to ``value`` during each call (the
+    settings are read while the call runs; "mean" computes its gradients in forward): an alternative against the
+    default in the same run."""
+
+    def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
+        target_module = importlib.import_module(module)
+        loss_fn = _build_flce(device, divergence, beta, temperature)
+
+        def fn(xs, ws, xt, wt, target):
+            default = getattr(target_module, name)
+            setattr(target_module, name, value)
+            try:
+                return loss_fn(xs, ws, xt, wt, target)
+            finally:
+                setattr(target_module, name, default)
+
+        return fn
+
+    return build
+
+
 def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
-    """A builder of the default loss with ``engine.AUXILIARY_BLOCK_ROWS`` set to ``rows`` during each call (the
-    chunk rule and the chunk loop read it then; "mean" computes its gradients in forward): the teacher's block
-    size against the default's, in the same run. ``rows`` above any chunk is the rule before teacher blocks
-    (both buffers a chunk's rows)."""
-
-    def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
-        from lightning_flce import engine
-
-        loss_fn = _build_flce(device, divergence, beta, temperature)
-
-        def fn(xs, ws, xt, wt, target):
-            default = engine.AUXILIARY_BLOCK_ROWS
-            engine.AUXILIARY_BLOCK_ROWS = rows
-            try:
-                return loss_fn(xs, ws, xt, wt, target)
-            finally:
-                engine.AUXILIARY_BLOCK_ROWS = default
-
-        return fn
-
-    return build
-
-
-def _jsd_log_ratio_in_teacher(keep: bool) -> Callable[..., LossFn]:
-    """A builder of the default loss with ``kernels.distill.JSD_LOG_RATIO_IN_TEACHER`` set to ``keep`` during each
-    call: JSD's gradient pass recomputing ``log p - log M`` from both rows against reading it from the teacher row
-    where pass 2 stored it, in the same run."""
-
-    def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
-        from lightning_flce.kernels import distill
-
-        loss_fn = _build_flce(device, divergence, beta, temperature)
-
-        def fn(xs, ws, xt, wt, target):
-            default = distill.JSD_LOG_RATIO_IN_TEACHER
-            distill.JSD_LOG_RATIO_IN_TEACHER = keep
-            try:
-                return loss_fn(xs, ws, xt, wt, target)
-            finally:
-                distill.JSD_LOG_RATIO_IN_TEACHER = default
-
-        return fn
-
-    return build
+    """The default loss with ``engine.AUXILIARY_BLOCK_ROWS`` = ``rows`` (the chunk rule and the chunk loop read
+    it): the teacher's block size against the default's. ``rows`` above any chunk is the rule before teacher
+    blocks (both buffers a chunk's rows)."""
+    return _with_module_setting("lightning_flce.engine", "AUXILIARY_BLOCK_ROWS", rows)
 
 
 @contextlib.contextmanager
@@ -351,7 +334,8 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
     ),
     "flce_jsd_recompute_ratio": (
         "flce with kernels.distill.JSD_LOG_RATIO_IN_TEACHER = False (JSD's gradient pass reads both rows again)",
-        _jsd_log_ratio_in_teacher(False),
+        # JSD's gradient pass recomputing log p - log M from both rows, against reading it where pass 2 stored it
+        _with_module_setting("lightning_flce.kernels.distill", "JSD_LOG_RATIO_IN_TEACHER", False),
         True,
     ),
     # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
