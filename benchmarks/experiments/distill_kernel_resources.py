@@ -45,7 +45,15 @@ STEPS = {
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 VOCAB = 128256
-POINTERS = ("student_ptr", "teacher_ptr", "grad_ptr", "target_ptr", "student_inv_t_ptr", "teacher_inv_t_ptr")
+POINTERS = (
+    "student_ptr",
+    "teacher_ptr",
+    "ratio_ptr",
+    "grad_ptr",
+    "target_ptr",
+    "student_inv_t_ptr",
+    "teacher_inv_t_ptr",
+)
 POINTERS += ("ce_inv_t_ptr", "token_scale_ptr", "loss_ptr", "divergence_ptr", "ce_ptr")
 POINTERS += ("statistics_ptr", "mixture_ptr", "target_logit_ptr")
 ALIGNED = POINTERS + ("student_row_stride", "teacher_row_stride", "grad_row_stride")
@@ -53,6 +61,7 @@ ALIGNED = POINTERS + ("student_row_stride", "teacher_row_stride", "grad_row_stri
 
 def signature(student, teacher, grad):
     types = {"student_ptr": f"*{student}", "teacher_ptr": f"*{teacher}", "grad_ptr": f"*{grad}"}
+    types["ratio_ptr"] = "*fp32" if teacher == "fp32" else "*fp16"  # the stored ratio's view of the teacher
     types.update({"target_ptr": "*i64", "loss_ptr": "*fp32", "divergence_ptr": "*fp32", "ce_ptr": "*fp32"})
     types.update({name: "*fp32" for name in POINTERS if name not in types})
     names = distill._distill_kernel.arg_names
@@ -83,10 +92,12 @@ def compile_variant(
     kernel="whole",
     splits=1,
 ):
-    """The cubin of one specialization (fp32 logits: a bf16 teacher and the bf16 gradient in the rows; a split
-    ``kernel`` with ``splits`` slices a row)."""
+    """The cubin of one specialization as a GPU launch compiles it (FAST_MATH; JSD stores its ratio in the teacher
+    row, as the loss lets it); fp32 logits: a bf16 teacher and the bf16 gradient in the rows; a split ``kernel``
+    with ``splits`` slices a row."""
     fp32 = logits == "fp32"
     sig = signature("fp32" if fp32 else "bf16", "bf16", "bf16")
+    names_known = set(distill._distill_kernel.arg_names)
     constants = {
         "V": VOCAB,
         "DIVERGENCE": DIVERGENCES[divergence],
@@ -97,13 +108,16 @@ def compile_variant(
         "COMPUTE_GRAD": True,
         "PRECISE": fp32,
         "PRECISE_GRAD": False,
+        "FAST_MATH": True,
         "GRAD_IN_ROW": fp32,
+        "RATIO_IN_TEACHER": divergence == "jsd" and distill.JSD_LOG_RATIO_IN_TEACHER,
         "BLOCK_V": block_v,
         "SLICE_V": triton.cdiv(triton.cdiv(VOCAB, splits), block_v) * block_v,
         "SPLITS": splits,
         "SPLITS_POW2": max(2, triton.next_power_of_2(splits)),
         "STEP": STEPS[kernel],
     }
+    constants = {name: value for name, value in constants.items() if name in names_known}  # older revisions
     names = list(sig)
     source = ASTSource(
         fn=distill._distill_kernel,
@@ -127,7 +141,9 @@ def resources(cubin: bytes):
         sass = subprocess.run([TOOLS / "nvdisasm", "-c", path], capture_output=True, text=True).stdout
     found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
     ops = collections.Counter(re.findall(r"\b(LDG\.E\.128|STG\.E\.128|BAR\.SYNC|MUFU)", sass))
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.M))
     return [
+        instructions,
         found.get("REG"),
         found.get("STACK"),
         ops["LDG.E.128"],
@@ -171,7 +187,16 @@ def main():
     for variant in VARIANTS:
         label = " ".join(f"{key}={value}" for key, value in variant.items())
         rows.append([label, *resources(compile_variant(**variant))])
-    headers = ["variant", "registers", "stack", "16-byte loads", "16-byte stores", "barriers", "MUFU"]
+    headers = [
+        "variant",
+        "instructions",
+        "registers",
+        "stack",
+        "16-byte loads",
+        "16-byte stores",
+        "barriers",
+        "MUFU",
+    ]
     print(*_common.text_table(headers, rows), sep="\n")
 
 

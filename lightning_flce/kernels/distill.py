@@ -28,10 +28,13 @@ Up to three passes over a row (the chunk holds only rows that carry a loss):
 The JSD kernel was bound by instruction issue, not by memory. On a GPU (``FAST_MATH``) the per-element exps of
 16-bit logits are one ``ex2.approx.ftz`` each, where ``tl.exp`` adds three instructions that keep results under
 2^-126 from flushing to 0 (fp32 logits keep libdevice's exp, ``PRECISE``; the interpreter ``tl.exp``), and with
-the stored ratio the gradient pass has one exp an element where it had two and a log: 2,976 -> 1,768 instructions
-for sm_90 over the three steps. JSD's per-element log stays ``tl.log`` (a polynomial of about 25 instructions):
-``lg2.approx`` (one) made the steps 1,464 instructions but raised the loss's error at V = 256000 from 1.02x to
-1.13x the unfused bf16 loss's on an H100 (docs/distill.md).
+the stored ratio the gradient pass has one exp an element where it had two and a log. JSD's per-element log M is
+the log-add-exp of log q + log beta and log p + log(1 - beta) (:func:`~lightning_flce.kernels.triton_math.log_add_exp`):
+on a GPU one more ``ex2.approx`` and one ``lg2.approx`` on [1, 2], where its error is absolute (2^-22), in place of
+``tl.log`` of M (a polynomial of about 25 instructions); ``lg2.approx`` of M itself raised the loss's error at
+V = 256000 from 1.02x to 1.13x the unfused bf16 loss's on an H100 (docs/distill.md). sm_90 SASS of the split
+launch's three JSD steps (4096-column blocks, ``benchmarks/experiments/distill_kernel_resources.py``): 1,808
+instructions with ``tl.log`` of M, 1,664 now.
 
 Two launches of the one kernel run them (:class:`DistillLaunchConfig`'s ``row_splits``; the kernel's ``STEP``):
 whole rows, one program per row through every pass; and the split launch, where each row's columns are cut
@@ -61,7 +64,14 @@ import triton.language as tl
 
 from lightning_flce.kernels import is_gradient_in_logits_rows
 from lightning_flce.kernels.cross_entropy import LaunchConfig, exp_precision
-from lightning_flce.kernels.triton_math import exp, load_transformed, log, online_lse_step, transform_backward
+from lightning_flce.kernels.triton_math import (
+    exp,
+    load_transformed,
+    log,
+    log_add_exp,
+    online_lse_step,
+    transform_backward,
+)
 
 #: The divergences by name, as the kernel's DIVERGENCE constant (None: the hard-label CE alone).
 DIVERGENCES = {None: 0, "forward_kl": 1, "reverse_kl": 2, "jsd": 3}
@@ -132,19 +142,23 @@ def target_programs(device: torch.device) -> int:
 
 
 @triton.jit
-def _mixture_terms(z_s, z_t, lse_s, lse_t, beta, PRECISE: tl.constexpr, FAST_MATH: tl.constexpr):
-    """A block's ``(log p, log q, p, q, log M)``, M = beta q + (1 - beta) p. The log-probabilities are clamped at
+def _mixture_terms(
+    z_s, z_t, lse_s, lse_t, log_beta, log_one_minus_beta, PRECISE: tl.constexpr, FAST_MATH: tl.constexpr
+):
+    """A block's ``(log p, log q, p, q, log M)``, M = beta q + (1 - beta) p, from the row's log-weights
+    ``log beta`` and ``log(1 - beta)`` (taken once per row by the caller). The log-probabilities are clamped at
     -10000, not masked: below it the probability is 0 in fp32 either way, and a -inf column (masked or padded)
     gets a finite log-probability, so that every product of a probability and a difference of these logs is
-    0 * finite = 0 there without a ``where``; M is clamped at 1e-37 (it is 0 only where p and q both are), so
-    log M is finite too and ``log p - log M`` lies in [-10000, 85]. From p and q, one log per lane: ``tl.log``,
-    whose error is about an ulp of the result (``lg2.approx``'s is relative to |log2 M| and measurably raised
-    the loss's error at V = 256000)."""
+    0 * finite = 0 there without a ``where``. log M is the log-add-exp of the two weighted log-probabilities
+    (finite; ``log p - log M`` lies in [-10000, -log(1 - beta)]), which on a GPU is one exp and one
+    ``lg2.approx`` on [1, 2] (absolute error 2^-22) where ``tl.log`` of M is a polynomial of about 25
+    instructions; ``lg2.approx`` of M itself has an error relative to |log2 M| and measurably raised the
+    loss's error at V = 256000 (docs/distill.md)."""
     log_p = tl.maximum(z_s - lse_s, -10000.0)
     log_q = tl.maximum(z_t - lse_t, -10000.0)
     p = exp(log_p, PRECISE, FAST_MATH)
     q = exp(log_q, PRECISE, FAST_MATH)
-    log_m = log(tl.maximum(beta * q + (1.0 - beta) * p, 1e-37), PRECISE)
+    log_m = log_add_exp(log_q + log_beta, log_p + log_one_minus_beta, PRECISE, FAST_MATH)
     return log_p, log_q, p, q, log_m
 
 
@@ -266,12 +280,16 @@ def _mixture_pass(
     last_start = begin + (end - 1 - begin) // BLOCK_V * BLOCK_V
     kl_q_m = tl.zeros((), tl.float32)
     kl_p_m = tl.zeros((), tl.float32)
+    log_beta = log(beta, PRECISE)
+    log_one_minus_beta = log(1.0 - beta, PRECISE)
     for done in range(0, end - begin, BLOCK_V):
         cols = last_start - done + offsets
         mask = cols < end
         z_s, capped_s = load_transformed(student_row, cols, mask, student_softcap, inv_t_s, STUDENT_SOFTCAP)
         z_t, capped_t = load_transformed(teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP)
-        log_p, log_q, p, q, log_m = _mixture_terms(z_s, z_t, lse_s, lse_t, beta, PRECISE, FAST_MATH)
+        log_p, log_q, p, q, log_m = _mixture_terms(
+            z_s, z_t, lse_s, lse_t, log_beta, log_one_minus_beta, PRECISE, FAST_MATH
+        )
         log_ratio = log_p - log_m  # finite, in fp16's range
         kl_q_m += tl.sum(q * (log_q - log_m), 0)
         kl_p_m += tl.sum(p * log_ratio, 0)
@@ -370,6 +388,8 @@ def _gradient_pass(
         divergence_coef = divergence_coef * (1.0 - beta)
     elif DIVERGENCE == 2:
         shift = lse_t - lse_s - divergence  # log p - log q - KL = z_s - z_t + this
+    log_beta = log(beta, PRECISE_GRAD)  # JSD's mixture weights, where it recomputes log M
+    log_one_minus_beta = log(1.0 - beta, PRECISE_GRAD)
     for done in range(0, end - begin, BLOCK_V):
         start = begin + done
         if LAST_BLOCK_FIRST:
@@ -387,7 +407,9 @@ def _gradient_pass(
                 teacher_row, cols, mask, teacher_softcap, inv_t_t, TEACHER_SOFTCAP
             )
             if DIVERGENCE == 3:
-                log_p, _, p, _, log_m = _mixture_terms(z_s, z_t, lse_s, lse_t, beta, PRECISE_GRAD, FAST_MATH)
+                log_p, _, p, _, log_m = _mixture_terms(
+                    z_s, z_t, lse_s, lse_t, log_beta, log_one_minus_beta, PRECISE_GRAD, FAST_MATH
+                )
                 grad_z = p * (log_p - log_m + shift)
             else:
                 p = exp(z_s - lse_s, PRECISE_GRAD, FAST_MATH)

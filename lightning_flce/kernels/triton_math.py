@@ -63,12 +63,35 @@ def online_lse_step(z, m, d, PRECISE: tl.constexpr, FAST: tl.constexpr = False):
 @triton.jit
 def log(x, PRECISE: tl.constexpr):
     # tl.log, a polynomial of about 25 instructions, even in a kernel's per-element loop: lg2.approx (one
-    # MUFU.LG2) was measured to raise the JSD loss's error at V = 256000 from 1.02x to 1.13x the unfused bf16
-    # loss's (its error is relative, about 2 ulp of |log2 x|, where this log's is absolute); docs/distill.md.
+    # MUFU.LG2) on an arbitrary x was measured to raise the JSD loss's error at V = 256000 from 1.02x to 1.13x
+    # the unfused bf16 loss's (its error is relative, about 2 ulp of |log2 x|, where this log's is about an ulp
+    # of the result); docs/distill.md. A per-element log of a sum of two exps is :func:`log_add_exp`.
     if PRECISE:
         return libdevice.log(x)
     else:
         return tl.log(x)
+
+
+_LN_2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def log_add_exp(a, b, PRECISE: tl.constexpr, FAST: tl.constexpr = False):
+    """``log(exp(a) + exp(b))`` as ``max(a, b) + log(1 + exp(-|a - b|))``, for a or b finite (the other may be
+    -inf). The log's argument lies in [1, 2], where ``lg2.approx`` has an absolute error of at most 2^-22 (CUDA's
+    ``__log2f``): so with FAST (a GPU kernel's per-element math on 16-bit logits) it takes one MUFU.EX2 and one
+    MUFU.LG2 and is as accurate as ``tl.log`` of the sum, whose polynomial it replaces."""
+    hi = tl.maximum(a, b)
+    e = exp(tl.minimum(a, b) - hi, PRECISE, FAST)
+    if PRECISE:
+        return hi + libdevice.log1p(e)
+    elif FAST:
+        log2_sum = tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return hi + log2_sum * _LN_2
+    else:
+        return hi + tl.log(1.0 + e)
 
 
 @triton.jit
