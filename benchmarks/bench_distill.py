@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.util
 import json
@@ -332,6 +333,17 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         _teacher_blocks(1 << 30),
         False,
     ),
+    # rows per chunk (the default: the chunk rule's, 4096 / 2752 / 2048 rows at the shapes). Each chunk
+    # reads and writes the whole fp32 dW accumulator (8 V H bytes); fewer, larger chunks trade that traffic for a
+    # larger logits buffer (2 V bytes a row) in the peak.
+    **{
+        f"flce_chunk_rows_{rows}": (
+            f"flce with chunk_size={rows}",
+            functools.partial(_build_flce, chunk_size=rows),
+            False,
+        )
+        for rows in (2048, 4096, 8192)
+    },
     "flce_jsd_recompute_ratio": (
         "flce with kernels.distill.JSD_LOG_RATIO_IN_TEACHER = False (JSD's gradient pass reads both rows again)",
         # JSD's gradient pass recomputing log p - log M from both rows, against reading it where pass 2 stored it
