@@ -29,7 +29,15 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 _common.ensure_repo_on_path()
 from lightning_flce import fused_linear_distillation  # noqa: E402
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+# synchronizing runtime calls; cudaFree (the caching allocator releasing memory to allocate anew) and cudaMalloc too
+SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cudaFree",
+    "cudaMalloc",
+)
 LIBRARY_MARKERS = ("lightning_flce", "bench_distill", "distill_gaps")
 
 
@@ -110,6 +118,13 @@ def analyse(events, min_gap_us: float, start_ts: float, top: int):
     lines.append("gaps by the launching site (count, ms):")
     for key, (count, summed) in sorted(by_site.items(), key=lambda kv: -kv[1][1]):
         lines.append(f"  {count:4d} {summed / 1e3:7.3f}  {key}")
+    lines.append("synchronizing calls in the call (at ms, us, frames):")
+    for sync in sorted(syncs, key=lambda e: e["ts"]):
+        if sync["ts"] >= start_ts:
+            frames = " > ".join(python_frames(events, sync["tid"], sync["ts"])[-4:])
+            lines.append(
+                f"  {(sync['ts'] - start_ts) / 1e3:7.3f} {sync['dur']:8.1f}  {sync['name']}  {frames}"
+            )
     lines.append(f"the {top} largest gaps:")
     for g in sorted(gaps, key=lambda g: -g["gap_us"])[:top]:
         lines.append(
