@@ -48,9 +48,10 @@ programs per SM, on blocks of 4096 x 8: inside the op that made the kernel 15-19
 (H100); the two-pass kernels gained nothing and keep whole rows. The 16-bit gradient in fp32 rows lands past its
 own slice, so it keeps whole rows.
 
-Masked or padded columns (-inf logits) have p = 0 or q = 0: every product with a log-probability is taken
-under ``where(prob > 0)``, never as 0 * -inf. A column where the divergence's weight is positive and the other
-side's probability is 0 gives an infinite KL, as the float64 definition does.
+Masked or padded columns (-inf logits) have p = 0 or q = 0: the KLs take every product with a log-probability
+under ``where(prob > 0)``, never as 0 * -inf, and JSD clamps its log-probabilities at -10000 (a product is then
+0 * finite; :func:`_mixture_terms`). A column where a KL's weight is positive and the other side's probability is
+0 gives an infinite KL, as the float64 definition does.
 """
 
 from __future__ import annotations
