@@ -2,10 +2,11 @@
 
 ``profile_distill.py`` reports the idle time of a call (its wall time less the sum of its kernels' times: 3.6 ms
 of 60.9 at the first shape on an H100, 2026-12-06). This script finds where it is: one call under
-``torch.profiler`` with CPU and CUDA activities and Python stacks, then every gap of the GPU timeline (from the
-call's start to its last kernel) longer than ``--min-gap-us``, with the kernel that ends it, the host call that
-launched that kernel (the library's Python frames around the launch) and the synchronizing runtime calls
-(``cudaStreamSynchronize``, ``cudaMemcpy*`` to the host, ``cudaDeviceSynchronize``) on the host during the gap.
+``torch.profiler`` with CPU and CUDA activities (once without Python stacks, whose tracing slows the host, then
+with them), then every gap of the GPU timeline (from the call's start to its last kernel) longer than
+``--min-gap-us``, with the kernel that ends it, the host call that launched that kernel (the aten ops and the
+library's Python frames around the launch) and the runtime calls that made the host wait during the gap
+(:data:`SYNC_CALLS`).
 
     python3 benchmarks/experiments/distill_gaps.py --shape 0 --divergence jsd    # $OUT/distill_gaps_*.txt
 """
@@ -29,14 +30,18 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 _common.ensure_repo_on_path()
 from lightning_flce import fused_linear_distillation  # noqa: E402
 
-# synchronizing runtime calls; cudaFree (the caching allocator releasing memory to allocate anew) and cudaMalloc too
-SYNC_CALLS = (
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaEventSynchronize",
-    "cudaMemcpy",
-    "cudaFree",
-    "cudaMalloc",
+# Runtime calls that make the host wait for the GPU, by exact name: a copy to the host (``.tolist()``) shows as
+# cudaMemcpyAsync then cudaStreamSynchronize (the asynchronous copies of the chunk loop are device to device and
+# do not wait); cudaFree (the caching allocator releasing memory to allocate anew) and cudaMalloc synchronize too.
+SYNC_CALLS = frozenset(
+    {
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+        "cudaFree",
+        "cudaMalloc",
+    }
 )
 LIBRARY_MARKERS = ("lightning_flce", "bench_distill", "distill_gaps")
 
@@ -78,11 +83,7 @@ def analyse(events, min_gap_us: float, start_ts: float, top: int):
         for e in events
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
-    syncs = [
-        e
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"].startswith(SYNC_CALLS)
-    ]
+    syncs = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and e["name"] in SYNC_CALLS]
     gaps = []
     previous_end = start_ts
     busy = 0.0

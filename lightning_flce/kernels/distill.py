@@ -387,10 +387,10 @@ def _gradient_pass(
     if DIVERGENCE == 3:
         shift = -kl_p_m  # d/dz_s = (1 - beta) p (log p - log M - KL(p || M))
         divergence_coef = divergence_coef * (1.0 - beta)
+        log_beta = log(beta, PRECISE_GRAD)  # the mixture's weights, where log M is recomputed
+        log_one_minus_beta = log(1.0 - beta, PRECISE_GRAD)
     elif DIVERGENCE == 2:
         shift = lse_t - lse_s - divergence  # log p - log q - KL = z_s - z_t + this
-    log_beta = log(beta, PRECISE_GRAD)  # JSD's mixture weights, where it recomputes log M
-    log_one_minus_beta = log(1.0 - beta, PRECISE_GRAD)
     for done in range(0, end - begin, BLOCK_V):
         start = begin + done
         if LAST_BLOCK_FIRST:
@@ -524,7 +524,7 @@ def _distill_kernel(
     COMPUTE_GRAD: tl.constexpr,
     PRECISE: tl.constexpr,  # libdevice exp / log in the loss passes (fp32 logits on a GPU)
     PRECISE_GRAD: tl.constexpr,  # libdevice exp in the gradient pass (an fp32 gradient on a GPU)
-    FAST_MATH: tl.constexpr,  # a GPU: the per-element exps that are not PRECISE as single MUFU.EX2 ops
+    FAST_MATH: tl.constexpr,  # a GPU: per-element exps (and JSD's log M) not PRECISE as single MUFU ops
     GRAD_IN_ROW: tl.constexpr,  # grad_ptr is the 16-bit view of the fp32 student rows' second halves
     RATIO_IN_TEACHER: tl.constexpr,  # JSD: pass 2 stores log p - log M over the teacher row, the gradient reads it
     BLOCK_V: tl.constexpr,
@@ -825,7 +825,7 @@ def distill_chunk(
             JSD_LOG_RATIO_IN_TEACHER and teacher_scratch and jsd and compute_grad and divergence_grad
         )
         # log p - log M over the teacher's own memory: fp16 (more mantissa than bf16; the values lie in
-        # [-10000, 85], _mixture_terms) in a 16-bit row, fp32 in an fp32 one
+        # [-10000, -log(1 - beta)], _mixture_terms) in a 16-bit row, fp32 in an fp32 one
         ratio = teacher_logits
         if ratio_in_teacher and teacher_logits.element_size() == 2:
             ratio = teacher_logits.view(torch.float16)
