@@ -541,3 +541,119 @@ def test_teacher_scratch_left_unwritten_without_jsd_gradient(divergence, hard_we
     scratch = teacher.clone()
     _run(student.clone(), scratch, target, compute_grad=compute_grad, teacher_scratch=True, **options)
     assert torch.equal(scratch, teacher)
+
+
+@pytest.mark.parametrize("group_rows", [1, 3, 8])
+@pytest.mark.parametrize(
+    "divergence, hard_weight, ratio_in_teacher, launch",
+    [
+        ("jsd", 0.0, True, "3-slices"),
+        ("jsd", 0.4, False, "5-slices"),
+        ("forward_kl", 0.4, False, "3-slices"),
+        ("reverse_kl", 0.0, False, "5-slices"),
+        (None, 1.0, False, "3-slices"),
+    ],
+    ids=["jsd-ratio", "jsd-ce", "forward_kl-ce", "reverse_kl", "ce-alone"],
+)
+def test_split_steps_in_groups_of_rows(group_rows, divergence, hard_weight, ratio_in_teacher, launch):
+    """``group_rows``: the split launch's steps on groups of rows (the kernel's ``row_offset``), one group's steps
+    after the other's, including a last partial group (3 of 8) and groups of one row. Each row's arithmetic is the
+    same as in one launch over all rows, so the rows, the gradient and the stored ratio are bit-identical to it,
+    and match float64; with and without JSD's stored ratio, with the CE."""
+    student, teacher, target, per_row_inputs = _problem(
+        25, masked=DIVERGENCE_MASKS[divergence], per_row=True, own_ce=True
+    )
+    teacher = teacher.bfloat16()
+    options = {**_options(divergence, hard_weight), **per_row_inputs}
+    block = LAUNCHES[launch]
+    one_group_grad, one_group_teacher = student.clone(), teacher.clone()
+    one_group = _run(
+        one_group_grad, one_group_teacher, target, block=block, teacher_scratch=ratio_in_teacher, **options
+    )
+    grad, grouped_teacher = student.clone(), teacher.clone()
+    got = _run(
+        grad,
+        grouped_teacher,
+        target,
+        block=block,
+        teacher_scratch=ratio_in_teacher,
+        group_rows=group_rows,
+        **options,
+    )
+    for rows, same in zip(got, one_group):
+        assert (rows is None and same is None) or torch.equal(rows, same)
+    assert torch.equal(grad, one_group_grad)
+    assert torch.equal(grouped_teacher, one_group_teacher)
+    assert torch.equal(grouped_teacher, teacher) != (ratio_in_teacher and divergence == "jsd")
+    want = reference_distill(student, teacher, target, **options)
+    if ratio_in_teacher:  # the gradient read the fp16 ratio: test_jsd_log_ratio_in_the_teacher_row's bound
+        torch.testing.assert_close(got[0].double(), want[0], **ROWS_TOL)
+        bound = _log_ratio_rounding_bound(student, teacher, options, want[3])
+        assert _relative_error(grad, want[3]) < FP32_GRAD_TOL + bound
+    else:
+        _check(got, want, grad)
+
+
+def test_default_split_launch_runs_the_rules_groups(monkeypatch):
+    """On a GPU the split launch's steps run on :func:`step_group_rows`' groups and the launch rule is asked for the
+    programs of one group's rows: here (the interpreter standing in for a GPU) groups of 3 of 8 rows, against
+    float64."""
+    from lightning_flce.kernels import distill
+
+    asked = []
+    rule = distill.default_distill_launch_config
+
+    def spy(vocab, max_block_v=64, **kwargs):
+        asked.append(kwargs)
+        return rule(vocab, max_block_v, **kwargs)
+
+    monkeypatch.setattr(distill, "default_distill_launch_config", spy)
+    monkeypatch.setattr(distill, "target_programs", lambda device: 24)
+    monkeypatch.setattr(distill, "step_group_rows", lambda n_rows, row_bytes, device: 3)
+    student, teacher, target, per_row_inputs = _problem(26, masked="both_sides", per_row=True)
+    options = {**_options("jsd", 0.0), **per_row_inputs}
+    grad = student.clone()
+    _check(
+        _run(grad, teacher, target, block=None, **options),
+        reference_distill(student, teacher, target, **options),
+        grad,
+    )
+    assert asked == [{"rows": 3, "programs": 24}]
+
+
+def test_step_group_rows_rule(monkeypatch):
+    """Rows whose student and teacher rows fill at most STEP_GROUP_L2_FRACTION of the L2: an H100's or H200's
+    50 MiB at the issue's vocabularies (bf16 rows), at least one row, at most the launch's; one group off CUDA,
+    with the fraction 0 or an unknown L2."""
+    from lightning_flce.kernels import distill
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(distill, "_l2_bytes", lambda index: 50 * 2**20)
+    assert distill.STEP_GROUP_L2_FRACTION == 0.5
+    assert distill.step_group_rows(256, 128256 * 4, cuda) == 51
+    assert distill.step_group_rows(256, 151936 * 4, cuda) == 43
+    assert distill.step_group_rows(256, 256000 * 4, cuda) == 25
+    assert distill.step_group_rows(16, 128256 * 4, cuda) == 16
+    assert distill.step_group_rows(256, 2**30, cuda) == 1
+    assert distill.step_group_rows(256, 128256 * 4, torch.device("cpu")) == 256
+    monkeypatch.setattr(distill, "STEP_GROUP_L2_FRACTION", 0.0)
+    assert distill.step_group_rows(256, 128256 * 4, cuda) == 256
+    monkeypatch.setattr(distill, "STEP_GROUP_L2_FRACTION", 0.5)
+    monkeypatch.setattr(distill, "_l2_bytes", lambda index: 0)
+    assert distill.step_group_rows(256, 128256 * 4, cuda) == 256
+
+
+def test_group_rows_must_be_positive():
+    from lightning_flce.kernels.distill import distill_chunk
+
+    student, teacher, target, per_row_inputs = _problem(27, masked=None)
+    with pytest.raises(ValueError, match="group_rows must be >= 1"):
+        distill_chunk(
+            student,
+            teacher,
+            target,
+            compute_grad=False,
+            group_rows=0,
+            **_options("jsd", 0.0),
+            **per_row_inputs,
+        )
