@@ -9,7 +9,6 @@ by name). The gap between the wall time and the kernels' sum is launch and host 
     python3 benchmarks/experiments/profile_distill.py                      # $OUT/profile_distill.json
     python3 benchmarks/experiments/profile_distill.py --shapes 2 --divergences jsd --accum-dtype bfloat16
     python3 benchmarks/experiments/profile_distill.py --divergences jsd --launches default,4096@8   # the split launch beside
-    python3 benchmarks/experiments/profile_distill.py --divergences jsd --launches groups:0,groups:0.5  # step groups
 """
 
 from __future__ import annotations
@@ -59,28 +58,11 @@ def kernel_times(step, calls: int):
     return dict(per_name)
 
 
-@contextlib.contextmanager
-def step_groups(fraction: float):
-    """The split launch's steps on groups of rows within ``fraction`` of the L2 (``kernels.distill``'s
-    ``STEP_GROUP_L2_FRACTION``; 0: every step over the whole block)."""
-    from lightning_flce.kernels import distill
-
-    default = distill.STEP_GROUP_L2_FRACTION
-    distill.STEP_GROUP_L2_FRACTION = fraction
-    try:
-        yield
-    finally:
-        distill.STEP_GROUP_L2_FRACTION = default
-
-
 def kernel_launch(launch: str):
     """``default``: the library's launch of the distillation kernel; ``<block>@<programs an SM>``: blocks of at most
-    that many columns, rows split for that many programs an SM for every divergence (0: whole rows);
-    ``groups:<fraction>``: the default launch with its steps on groups of rows within that fraction of the L2."""
+    that many columns, rows split for that many programs an SM for every divergence (0: whole rows)."""
     if launch == "default":
         return contextlib.nullcontext()
-    if launch.startswith("groups:"):
-        return step_groups(float(launch.partition(":")[2]))
     block, programs = (int(value) for value in launch.split("@"))
     return bench_distill.launch_override(block, programs)
 
@@ -107,9 +89,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
-        "--launches",
-        default="default",
-        help="default, <block>@<programs an SM> and/or groups:<L2 fraction>, e.g. default,4096@8,groups:0",
+        "--launches", default="default", help="default and/or <block>@<programs an SM>, e.g. default,4096@8"
     )
     args = parser.parse_args()
     device = torch.device("cuda")
