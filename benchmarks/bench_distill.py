@@ -350,17 +350,6 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         _with_module_setting("lightning_flce.kernels.distill", "JSD_LOG_RATIO_IN_TEACHER", False),
         True,
     ),
-    # the split launch's steps on groups of rows within this fraction of the L2 (kernels.distill's
-    # STEP_GROUP_L2_FRACTION, 0.5 by default); off: every step over the teacher's whole block
-    **{
-        f"flce_step_groups_{label}": (
-            f"flce with kernels.distill.STEP_GROUP_L2_FRACTION = {fraction}"
-            + (" (every step over the whole block)" if fraction == 0 else ""),
-            _with_module_setting("lightning_flce.kernels.distill", "STEP_GROUP_L2_FRACTION", fraction),
-            True,
-        )
-        for label, fraction in (("off", 0.0), ("l2_0.25", 0.25), ("l2_0.75", 0.75), ("l2_1.0", 1.0))
-    },
     # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
     # whole rows; the teacher's block rows). The default: JSD split at 4096 x 8 for 8 programs an SM, the other
     # divergences whole rows at 8192 x 16.

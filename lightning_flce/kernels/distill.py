@@ -92,12 +92,6 @@ _SPLIT_MAX_BLOCK_V = 4096
 #: 15-19% faster, the call 1-2.5% at the issue's three shapes; forward KL's two passes gained nothing (the call
 #: -1% to +1%, its kernel slower at 128256 columns), so the two-pass kernels (the KLs, the CE alone) keep whole rows.
 SPLIT_DIVERGENCES = frozenset({"jsd"})
-#: The split launch's steps run on groups of rows whose two rows (student and teacher) fill at most this fraction
-#: of the device's L2 (50 MB on an H100 or H200: 25 MB, 48 rows of both at V = 128256), one group's steps after
-#: the other's, so that JSD's second and third reads of a row come from L2 (the reads of the whole 256-row block,
-#: 128 MB at V = 128256, left a step's data 2.5x the L2 and every read from memory); 0: every step over the launch's
-#: rows. ``bench_distill.py``'s ``flce_step_groups_*`` measure the call with other fractions.
-STEP_GROUP_L2_FRACTION = 0.5
 #: Whether JSD keeps ``log p - log M`` in the teacher row for its gradient pass where the caller allows it
 #: (``distill_chunk``'s ``teacher_scratch``): one write of the row in pass 2 for one exp, one log and the
 #: teacher's transform an element fewer in the gradient pass. ``bench_distill.py``'s ``flce_jsd_recompute_ratio``
@@ -136,26 +130,6 @@ def default_distill_launch_config(
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.cache
-def _l2_bytes(device_index: int) -> int:
-    # ``L2_cache_size`` is in the device properties of every torch this package supports on CUDA; 0 (no groups)
-    # where a build lacks it
-    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0))
-
-
-def step_group_rows(n_rows: int, row_bytes: int, device: torch.device) -> int:
-    """Rows per group of the split launch's steps: as many as keep ``row_bytes`` a row (the student's and the
-    teacher's) within :data:`STEP_GROUP_L2_FRACTION` of the device's L2, so that the steps after the first re-read
-    them from L2 rather than from memory; ``n_rows`` (one group) off CUDA, with the fraction 0 or an unknown L2."""
-    if device.type != "cuda" or STEP_GROUP_L2_FRACTION <= 0 or row_bytes <= 0:
-        return n_rows
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    budget = int(_l2_bytes(index) * STEP_GROUP_L2_FRACTION)
-    if budget <= 0:
-        return n_rows
-    return max(1, min(n_rows, budget // row_bytes))
 
 
 def target_programs(device: torch.device) -> int:
@@ -541,7 +515,6 @@ def _distill_kernel(
     hard_weight,  # w
     student_softcap,
     teacher_softcap,
-    row_offset,  # the launch's first row: the split launch's steps run on groups of rows (STEP_GROUP_L2_FRACTION)
     V: tl.constexpr,
     DIVERGENCE: tl.constexpr,  # DIVERGENCES' value
     DIVERGENCE_GRAD: tl.constexpr,  # the divergence's gradient term (a divergence and w < 1)
@@ -565,15 +538,14 @@ def _distill_kernel(
     the last step overwrites); JSD's pass 2 into ``mixture_ptr`` (SLICE_MIXTURE, "jsd" only); the row's loss
     (stored by the first slice's program) and the gradient pass (SLICE_FINISH, grid [C, 1] without
     COMPUTE_GRAD). The later steps merge every slice's statistics first."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if STEP == _SLICE_MIXTURE or (STEP == _SLICE_FINISH and DIVERGENCE != 3):
         # A step that follows pass 1 takes the slices in its reverse order (programs start in the order of their
         # ids), and its blocks last first: the slices the step before read last, the likeliest still in L2,
-        # come first.
+        # come first. (A row's data, 256 rows of both sides at V = 128K, is 2.5x an H100's L2.)
         row = tl.num_programs(0) - 1 - row
         split = tl.num_programs(1) - 1 - split
-    row = row_offset + row.to(tl.int64)
     if STEP == _WHOLE_ROW:
         begin = 0
         end = V
@@ -785,7 +757,6 @@ def distill_chunk(
     grad_out: Optional[torch.Tensor] = None,
     config: Optional[Union[DistillLaunchConfig, LaunchConfig]] = None,
     teacher_scratch: bool = False,
-    group_rows: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The distillation loss of one [C, V] chunk (the module's docstring; the PyTorch twin of this contract
     is ``kernels/distill_torch.py``): returns fp32 ``(loss_rows, divergence_rows, ce_rows)`` (``ce_rows`` None when ``hard_weight`` is 0) and,
@@ -795,9 +766,7 @@ def distill_chunk(
     :func:`default_distill_launch_config`. ``teacher_scratch``: the caller lets the kernel overwrite the teacher
     logits (the engine's per-block buffer): JSD's gradient pass then reads ``log p - log M`` where pass 2 stored it
     over the teacher row (fp16 in a 16-bit row, fp32 in an fp32 one) instead of recomputing it from both rows, one
-    exp, one log and the teacher's read-and-transform an element fewer; otherwise the teacher is read only.
-    ``group_rows``: the split launch's steps run on groups of that many rows, one group after the other (None:
-    :func:`step_group_rows`' where the launch rule splits rows, else one group; whole rows ignore it)."""
+    exp, one log and the teacher's read-and-transform an element fewer; otherwise the teacher is read only."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {list(DIVERGENCES)}, got {divergence!r}")
     if divergence == "jsd" and not 0.0 < beta < 1.0:
@@ -843,13 +812,7 @@ def distill_chunk(
         # the split launch for JSD's kernel (SPLIT_DIVERGENCES); a 16-bit gradient in fp32 rows runs whole rows
         # (below), so it asks for none and keeps the whole-row blocks
         programs = target_programs(device) if divergence in SPLIT_DIVERGENCES and not grad_in_row else 0
-        if group_rows is None:
-            row_bytes = vocab * (student_logits.element_size() + teacher_logits.element_size())
-            group_rows = step_group_rows(n_rows, row_bytes, device) if programs else n_rows
-        elif group_rows < 1:
-            raise ValueError(f"group_rows must be >= 1, got {group_rows}")
-        group_rows = min(group_rows, n_rows)
-        config = config or default_distill_launch_config(vocab, rows=group_rows, programs=programs)
+        config = config or default_distill_launch_config(vocab, rows=n_rows, programs=programs)
         block_v = config.block_v
         # 1 for a LaunchConfig; the 16-bit gradient in fp32 rows lands past its own slice: whole rows
         splits = 1 if grad_in_row else max(1, getattr(config, "row_splits", 1))
@@ -895,9 +858,9 @@ def distill_chunk(
             float(hard_weight),
             float(student_softcap),
             float(teacher_softcap),
+            vocab,
         )
         constants = dict(
-            V=vocab,
             DIVERGENCE=DIVERGENCES[divergence],
             DIVERGENCE_GRAD=divergence_grad,
             HAS_CE=has_ce,
@@ -917,16 +880,12 @@ def distill_chunk(
             **({} if config.num_stages is None else {"num_stages": config.num_stages}),
         )
         if not split:
-            _distill_kernel[(n_rows, 1)](*args, 0, STEP=WHOLE_ROW, **constants)
+            _distill_kernel[(n_rows, 1)](*args, STEP=WHOLE_ROW, **constants)
         else:
-            for first in range(0, n_rows, group_rows):
-                rows = min(group_rows, n_rows - first)
-                _distill_kernel[(rows, splits)](*args, first, STEP=SLICE_STATISTICS, **constants)
-                if jsd:
-                    _distill_kernel[(rows, splits)](*args, first, STEP=SLICE_MIXTURE, **constants)
-                _distill_kernel[(rows, splits if compute_grad else 1)](
-                    *args, first, STEP=SLICE_FINISH, **constants
-                )
+            _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_STATISTICS, **constants)
+            if jsd:
+                _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_MIXTURE, **constants)
+            _distill_kernel[(n_rows, splits if compute_grad else 1)](*args, STEP=SLICE_FINISH, **constants)
     return loss, divergence_rows, ce if has_ce else None
 
 
@@ -934,10 +893,8 @@ __all__ = [
     "DIVERGENCES",
     "PROGRAMS_PER_SM",
     "SPLIT_DIVERGENCES",
-    "STEP_GROUP_L2_FRACTION",
     "DistillLaunchConfig",
     "default_distill_launch_config",
     "distill_chunk",
-    "step_group_rows",
     "target_programs",
 ]
