@@ -58,26 +58,11 @@ def kernel_times(step, calls: int):
     return dict(per_name)
 
 
-@contextlib.contextmanager
-def three_launches():
-    """JSD's split launch as three launches over the whole block (``kernels.distill.FUSED_SPLIT_STEPS`` off)."""
-    from lightning_flce.kernels import distill
-
-    distill.FUSED_SPLIT_STEPS = False
-    try:
-        yield
-    finally:
-        distill.FUSED_SPLIT_STEPS = True
-
-
 def kernel_launch(launch: str):
     """``default``: the library's launch of the distillation kernel; ``<block>@<programs an SM>``: blocks of at most
-    that many columns, rows split for that many programs an SM for every divergence (0: whole rows);
-    ``three-launches``: the default with JSD's split steps as three launches instead of one fused."""
+    that many columns, rows split for that many programs an SM for every divergence (0: whole rows)."""
     if launch == "default":
         return contextlib.nullcontext()
-    if launch == "three-launches":
-        return three_launches()
     block, programs = (int(value) for value in launch.split("@"))
     return bench_distill.launch_override(block, programs)
 
@@ -104,9 +89,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
-        "--launches",
-        default="default",
-        help="default, three-launches and/or <block>@<programs an SM>, e.g. default,4096@8",
+        "--launches", default="default", help="default and/or <block>@<programs an SM>, e.g. default,4096@8"
     )
     args = parser.parse_args()
     device = torch.device("cuda")
