@@ -35,13 +35,12 @@ from triton.compiler import ASTSource  # noqa: E402
 from lightning_flce.kernels import distill  # noqa: E402
 from lightning_flce.kernels.distill import DIVERGENCES  # noqa: E402
 
-# The kernel's steps: whole rows, the split launch's three, and the three fused (a barrier per row between them).
+# The kernel's steps: whole rows, and the split launch's three.
 STEPS = {
     "whole": distill.WHOLE_ROW,
     "statistics": distill.SLICE_STATISTICS,
     "mixture": distill.SLICE_MIXTURE,
     "finish": distill.SLICE_FINISH,
-    "fused": getattr(distill, "SLICES_FUSED", None),  # None: a revision before it
 }
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -65,7 +64,6 @@ def signature(student, teacher, grad):
     types["ratio_ptr"] = "*fp32" if teacher == "fp32" else "*fp16"  # the stored ratio's view of the teacher
     types.update({"target_ptr": "*i64", "loss_ptr": "*fp32", "divergence_ptr": "*fp32", "ce_ptr": "*fp32"})
     types.update({name: "*fp32" for name in POINTERS if name not in types})
-    types["arrivals_ptr"] = "*i32"  # the fused steps' barrier counters (a dummy pointer elsewhere)
     names = distill._distill_kernel.arg_names
     ints = {"student_row_stride", "teacher_row_stride", "grad_row_stride"}
     floats = {"beta", "hard_weight", "student_softcap", "teacher_softcap"}
@@ -180,19 +178,6 @@ VARIANTS = [
         for kernel in ("statistics", "mixture", "finish")
         for divergence, has_ce in (("forward_kl", False), ("jsd", False), ("jsd", True))
         if kernel != "mixture" or divergence == "jsd"
-    ),
-    # the fused steps as the op launches them on a GPU: a 4096-column block a slice (32 at V = 128256)
-    *(
-        {
-            "divergence": "jsd",
-            "has_ce": has_ce,
-            "kernel": "fused",
-            "splits": 32,
-            "block_v": 4096,
-            "num_warps": 8,
-        }
-        for has_ce in (False, True)
-        if STEPS["fused"] is not None
     ),
 ]
 
