@@ -350,12 +350,6 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         _with_module_setting("lightning_flce.kernels.distill", "JSD_LOG_RATIO_IN_TEACHER", False),
         True,
     ),
-    "flce_split_three_launches": (
-        "flce with kernels.distill.FUSED_SPLIT_STEPS = False (JSD's split launch as three launches, each over the"
-        " whole teacher block, instead of one with a barrier per row)",
-        _with_module_setting("lightning_flce.kernels.distill", "FUSED_SPLIT_STEPS", False),
-        True,
-    ),
     # the distillation kernel's launch inside the op (block columns x warps; rows split for programs an SM, 0:
     # whole rows; the teacher's block rows). The default: JSD split at 4096 x 8 for 8 programs an SM, the other
     # divergences whole rows at 8192 x 16.

@@ -264,37 +264,20 @@ def compile_launches(path: str, arch: int, sass: bool) -> None:
         # exp/log: compile both.
         if constexprs.get("FAST_MATH") is False:
             constexprs = {**constexprs, "FAST_MATH": True}
-        variants = [(signature, constexprs)]
+        variants = [constexprs]
         for flag in ("PRECISE", "PRECISE_GRAD"):
             if constexprs.get(flag) is False:
-                variants.append((signature, {**constexprs, flag: True}))
-        variants += _fused_distill_variants(launch["name"], signature, variants)
-        for variant_signature, variant in variants:
+                variants.append({**constexprs, flag: True})
+        for variant in variants:
             key = (
                 launch["module"],
                 launch["name"],
-                json.dumps(variant_signature),
+                json.dumps(signature),
                 json.dumps(variant, sort_keys=True),
             )
             if key not in seen:
                 seen.add(key)
-                _print_fingerprint(launch["name"], kernel, variant_signature, variant, target, sass)
-
-
-def _fused_distill_variants(name, signature, variants):
-    """The distillation kernel's fused split steps (SLICES_FUSED: the three steps in one launch, a barrier per row
-    between them) run only on a GPU (the interpreter would wait at the first barrier): compiled here as the
-    recorded split launches' first step with STEP = SLICES_FUSED and the barriers' int32 counters."""
-    from lightning_flce.kernels import distill
-
-    if name != "_distill_kernel":
-        return []
-    fused_signature = {**signature, "arrivals_ptr": "*i32"}
-    return [
-        (fused_signature, {**variant, "STEP": distill.SLICES_FUSED})
-        for _, variant in variants
-        if variant.get("STEP") == distill.SLICE_STATISTICS
-    ]
+                _print_fingerprint(launch["name"], kernel, signature, variant, target, sass)
 
 
 def _print_fingerprint(name, kernel, signature, constexprs, target, sass: bool) -> None:

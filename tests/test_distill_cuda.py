@@ -92,24 +92,20 @@ def _launch(name: str, vocab: int, rows: int = 256):
 
     if name == "whole-rows":
         return _whole_rows(vocab)
-    if name.startswith("split"):
+    if name == "split":
         programs = 8 * torch.cuda.get_device_properties(0).multi_processor_count
         return default_distill_launch_config(vocab, max_block_v=4096, rows=rows, programs=programs)
     return None
 
 
-@pytest.mark.parametrize("launch", ["default", "whole-rows", "split", "split-three-launches"])
+@pytest.mark.parametrize("launch", ["default", "whole-rows", "split"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("vocab", [32003, 128256])
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd", None])
-def test_kernel_against_float64(monkeypatch, divergence, vocab, dtype, launch):
+def test_kernel_against_float64(divergence, vocab, dtype, launch):
     """Every divergence with the hard-label CE mixed in (CE alone for None), in place over the student rows, in
-    the default launch, in whole rows and split into slices (its steps fused, and as three launches)."""
-    from lightning_flce.kernels import distill
+    the default launch, in whole rows and split into slices."""
     from lightning_flce.kernels.distill import distill_chunk
-
-    if launch == "split-three-launches":
-        monkeypatch.setattr(distill, "FUSED_SPLIT_STEPS", False)
 
     student, teacher, target, per_row = _problem(vocab, dtype, seed=vocab % 97, padded=37)
     options = {**_options(divergence, 1.0 if divergence is None else 0.4), **per_row}
@@ -151,9 +147,9 @@ def test_fp32_rows_with_bf16_teacher_and_gradient_in_rows(divergence, vocab):
     _check(got, reference_distill(student, teacher, target, **options), grad)
 
 
-@pytest.mark.parametrize("launch", ["whole-rows", "split", "split-three-launches"])
+@pytest.mark.parametrize("launch", ["whole-rows", "split"])
 @pytest.mark.parametrize("divergence", ["reverse_kl", "jsd"])
-def test_repeatable(monkeypatch, divergence, launch):
+def test_repeatable(divergence, launch):
     """The same inputs give bit-identical rows and gradients run after run (a moving result is a race), whole
     rows and split."""
     from lightning_flce.kernels.distill import distill_chunk
@@ -161,10 +157,6 @@ def test_repeatable(monkeypatch, divergence, launch):
     student, teacher, target, per_row = _problem(128256, torch.bfloat16, seed=5, n_rows=512)
     options = {**_options(divergence), **per_row}
     config = _launch(launch, 128256, rows=512)
-    if launch == "split-three-launches":
-        from lightning_flce.kernels import distill
-
-        monkeypatch.setattr(distill, "FUSED_SPLIT_STEPS", False)
     runs = []
     for _ in range(3):
         grad = student.clone()
@@ -173,85 +165,6 @@ def test_repeatable(monkeypatch, divergence, launch):
     for run in runs[1:]:
         for got, want in zip(run, runs[0]):
             assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize(
-    "divergence, hard_weight, teacher_scratch, compute_grad, vocab, n_rows, dtype",
-    [
-        ("jsd", 0.0, True, True, 128256, 1024, torch.bfloat16),
-        ("jsd", 0.4, False, True, 256000, 256, torch.bfloat16),
-        ("jsd", 0.4, True, True, 32003, 300, torch.float16),
-        ("jsd", 0.4, False, False, 128256, 256, torch.float32),
-        ("forward_kl", 0.4, False, True, 128256, 256, torch.bfloat16),
-        (None, 1.0, False, True, 32003, 256, torch.bfloat16),
-    ],
-    ids=[
-        "jsd-ratio-1024-rows",
-        "jsd-ce-256000",
-        "jsd-ratio-ce-fp16",
-        "jsd-no-grad-fp32",
-        "forward_kl",
-        "ce-alone",
-    ],
-)
-def test_fused_split_steps_match_three_launches(
-    monkeypatch, divergence, hard_weight, teacher_scratch, compute_grad, vocab, n_rows, dtype
-):
-    """The split launch's steps fused into one launch (SLICES_FUSED: a barrier per row between them) give
-    bit for bit what the three launches give (the same arithmetic per slice): rows, gradient and JSD's stored
-    ratio, over a block a slice (8 to 63 slices a row), 256 to 1024 rows, with the CE, without the gradient;
-    and the float64 reference's rows and gradient."""
-    from lightning_flce.kernels import distill
-
-    taken = []
-    rule = distill.fused_split_steps
-
-    def spy(device, splits):
-        taken.append(rule(device, splits))
-        return taken[-1]
-
-    monkeypatch.setattr(distill, "fused_split_steps", spy)
-    student, teacher, target, per_row = _problem(vocab, dtype, seed=vocab % 89, n_rows=n_rows, padded=11)
-    options = {**_options(divergence, hard_weight), **per_row}
-    config = distill.DistillLaunchConfig(4096, 8, None, -(-vocab // 4096))
-    outputs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(distill, "FUSED_SPLIT_STEPS", fused)
-        taken.clear()
-        grad, scratch = student.clone(), teacher.clone()
-        rows = distill.distill_chunk(
-            grad,
-            scratch,
-            target,
-            compute_grad=compute_grad,
-            config=config,
-            teacher_scratch=teacher_scratch,
-            **options,
-        )
-        assert taken == [fused]  # the launch asked, and took the fused steps where allowed
-        outputs[fused] = (*rows, grad, scratch)
-    for got, want in zip(outputs[True], outputs[False]):
-        assert (got is None and want is None) or torch.equal(got, want)
-    got_rows, grad = outputs[True][:3], outputs[True][3]
-    want = reference_distill(student, teacher, target, **options)
-    for got_row, want_row in zip(got_rows[:2], want[:2]):
-        torch.testing.assert_close(got_row.double(), want_row, **ROWS_TOL)
-    if compute_grad and not (teacher_scratch and dtype != torch.float32):
-        # (JSD's gradient from the fp16 ratio: its own bound in the interpreter's tests; here it equals the
-        # three launches' above)
-        _check(got_rows, want, grad)
-
-
-def test_fused_split_steps_only_where_a_rows_slices_fit():
-    """At most one slice an SM: a row's programs can then all be resident while they wait for each other; more
-    slices, and off CUDA, take the three launches."""
-    from lightning_flce.kernels import distill
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cuda = torch.device("cuda")
-    assert distill.fused_split_steps(cuda, sms)
-    assert not distill.fused_split_steps(cuda, sms + 1)
-    assert not distill.fused_split_steps(torch.device("cpu"), 2)
 
 
 # ---------------------------------------------------------------------------------------------------- the op

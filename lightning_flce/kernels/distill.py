@@ -132,22 +132,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-#: Whether the split launch runs its steps as one launch with a barrier per row between them (SLICES_FUSED) on a
-#: GPU where a row's slices fit at once (:func:`fused_split_steps`); else three launches, each over every row.
-FUSED_SPLIT_STEPS = True
-_MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension: the fused launch's rows
-
-
-def fused_split_steps(device: torch.device, splits: int) -> bool:
-    """Whether a split launch of ``splits`` slices a row runs fused (:data:`FUSED_SPLIT_STEPS`): on CUDA only
-    (the interpreter runs programs one after the other, so a barrier would wait forever), and only with at most
-    one slice an SM, so that a row's programs can all be resident while they wait for each other (``splits`` may
-    be an upper bound: the vocabulary)."""
-    if not FUSED_SPLIT_STEPS or device.type != "cuda":
-        return False
-    return splits <= _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def target_programs(device: torch.device) -> int:
     """:data:`PROGRAMS_PER_SM` times the device's SM count (0 off CUDA: the interpreter runs whole rows unless
     a config says otherwise)."""
@@ -452,29 +436,13 @@ def _gradient_pass(
 STATISTICS = 7
 _STATISTICS = tl.constexpr(STATISTICS)  # the kernel's copy (a jit function reads only constexpr globals)
 
-#: The kernel's STEP: the whole-row launch's one, the split launch's three (grid [C, SPLITS] each), or the three
-#: in one launch with a barrier per row between them (SLICES_FUSED, grid [SPLITS, C]: a row's slices one after the
-#: other in launch order).
-WHOLE_ROW, SLICE_STATISTICS, SLICE_MIXTURE, SLICE_FINISH, SLICES_FUSED = 0, 1, 2, 3, 4
+#: The kernel's STEP: the whole-row launch's one, or the split launch's three (grid [C, SPLITS] each).
+WHOLE_ROW, SLICE_STATISTICS, SLICE_MIXTURE, SLICE_FINISH = 0, 1, 2, 3
 # the kernel's copies
 _WHOLE_ROW = tl.constexpr(WHOLE_ROW)
 _SLICE_STATISTICS = tl.constexpr(SLICE_STATISTICS)
 _SLICE_MIXTURE = tl.constexpr(SLICE_MIXTURE)
 _SLICE_FINISH = tl.constexpr(SLICE_FINISH)
-_SLICES_FUSED = tl.constexpr(SLICES_FUSED)
-
-
-@triton.jit
-def _row_barrier(arrivals_ptr, arrivals):
-    """Wait until ``arrivals`` programs (this one included) have reached a barrier on the row's counter
-    (``arrivals_ptr``, zeroed before the launch; the second barrier waits for twice the slices). Every warp's
-    stores before it are visible to the row's other programs after it: a CTA barrier, then one release-acquire
-    atomic a program (a scalar atomic is one thread's), then the spin on acquire loads of the counter."""
-    tl.debug_barrier()
-    count = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel") + 1
-    while count < arrivals:
-        count = tl.atomic_add(arrivals_ptr, 0, sem="acquire")
-    tl.debug_barrier()
 
 
 @triton.jit
@@ -563,22 +531,15 @@ def _distill_kernel(
     SLICE_V: tl.constexpr,  # columns per program: a multiple of BLOCK_V (split launch), V (whole rows)
     SPLITS: tl.constexpr,  # programs per row (program_id(1) is the slice)
     SPLITS_POW2: tl.constexpr,
-    STEP: tl.constexpr,  # WHOLE_ROW, the split launch's SLICE_STATISTICS, SLICE_MIXTURE, SLICE_FINISH, or SLICES_FUSED
-    arrivals_ptr,  # SLICES_FUSED: [C] int32, zeroed: the row barriers' counters
+    STEP: tl.constexpr,  # WHOLE_ROW, or the split launch's SLICE_STATISTICS, SLICE_MIXTURE, SLICE_FINISH
 ):
     """WHOLE_ROW: one program per row runs every pass. The split launch, a program per slice of a row: pass 1
     into ``statistics_ptr`` (SLICE_STATISTICS; the first slice's program also keeps the target's CE logit, which
     the last step overwrites); JSD's pass 2 into ``mixture_ptr`` (SLICE_MIXTURE, "jsd" only); the row's loss
     (stored by the first slice's program) and the gradient pass (SLICE_FINISH, grid [C, 1] without
-    COMPUTE_GRAD). The later steps merge every slice's statistics first. SLICES_FUSED runs the three steps in
-    each slice's program, a barrier per row between them (grid [SPLITS, C]: launched in order, a row's slices are
-    resident together or done, as long as SPLITS programs fit the GPU at once), so that the later steps re-read
-    the slice the same program has just read (from L1 or L2) rather than all the rows' slices from memory."""
+    COMPUTE_GRAD). The later steps merge every slice's statistics first."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    if STEP == _SLICES_FUSED:
-        row = tl.program_id(1).to(tl.int64)
-        split = tl.program_id(0)
     if STEP == _SLICE_MIXTURE or (STEP == _SLICE_FINISH and DIVERGENCE != 3):
         # A step that follows pass 1 takes the slices in its reverse order (programs start in the order of their
         # ids), and its blocks last first: the slices the step before read last, the likeliest still in L2,
@@ -643,7 +604,7 @@ def _distill_kernel(
         if HAS_CE:
             z_target = tl.load(target_logit_ptr + row)
 
-    if STEP == _SLICE_STATISTICS or STEP == _SLICES_FUSED:  # noqa: SIM109  (a jit function: no `in` on constexprs)
+    if STEP == _SLICE_STATISTICS:
         out = statistics_ptr + (row * SPLITS + split) * _STATISTICS
         tl.store(out, m_s)
         tl.store(out + 1, d_s)
@@ -655,14 +616,7 @@ def _distill_kernel(
         if HAS_CE:  # noqa: SIM102  (a compile-time condition, then a runtime one: Triton keeps them apart)
             if split == 0:
                 tl.store(target_logit_ptr + row, z_target)
-    if STEP == _SLICES_FUSED:
-        _row_barrier(arrivals_ptr + row, SPLITS)
-        m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _row_statistics(
-            statistics_ptr, row, DIVERGENCE, PRECISE, SPLITS, SPLITS_POW2
-        )
-        if HAS_CE:
-            z_target = tl.load(target_logit_ptr + row)
-    if STEP != _SLICE_STATISTICS:
+    else:
         lse_s = m_s + log(d_s, PRECISE)
         lse_t = lse_s
         if DIVERGENCE != 0:
@@ -690,12 +644,7 @@ def _distill_kernel(
                 RATIO_IN_TEACHER,
                 BLOCK_V,
             )
-        if DIVERGENCE == 3 and STEP == _SLICES_FUSED:
-            out = mixture_ptr + (row * SPLITS + split) * 2
-            tl.store(out, kl_q_m)
-            tl.store(out + 1, kl_p_m)
-            _row_barrier(arrivals_ptr + row, 2 * SPLITS)
-        if DIVERGENCE == 3 and (STEP == _SLICE_FINISH or STEP == _SLICES_FUSED):  # noqa: SIM109
+        if DIVERGENCE == 3 and STEP == _SLICE_FINISH:
             parts = tl.arange(0, SPLITS_POW2)
             present = parts < SPLITS
             sums = mixture_ptr + (row * SPLITS + parts) * 2
@@ -863,10 +812,6 @@ def distill_chunk(
         # the split launch for JSD's kernel (SPLIT_DIVERGENCES); a 16-bit gradient in fp32 rows runs whole rows
         # (below), so it asks for none and keeps the whole-row blocks
         programs = target_programs(device) if divergence in SPLIT_DIVERGENCES and not grad_in_row else 0
-        one_block_slices = triton.cdiv(vocab, _SPLIT_MAX_BLOCK_V)
-        if config is None and programs and fused_split_steps(device, one_block_slices):
-            # the fused steps: a block a slice, so that a program's slice is small enough to be re-read from L1/L2
-            programs = n_rows * one_block_slices
         config = config or default_distill_launch_config(vocab, rows=n_rows, programs=programs)
         block_v = config.block_v
         # 1 for a LaunchConfig; the 16-bit gradient in fp32 rows lands past its own slice: whole rows
@@ -935,30 +880,21 @@ def distill_chunk(
             **({} if config.num_stages is None else {"num_stages": config.num_stages}),
         )
         if not split:
-            _distill_kernel[(n_rows, 1)](*args, STEP=WHOLE_ROW, arrivals_ptr=scratch, **constants)
-        elif n_rows <= _MAX_GRID_Y and fused_split_steps(device, splits):
-            arrivals = torch.zeros(n_rows, dtype=torch.int32, device=device)
-            _distill_kernel[(splits, n_rows)](*args, STEP=SLICES_FUSED, arrivals_ptr=arrivals, **constants)
+            _distill_kernel[(n_rows, 1)](*args, STEP=WHOLE_ROW, **constants)
         else:
-            _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_STATISTICS, arrivals_ptr=scratch, **constants)
+            _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_STATISTICS, **constants)
             if jsd:
-                _distill_kernel[(n_rows, splits)](
-                    *args, STEP=SLICE_MIXTURE, arrivals_ptr=scratch, **constants
-                )
-            _distill_kernel[(n_rows, splits if compute_grad else 1)](
-                *args, STEP=SLICE_FINISH, arrivals_ptr=scratch, **constants
-            )
+                _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_MIXTURE, **constants)
+            _distill_kernel[(n_rows, splits if compute_grad else 1)](*args, STEP=SLICE_FINISH, **constants)
     return loss, divergence_rows, ce if has_ce else None
 
 
 __all__ = [
     "DIVERGENCES",
-    "FUSED_SPLIT_STEPS",
     "PROGRAMS_PER_SM",
     "SPLIT_DIVERGENCES",
     "DistillLaunchConfig",
     "default_distill_launch_config",
     "distill_chunk",
-    "fused_split_steps",
     "target_programs",
 ]
