@@ -1,0 +1,119 @@
+"""How long does a call take where the GPU has almost nothing to do (the host's share: checks, set-up, dispatch)?
+
+Forward + backward of ``fused_linear_distillation`` (JSD and forward KL), ``fused_linear_cross_entropy`` and, for
+scale, the plain PyTorch loss (logits, ``log_softmax`` / ``cross_entropy``), at tiny shapes (N tokens, H, V small:
+the GEMMs and kernels take microseconds), timed on the host (``time.perf_counter`` around call + backward +
+synchronize, median of ``--repeats`` after a warm-up) and with CUDA events. At the issue's shapes the same host
+work sits before the first GEMM (``distill_gaps.py``'s prelude): this is its unprofiled size.
+
+    python3 benchmarks/experiments/call_overhead.py          # $OUT/call_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common
+
+import _common  # noqa: E402
+import torch  # noqa: E402
+
+_common.ensure_repo_on_path()
+from lightning_flce import fused_linear_cross_entropy, fused_linear_distillation  # noqa: E402
+
+
+def providers(xs, ws, xt, wt, target):
+    def unfused_jsd():
+        log_p = torch.log_softmax((xs @ ws.T).float(), -1)
+        with torch.no_grad():
+            log_q = torch.log_softmax((xt @ wt.T).float(), -1)
+        log_m = torch.logsumexp(torch.stack([log_p, log_q]), 0) - torch.log(
+            torch.tensor(2.0, device=xs.device)
+        )
+        kl_p = torch.nn.functional.kl_div(log_m, log_p, reduction="batchmean", log_target=True)
+        kl_q = torch.nn.functional.kl_div(log_m, log_q, reduction="batchmean", log_target=True)
+        return 0.5 * (kl_p + kl_q)
+
+    return {
+        "flce_distill_jsd": lambda: fused_linear_distillation(xs, ws, xt, wt, target, divergence="jsd"),
+        "flce_distill_forward_kl": lambda: fused_linear_distillation(
+            xs, ws, xt, wt, target, divergence="forward_kl"
+        ),
+        "flce_cross_entropy": lambda: fused_linear_cross_entropy(xs, ws, target),
+        "unfused_jsd": unfused_jsd,
+        "unfused_cross_entropy": lambda: torch.nn.functional.cross_entropy((xs @ ws.T).float(), target),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--cprofile",
+        default="flce_distill_jsd",
+        help="a provider whose host time cProfile breaks down ('' none)",
+    )
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    n, h, v = args.tokens, args.hidden, args.vocab
+    xs = (torch.randn(n, h, device=device, generator=gen) / h**0.5).bfloat16().requires_grad_()
+    ws = torch.randn(v, h, device=device, generator=gen).bfloat16().requires_grad_()
+    xt = (torch.randn(n, h, device=device, generator=gen) / h**0.5).bfloat16()
+    wt = torch.randn(v, h, device=device, generator=gen).bfloat16()
+    target = torch.randint(0, v, (n,), device=device, generator=gen)
+    env = _common.environment(device)
+    records = []
+    for name, fn in providers(xs, ws, xt, wt, target).items():
+        for _ in range(5):
+            fn().backward()
+        torch.cuda.synchronize()
+        host, device_ms = [], []
+        for _ in range(args.repeats):
+            xs.grad = ws.grad = None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            start.record()
+            fn().backward()
+            end.record()
+            torch.cuda.synchronize()
+            host.append((time.perf_counter() - t0) * 1e3)
+            device_ms.append(start.elapsed_time(end))
+        record = {
+            "provider": name,
+            "shape": [n, h, v],
+            "host_ms": statistics.median(host),
+            "events_ms": statistics.median(device_ms),
+        }
+        records.append(record)
+        print(f"{name:28s} host {record['host_ms']:.3f} ms  events {record['events_ms']:.3f} ms")
+    _common.write_json(_common.out_dir() / "call_overhead.json", {"environment": env, "records": records})
+    if args.cprofile:
+        import cProfile
+        import io
+        import pstats
+
+        fn = providers(xs, ws, xt, wt, target)[args.cprofile]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.repeats):
+            xs.grad = ws.grad = None
+            fn().backward()
+            torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        (_common.out_dir() / f"cprofile_{args.cprofile}.txt").write_text(text.getvalue())
+        print(text.getvalue()[:6000])
+
+
+if __name__ == "__main__":
+    main()
