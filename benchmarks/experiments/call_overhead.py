@@ -49,6 +49,45 @@ def providers(xs, ws, xt, wt, target):
     }
 
 
+def dispatch_overhead(xs, ws, xt, wt, target, repeats: int):
+    """The distillation op's forward (JSD, "mean": its gradients computed in forward) through the registered
+    ``torch.library`` custom op against its Python implementation called directly with the same arguments:
+    the host time the custom op's dispatch adds to a call."""
+    from lightning_flce.distill import functional, op
+
+    recorded = []
+    registered = functional.flce_distill
+
+    def record(*values):
+        recorded.append(values)
+        return registered(*values)
+
+    functional.flce_distill = record
+    try:
+        fused_linear_distillation(xs, ws, xt, wt, target, divergence="jsd")
+    finally:
+        functional.flce_distill = registered
+    values = recorded[0]
+    out = []
+    for name, fn in (
+        ("custom_op_forward", lambda: registered(*values)),
+        ("direct_forward", lambda: op._forward(*values)),
+    ):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        host = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            host.append((time.perf_counter() - t0) * 1e3)
+        out.append({"provider": name, "host_ms": statistics.median(host)})
+        print(f"{name:28s} host {out[-1]['host_ms']:.3f} ms")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
@@ -95,6 +134,7 @@ def main() -> None:
         }
         records.append(record)
         print(f"{name:28s} host {record['host_ms']:.3f} ms  events {record['events_ms']:.3f} ms")
+    records += dispatch_overhead(xs, ws, xt, wt, target, args.repeats)
     _common.write_json(_common.out_dir() / "call_overhead.json", {"environment": env, "records": records})
     if args.cprofile:
         import cProfile
