@@ -1,7 +1,7 @@
 """How long does a call take where the GPU has almost nothing to do (the host's share: checks, set-up, dispatch)?
 
 Forward + backward of ``fused_linear_distillation`` (JSD and forward KL), ``fused_linear_cross_entropy`` and, for
-scale, the plain PyTorch loss (logits, ``log_softmax`` / ``cross_entropy``), at tiny shapes (N tokens, H, V small:
+scale, the unfused losses (``bench_distill.py``'s unfused JSD; logits and ``cross_entropy``), at tiny shapes (N tokens, H, V small:
 the GEMMs and kernels take microseconds), timed on the host (``time.perf_counter`` around call + backward +
 synchronize, median of ``--repeats`` after a warm-up) and with CUDA events. At the issue's shapes the same host
 work sits before the first GEMM (``distill_gaps.py``'s prelude): this is its unprofiled size.
@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: _common
 
 import _common  # noqa: E402
+import bench_distill  # noqa: E402
 import torch  # noqa: E402
 
 _common.ensure_repo_on_path()
@@ -27,16 +28,7 @@ from lightning_flce import fused_linear_cross_entropy, fused_linear_distillation
 
 
 def providers(xs, ws, xt, wt, target):
-    def unfused_jsd():
-        log_p = torch.log_softmax((xs @ ws.T).float(), -1)
-        with torch.no_grad():
-            log_q = torch.log_softmax((xt @ wt.T).float(), -1)
-        log_m = torch.logsumexp(torch.stack([log_p, log_q]), 0) - torch.log(
-            torch.tensor(2.0, device=xs.device)
-        )
-        kl_p = torch.nn.functional.kl_div(log_m, log_p, reduction="batchmean", log_target=True)
-        kl_q = torch.nn.functional.kl_div(log_m, log_q, reduction="batchmean", log_target=True)
-        return 0.5 * (kl_p + kl_q)
+    unfused_jsd = bench_distill.PROVIDERS["unfused"][1](xs.device, "jsd", 0.5, 1.0)
 
     return {
         "flce_distill_jsd": lambda: fused_linear_distillation(xs, ws, xt, wt, target, divergence="jsd"),
@@ -44,9 +36,26 @@ def providers(xs, ws, xt, wt, target):
             xs, ws, xt, wt, target, divergence="forward_kl"
         ),
         "flce_cross_entropy": lambda: fused_linear_cross_entropy(xs, ws, target),
-        "unfused_jsd": unfused_jsd,
+        "unfused_jsd": lambda: unfused_jsd(xs, ws, xt, wt, target),
         "unfused_cross_entropy": lambda: torch.nn.functional.cross_entropy((xs @ ws.T).float(), target),
     }
+
+
+def median_host_ms(fn, repeats: int, before=None) -> float:
+    """The median host time of ``fn()`` to its synchronized end, after a warm-up of five calls (``before`` runs
+    ahead of each call, untimed)."""
+    for _ in range(5):
+        fn()
+    host = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        host.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(host)
 
 
 def dispatch_overhead(xs, ws, xt, wt, target, repeats: int):
@@ -79,17 +88,7 @@ def dispatch_overhead(xs, ws, xt, wt, target, repeats: int):
         ("custom_op_forward", lambda: registered(*values)),
         ("direct_forward", direct),
     ):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        host = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            host.append((time.perf_counter() - t0) * 1e3)
-        out.append({"provider": name, "host_ms": statistics.median(host)})
+        out.append({"provider": name, "host_ms": median_host_ms(fn, repeats)})
         print(f"{name:28s} host {out[-1]['host_ms']:.3f} ms")
     return out
 
@@ -116,27 +115,28 @@ def main() -> None:
     target = torch.randint(0, v, (n,), device=device, generator=gen)
     env = _common.environment(device)
     records = []
+
+    def clear_grads():
+        xs.grad = ws.grad = None
+
     for name, fn in providers(xs, ws, xt, wt, target).items():
-        for _ in range(5):
-            fn().backward()
-        torch.cuda.synchronize()
-        host, device_ms = [], []
-        for _ in range(args.repeats):
-            xs.grad = ws.grad = None
+        event_pairs = []
+
+        def step(fn=fn, event_pairs=event_pairs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
             start.record()
             fn().backward()
             end.record()
-            torch.cuda.synchronize()
-            host.append((time.perf_counter() - t0) * 1e3)
-            device_ms.append(start.elapsed_time(end))
+            event_pairs.append((start, end))
+
+        host_ms = median_host_ms(step, args.repeats, before=clear_grads)
+        # the timed calls' events (median_host_ms warms up with five calls first)
+        events = [start.elapsed_time(end) for start, end in event_pairs[5:]]
         record = {
             "provider": name,
             "shape": [n, h, v],
-            "host_ms": statistics.median(host),
-            "events_ms": statistics.median(device_ms),
+            "host_ms": host_ms,
+            "events_ms": statistics.median(events),
         }
         records.append(record)
         print(f"{name:28s} host {record['host_ms']:.3f} ms  events {record['events_ms']:.3f} ms")
@@ -151,7 +151,7 @@ def main() -> None:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(args.repeats):
-            xs.grad = ws.grad = None
+            clear_grads()
             fn().backward()
             torch.cuda.synchronize()
         profiler.disable()
