@@ -38,6 +38,7 @@ from lightning_flce.accumulate import GradWeightAccumulator, head_rows, round_in
 from lightning_flce.chunk_loss import DEFAULT_WORKSPACE_COPIES, AuxiliaryHead, ChunkLoss, gather_side_inputs
 from lightning_flce.kernels import LOW_PRECISION, gradient_in_logits_rows, softmax_dtype
 from lightning_flce.kernels.scale import scale_, scale_into
+from lightning_flce.op_autograd import OpWithAutograd
 from lightning_flce.options import WIDE_LOGITS_PRECISIONS
 
 _MiB = 1 << 20
@@ -1027,12 +1028,13 @@ def refuse_double_backward(
 
 def register_forward_grads_autograd(
     op, names: Sequence[str], *, op_name: str, repeat_hint: str, why: str
-) -> None:
+) -> OpWithAutograd:
     """The autograd of a custom op that computes its gradients in forward (the policy and distillation losses):
     its inputs named ``names`` (``x``, ``weight``, ``bias`` and ``need_grad_input`` / ``_weight`` / ``_bias``
     among them), its outputs ``(loss, *metrics, dX, dW head, dW tail, d bias, inverse scales)``: the gradients of
     :func:`saved_gradients` and :func:`run_chunks`'s scales (empty where not computed). Backward multiplies the
-    saved gradients by grad_output (:func:`finish_saved_grads`) once, checked by :func:`check_single_backward`."""
+    saved gradients by grad_output (:func:`finish_saved_grads`) once, checked by :func:`check_single_backward`.
+    Returns the op with that autograd (:class:`~lightning_flce.op_autograd.OpWithAutograd`)."""
 
     def setup_context(ctx, inputs, output) -> None:
         a = dict(zip(names, inputs))
@@ -1053,7 +1055,7 @@ def register_forward_grads_autograd(
             grads["bias"] = gb if ctx.needs[2] else None
         return tuple(grads.values())
 
-    op.register_autograd(backward, setup_context=setup_context)
+    return OpWithAutograd(op, backward, setup_context=setup_context)
 
 
 def finish_saved_grads(

@@ -43,6 +43,7 @@ from lightning_flce.engine import (
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.cross_entropy import CrossEntropyChunkLoss, kernel_options, loss_scales
+from lightning_flce.op_autograd import OpWithAutograd
 from lightning_flce.options import FLCEOptions
 from lightning_flce.per_token import CROSS_ENTROPY_INPUTS
 
@@ -330,10 +331,10 @@ def _backward_recompute_fake(*values) -> Tuple[Tensor, Tensor, Tensor]:
     )
 
 
-flce_forward = torch.library.custom_op(
+_flce_forward_op = torch.library.custom_op(
     "lightning_flce::flce_forward", _forward, mutates_args=(), schema=_schema(FORWARD_ARGS, 9)
 )
-flce_forward.register_fake(_forward_fake)
+_flce_forward_op.register_fake(_forward_fake)
 flce_backward = torch.library.custom_op(
     "lightning_flce::flce_backward", _backward_recompute, mutates_args=(), schema=_schema(BACKWARD_ARGS, 3)
 )
@@ -378,7 +379,8 @@ def _backward(ctx, grad_loss, *unused_grads) -> Tuple[Optional[Tensor], ...]:
     return tuple(grads.values())
 
 
-flce_forward.register_autograd(_backward, setup_context=_setup_context)
+#: The forward op with its autograd (eager calls with gradients skip torch.library's wrapper: op_autograd.py).
+flce_forward = OpWithAutograd(_flce_forward_op, _backward, setup_context=_setup_context)
 
 
 refuse_double_backward(

@@ -50,19 +50,25 @@ def median_host_ms(fn, repeats: int, before=None) -> float:
     for _ in range(repeats):
         if before is not None:
             before()
-        torch.cuda.synchronize()
+        _synchronize()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _synchronize()
         host.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(host)
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def dispatch_overhead(xs, ws, xt, wt, target, repeats: int):
-    """The distillation op's forward (JSD, "mean": its gradients computed in forward) through the registered
-    ``torch.library`` custom op against its Python implementation called directly with the same arguments:
-    the host time the custom op's dispatch adds to a call (``torch.library``'s argument handling, its aliasing
-    check, the ``_disable_dynamo`` wrapper of the implementation)."""
+    """The distillation op's forward (JSD, "mean": its gradients computed in forward) three ways, with the same
+    arguments: through ``torch.library``'s registered autograd (``torch.library``'s argument handling, its
+    ``fill_defaults`` before ``setup_context``, its aliasing check, the ``_disable_dynamo`` wrapper of the
+    implementation), as the package calls it in eager mode (:class:`~lightning_flce.op_autograd.OpWithAutograd`'s
+    ``autograd.Function`` around the op), and its Python implementation called directly (below autograd)."""
     from lightning_flce.distill import functional, op
 
     recorded = []
@@ -85,7 +91,11 @@ def dispatch_overhead(xs, ws, xt, wt, target, repeats: int):
 
     out = []
     for name, fn in (
-        ("custom_op_forward", lambda: registered(*values)),
+        (
+            "custom_op_forward",
+            lambda: getattr(registered, "op", registered)(*values),
+        ),  # before OpWithAutograd: the op
+        ("package_forward", lambda: registered(*values)),
         ("direct_forward", direct),
     ):
         out.append({"provider": name, "host_ms": median_host_ms(fn, repeats)})
@@ -104,8 +114,14 @@ def main() -> None:
         default="flce_distill_jsd",
         help="a provider whose host time cProfile breaks down ('' none)",
     )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu: host time only (the torch backend's kernels; no CUDA events)",
+    )
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    timed_events = device.type == "cuda"
     gen = torch.Generator(device=device).manual_seed(0)
     n, h, v = args.tokens, args.hidden, args.vocab
     xs = (torch.randn(n, h, device=device, generator=gen) / h**0.5).bfloat16().requires_grad_()
@@ -123,6 +139,9 @@ def main() -> None:
         event_pairs = []
 
         def step(fn=fn, event_pairs=event_pairs):
+            if not timed_events:
+                fn().backward()
+                return
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn().backward()
@@ -136,10 +155,10 @@ def main() -> None:
             "provider": name,
             "shape": [n, h, v],
             "host_ms": host_ms,
-            "events_ms": statistics.median(events),
+            "events_ms": statistics.median(events) if events else None,
         }
         records.append(record)
-        print(f"{name:28s} host {record['host_ms']:.3f} ms  events {record['events_ms']:.3f} ms")
+        print(f"{name:28s} host {record['host_ms']:.3f} ms  events {record['events_ms']} ms")
     records += dispatch_overhead(xs, ws, xt, wt, target, args.repeats)
     _common.write_json(_common.out_dir() / "call_overhead.json", {"environment": env, "records": records})
     if args.cprofile:
@@ -153,7 +172,7 @@ def main() -> None:
         for _ in range(args.repeats):
             clear_grads()
             fn().backward()
-            torch.cuda.synchronize()
+            _synchronize()
         profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)

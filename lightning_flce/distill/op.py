@@ -34,6 +34,7 @@ from lightning_flce.engine import (
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.distillation import TEACHER_LOGITS, DistillationChunkLoss
+from lightning_flce.op_autograd import OpWithAutograd
 from lightning_flce.rl.logprobs_op import bad_temperatures, gemm_flops, register_flops, temperature_error
 
 _ARGS = (
@@ -205,17 +206,17 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
     )
 
 
-flce_distill = torch.library.custom_op(
+_flce_distill_op = torch.library.custom_op(
     "lightning_flce::flce_distill",
     _forward,
     mutates_args=(),
     schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
-flce_distill.register_fake(_forward_fake)
+_flce_distill_op.register_fake(_forward_fake)
 
 
-register_forward_grads_autograd(
-    flce_distill,
+flce_distill = register_forward_grads_autograd(
+    _flce_distill_op,
     _NAMES,
     op_name="fused_linear_distillation",
     why="with reduction 'mean'/'sum' its gradients are computed in forward",
@@ -282,13 +283,13 @@ def _backward_recompute_fake(grad_loss, *values) -> Tuple[Tensor, Tensor, Tensor
     )
 
 
-flce_distill_per_token = torch.library.custom_op(
+_flce_distill_per_token_op = torch.library.custom_op(
     "lightning_flce::flce_distill_per_token",
     _forward_per_token,
     mutates_args=(),
     schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor)",
 )
-flce_distill_per_token.register_fake(_forward_per_token_fake)
+_flce_distill_per_token_op.register_fake(_forward_per_token_fake)
 flce_distill_backward = torch.library.custom_op(
     "lightning_flce::flce_distill_backward",
     _backward_recompute,
@@ -318,7 +319,9 @@ def _backward_per_token(ctx, grad_loss, *unused) -> Tuple[Optional[Tensor], ...]
     return tuple(grads.values())
 
 
-flce_distill_per_token.register_autograd(_backward_per_token, setup_context=_setup_context_per_token)
+flce_distill_per_token = OpWithAutograd(
+    _flce_distill_per_token_op, _backward_per_token, setup_context=_setup_context_per_token
+)
 
 
 refuse_double_backward(flce_distill_backward, "fused_linear_distillation")

@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_flce.engine import refuse_double_backward, run_valid_rows, token_rows
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.logprobs import LogProbsChunkLoss
+from lightning_flce.op_autograd import OpWithAutograd
 
 _ARGS = (
     "Tensor x, Tensor weight, Tensor target, Tensor? bias, Tensor inv_temperature, int ignore_index,"
@@ -146,10 +147,10 @@ def _backward_recompute_fake(grad_logprobs, grad_entropy, x, weight, target, bia
     )
 
 
-flce_logprobs = torch.library.custom_op(
+_flce_logprobs_op = torch.library.custom_op(
     "lightning_flce::flce_logprobs", _forward, mutates_args=(), schema=f"({_ARGS}) -> (Tensor, Tensor)"
 )
-flce_logprobs.register_fake(_forward_fake)
+_flce_logprobs_op.register_fake(_forward_fake)
 flce_logprobs_backward = torch.library.custom_op(
     "lightning_flce::flce_logprobs_backward",
     _backward_recompute,
@@ -187,7 +188,7 @@ def _backward(ctx, grad_logprobs, grad_entropy) -> Tuple[Optional[Tensor], ...]:
     return tuple(grads)
 
 
-flce_logprobs.register_autograd(_backward, setup_context=_setup_context)
+flce_logprobs = OpWithAutograd(_flce_logprobs_op, _backward, setup_context=_setup_context)
 
 
 refuse_double_backward(flce_logprobs_backward, "fused_linear_logprobs")

@@ -129,17 +129,17 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
     )
 
 
-flce_policy_loss = torch.library.custom_op(
+_flce_policy_loss_op = torch.library.custom_op(
     "lightning_flce::flce_policy_loss",
     _forward,
     mutates_args=(),
     schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
-flce_policy_loss.register_fake(_forward_fake)
+_flce_policy_loss_op.register_fake(_forward_fake)
 
 
-register_forward_grads_autograd(
-    flce_policy_loss,
+flce_policy_loss = register_forward_grads_autograd(
+    _flce_policy_loss_op,
     _NAMES,
     op_name="fused_linear_policy_loss",
     why="its gradients are computed in forward",
