@@ -1,12 +1,14 @@
 """How long does a call take where the GPU has almost nothing to do (the host's share: checks, set-up, dispatch)?
 
-Forward + backward of ``fused_linear_distillation`` (JSD and forward KL), ``fused_linear_cross_entropy`` and, for
-scale, the unfused losses (``bench_distill.py``'s unfused JSD; logits and ``cross_entropy``), at tiny shapes (N tokens, H, V small:
-the GEMMs and kernels take microseconds), timed on the host (``time.perf_counter`` around call + backward +
-synchronize, median of ``--repeats`` after a warm-up) and with CUDA events. At the issue's shapes the same host
-work sits before the first GEMM (``distill_gaps.py``'s prelude): this is its unprofiled size.
+Forward + backward of ``fused_linear_distillation`` (JSD and forward KL), ``fused_linear_cross_entropy``, the RL
+calls (``fused_linear_logprobs`` with entropy, ``fused_linear_policy_loss``) and, for scale, the unfused losses
+(``bench_distill.py``'s unfused JSD; logits and ``cross_entropy``), at tiny shapes (N tokens, H, V small: the GEMMs
+and kernels take microseconds), timed on the host (``time.perf_counter`` around call + backward + synchronize,
+median of ``--repeats`` after a warm-up) and with CUDA events. At the issue's shapes the same host work sits before
+the first GEMM (``distill_gaps.py``'s prelude): this is its unprofiled size.
 
     python3 benchmarks/experiments/call_overhead.py          # $OUT/call_overhead.json
+    python3 benchmarks/experiments/call_overhead.py --device cpu --tokens 16 --hidden 32 --vocab 64   # host only
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ import bench_distill  # noqa: E402
 import torch  # noqa: E402
 
 _common.ensure_repo_on_path()
-from lightning_flce import fused_linear_cross_entropy, fused_linear_distillation  # noqa: E402
+from lightning_flce import (  # noqa: E402
+    fused_linear_cross_entropy,
+    fused_linear_distillation,
+    fused_linear_logprobs,
+    fused_linear_policy_loss,
+)
 
 
 def providers(xs, ws, xt, wt, target):
     unfused_jsd = bench_distill.PROVIDERS["unfused"][1](xs.device, "jsd", 0.5, 1.0)
+    advantages = torch.ones(1, device=xs.device)
 
     return {
         "flce_distill_jsd": lambda: fused_linear_distillation(xs, ws, xt, wt, target, divergence="jsd"),
@@ -36,6 +44,10 @@ def providers(xs, ws, xt, wt, target):
             xs, ws, xt, wt, target, divergence="forward_kl"
         ),
         "flce_cross_entropy": lambda: fused_linear_cross_entropy(xs, ws, target),
+        "flce_logprobs": lambda: fused_linear_logprobs(xs, ws, target, return_entropy=True).logprobs.sum(),
+        "flce_policy_loss": lambda: (
+            fused_linear_policy_loss(xs.unsqueeze(0), ws, target.unsqueeze(0), advantages=advantages).loss
+        ),
         "unfused_jsd": lambda: unfused_jsd(xs, ws, xt, wt, target),
         "unfused_cross_entropy": lambda: torch.nn.functional.cross_entropy((xs @ ws.T).float(), target),
     }
