@@ -14,6 +14,8 @@ the first GEMM (``distill_gaps.py``'s prelude): this is its unprofiled size.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import statistics
 import sys
 import time
@@ -38,7 +40,7 @@ def providers(xs, ws, xt, wt, target):
     unfused_jsd = bench_distill.PROVIDERS["unfused"][1](xs.device, "jsd", 0.5, 1.0)
     advantages = torch.ones(1, device=xs.device)
 
-    return {
+    calls = {
         "flce_distill_jsd": lambda: fused_linear_distillation(xs, ws, xt, wt, target, divergence="jsd"),
         "flce_distill_forward_kl": lambda: fused_linear_distillation(
             xs, ws, xt, wt, target, divergence="forward_kl"
@@ -51,6 +53,26 @@ def providers(xs, ws, xt, wt, target):
         "unfused_jsd": lambda: unfused_jsd(xs, ws, xt, wt, target),
         "unfused_cross_entropy": lambda: torch.nn.functional.cross_entropy((xs @ ws.T).float(), target),
     }
+    if importlib.util.find_spec("lightning_flce.op_autograd") is not None:  # an A/B in one process
+        for name in [name for name in calls if name.startswith("flce_")]:
+            calls[f"{name}_registered_autograd"] = registered_autograd(calls[name])
+    return calls
+
+
+def registered_autograd(fn):
+    """``fn`` with every op on ``torch.library``'s registered autograd, as before ``op_autograd.py`` (its eager
+    ``autograd.Function`` turned off for the call; backward follows the node the call recorded)."""
+    from lightning_flce.op_autograd import OpWithAutograd
+
+    def call():
+        eager = OpWithAutograd.takes_eager_function
+        OpWithAutograd.takes_eager_function = lambda self, args: False
+        try:
+            return fn()
+        finally:
+            OpWithAutograd.takes_eager_function = eager
+
+    return call
 
 
 def median_host_ms(fn, repeats: int, before=None) -> float:
@@ -102,11 +124,9 @@ def dispatch_overhead(xs, ws, xt, wt, target, repeats: int):
             return op._forward(*values)
 
     out = []
+    custom_op = getattr(registered, "op", registered)  # a tree before OpWithAutograd called the op itself
     for name, fn in (
-        (
-            "custom_op_forward",
-            lambda: getattr(registered, "op", registered)(*values),
-        ),  # before OpWithAutograd: the op
+        ("custom_op_forward", lambda: custom_op(*values)),
         ("package_forward", lambda: registered(*values)),
         ("direct_forward", direct),
     ):
@@ -121,6 +141,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="the providers one after another this many times (drift shows as rounds)",
+    )
     parser.add_argument(
         "--cprofile",
         default="flce_distill_jsd",
@@ -147,7 +173,8 @@ def main() -> None:
     def clear_grads():
         xs.grad = ws.grad = None
 
-    for name, fn in providers(xs, ws, xt, wt, target).items():
+    calls = providers(xs, ws, xt, wt, target)
+    for round_index, (name, fn) in itertools.product(range(args.rounds), calls.items()):
         event_pairs = []
 
         def step(fn=fn, event_pairs=event_pairs):
@@ -165,6 +192,7 @@ def main() -> None:
         events = [start.elapsed_time(end) for start, end in event_pairs[5:]]
         record = {
             "provider": name,
+            "round": round_index,
             "shape": [n, h, v],
             "host_ms": host_ms,
             "events_ms": statistics.median(events) if events else None,
