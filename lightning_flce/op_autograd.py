@@ -5,8 +5,9 @@
 fake tensors) and direct ``torch.ops.lightning_flce`` calls see, and those keep it. In an eager call with gradients
 its wrapper costs host time that grows with the square of the op's argument count: before ``setup_context`` it
 rebuilds the schema's argument list once per argument (``torch._library.utils.fill_defaults`` reads
-``schema.arguments``, a fresh list, in its loop), 0.2-0.4 ms a call at the 25-31 arguments of the loss ops
-(``benchmarks/experiments/call_overhead.py``), a third of a small call's host time. RL and distillation run
+``schema.arguments``, a fresh list, in its loop): at the loss ops' 16-31 arguments 0.08-0.25 ms of a small call
+on a 2-core CPU machine, and 0.47 ms of the distillation forward's 1.34 on an H100 host
+(``benchmarks/experiments/call_overhead.py``, ``benchmarks/results/*_call_overhead_*``). RL and distillation run
 the head once per micro-batch, often at shapes where the GPU finishes first, so :class:`OpWithAutograd` runs an
 eager call through a ``torch.autograd.Function`` whose forward calls the op with grad mode off (the op's own
 no-grad path, no ``fill_defaults``) and then the same ``setup_context``; its backward is the registered backward.
