@@ -18,6 +18,29 @@ def _fsdp2():
     return FSDPModule, fully_shard, register_fsdp_forward_method
 
 
+def is_fsdp2_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module``."""
+    return isinstance(module, _fsdp2()[0])
+
+
+def fsdp2_unit_of(root: nn.Module, parameter: nn.Parameter) -> Optional[nn.Module]:
+    """The FSDP2 unit in ``root``'s tree (``root`` included) that manages ``parameter``: the module ``fully_shard``
+    was applied to whose parameters, less those of the units nested in it, hold it; None when no unit does. (A
+    parameter tied into two modules belongs to the first unit sharded around it, e.g. a decoder's embeddings.)"""
+    for unit in root.modules():
+        if not is_fsdp2_module(unit):
+            continue
+        nested = {
+            id(p)
+            for other in unit.modules()
+            if other is not unit and is_fsdp2_module(other)
+            for p in other.parameters()
+        }
+        if any(p is parameter and id(p) not in nested for p in unit.parameters()):
+            return unit
+    return None
+
+
 def register_fsdp_step_methods(module: nn.Module) -> list:
     """Registers the step methods that a LightningModule overrides as FSDP2 forward methods; returns their
     names. A no-op for a module that is not FSDP2-sharded, and for methods already registered.
@@ -27,22 +50,31 @@ def register_fsdp_step_methods(module: nn.Module) -> list:
     parameters that the root FSDP unit manages (e.g. the embeddings, and a head tied to them) would still be
     sharded ``DTensor`` s there.
     """
-    fsdp_module, _, register = _fsdp2()
-    if not isinstance(module, fsdp_module):
+    if not is_fsdp2_module(module):
         return []
     import lightning.pytorch as pl
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     registered = []
     for name in _STEP_METHODS:
-        if name in module.__dict__:  # already patched on the instance (by the user or an earlier call)
-            continue
         if isinstance(module, pl.LightningModule) and not is_overridden(name, module, pl.LightningModule):
             continue
-        if callable(getattr(module, name, None)):
-            register(module, name)
+        if register_fsdp_method(module, name):
             registered.append(name)
     return registered
+
+
+def register_fsdp_method(module: nn.Module, name: str) -> bool:
+    """Registers ``module.<name>`` as an FSDP2 forward method, so that calling it unshards the parameters of
+    ``module``'s own FSDP unit as ``forward`` does (e.g. a model's ``hidden_states``, which a loss calls instead of
+    ``forward``). Returns whether it did: not for a module that is not FSDP2-sharded, a method already registered
+    (patched on the instance, by the user or an earlier call), or an attribute that is not callable."""
+    if not is_fsdp2_module(module) or name in module.__dict__:
+        return False
+    if not callable(getattr(module, name, None)):
+        return False
+    _fsdp2()[2](module, name)
+    return True
 
 
 def fully_shard_lm(

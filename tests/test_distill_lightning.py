@@ -249,6 +249,106 @@ def test_hugging_face_student_and_teacher_with_padding_in_float64():
         torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
 
 
+class GatheredOnlyInCalls:
+    """Hooks on a head that keep its weight out of the module except during its own call, as a sharding hook
+    (FSDP2, ZeRO-3) leaves only a shard there; they record whether the call's output needed a gradient."""
+
+    def __init__(self, head: torch.nn.Linear) -> None:
+        self.weight = head.weight
+        self.outputs_need_grad: list[bool] = []
+        head.register_forward_pre_hook(self.gather)
+        head.register_forward_hook(self.release)
+        self.release(head, (), None)
+
+    def gather(self, head, args):
+        head.weight = self.weight
+
+    def release(self, head, args, output):
+        if output is not None:
+            self.outputs_need_grad.append(output.requires_grad)
+        head.weight = torch.nn.Parameter(self.weight.new_empty(0), requires_grad=self.weight.requires_grad)
+
+
+@requires_op
+def test_both_heads_are_read_inside_their_own_calls_with_their_logit_scales_in_float64():
+    """The loss reads each head's weight inside the head's call (where a sharding hook has gathered it), the
+    teacher's call nested in the student's; the teacher's hooks see an output without gradient (FSDP2 would
+    otherwise gather the frozen head again in backward). Each model's declared logit scale applies."""
+    student, teacher = tiny_student(), tiny_teacher()
+    student.logit_scale, teacher.logit_scale = 0.5, 2.0  # declared as Cohere declares it
+    module = DistillationModule(student=student, teacher=teacher, divergence="jsd", hard_weight=0.25).double()
+    hooks = [GatheredOnlyInCalls(model.lm_head) for model in (student, teacher)]
+    batch = make_batch(3, n_ignored=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+    loss.backward()
+    assert [hook.outputs_need_grad for hook in hooks] == [[True], [False]]
+    assert student.lm_head.weight.numel() == 0  # released again after the call
+    fused = student_grads(module)
+    student.lm_head.weight, teacher.lm_head.weight = (hook.weight for hook in hooks)
+    module.zero_grad()
+    with torch.no_grad():
+        teacher_hidden = teacher.hidden_states(batch["input_ids"])
+    expected = unfused_distillation(
+        student.hidden_states(batch["input_ids"]),
+        student.lm_head.weight,
+        teacher_hidden,
+        teacher.lm_head.weight,
+        batch["labels"],
+        divergence="jsd",
+        hard_weight=0.25,
+        student_logit_scale=0.5,
+        teacher_logit_scale=2.0,
+    )
+    expected.backward()
+    torch.testing.assert_close(loss, expected, **TOL)
+    unfused = student_grads(module)
+    assert fused.keys() == unfused.keys() and fused
+    for name, grad in fused.items():
+        torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
+
+
+@requires_op
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft")
+def test_a_peft_lora_student_head_in_float64():
+    """LoRA on the student's head: the loss is that of the head's logits (base + scaled B A), and the adapters get
+    the unfused formula's gradients."""
+    import peft
+
+    student = tiny_student()
+    peft.inject_adapter_in_model(
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], init_lora_weights=False), student
+    )
+    student.requires_grad_(False)
+    for name, param in student.named_parameters():
+        param.requires_grad_("lora_" in name)
+    module = DistillationModule(student=student, teacher=tiny_teacher(), divergence="forward_kl").double()
+    batch = make_batch(4, n_ignored=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+    loss.backward()
+    fused = student_grads(module)
+    assert sorted(fused) == ["lm_head.lora_A.default.weight", "lm_head.lora_B.default.weight"]
+    module.zero_grad()
+    logits = student(batch["input_ids"])  # through the LoRA layer: the logits as an identity head's input
+    with torch.no_grad():
+        teacher_hidden = module.teacher.hidden_states(batch["input_ids"])
+    expected = unfused_distillation(
+        logits,
+        torch.eye(VOCAB, dtype=torch.float64),
+        teacher_hidden,
+        module.teacher.lm_head.weight,
+        batch["labels"],
+        divergence="forward_kl",
+    )
+    expected.backward()
+    torch.testing.assert_close(loss, expected, **TOL)
+    for name, grad in fused.items():
+        torch.testing.assert_close(grad, student_grads(module)[name], **TOL, msg=name)
+
+
 @requires_op
 @pytest.mark.parametrize("hard_weight", [0.0, 0.25, 1.0])
 def test_temperature_squared_scales_the_divergence_term_only(hard_weight):

@@ -21,10 +21,16 @@ Scenarios:
   ``FLCEMixin`` writes. ``training_step`` is not ``forward``, so FSDP2 would not unshard the root's parameters
   (the embeddings) before it; FLCEMixin registers its step methods at the start of fit
   (``test_mixin_registers_fsdp2_step_methods``).
+- ``distill_tied_student``, ``distill_tied_teacher``: a :class:`~lightning_flce.models.DistillationModule` (JSD,
+  temperature 2, hard_weight 0.25) whose ``configure_model`` shards the student and a wider teacher (TinyGPTs: each
+  block, an untied head, then the model) and itself as the root. One model's head is tied to its embeddings (in
+  the model's root unit), the other's is a unit of its own: both reach the fused distillation op unsharded, against
+  one float64 process computing the loss from both models' logits.
 
 Tolerances as in ``test_ddp_cpu.py``.
 """
 
+import math
 import os
 import sys
 import time
@@ -38,8 +44,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from ranks import end_worker, free_port, run_ranks, torchrun_env
 from torch.utils.data import DataLoader
 
+import lightning_flce
 import lightning_flce.head
 from lightning_flce._compat import TORCH_VERSION
+from lightning_flce.models import DistillationModule
 from lightning_flce.models.gpt import TinyGPT
 from lightning_flce.parallel import fully_shard_lm, register_fsdp_step_methods
 
@@ -181,6 +189,84 @@ def run_scenario(name: str) -> dict:
     }
 
 
+DISTILL = {"divergence": "jsd", "beta": 0.5, "temperature": 2.0, "hard_weight": 0.25}
+TEACHER_D_MODEL = 24  # the teacher's hidden size differs from the student's 16
+
+
+# whose head is tied to its embeddings (in the model's root unit), whose is a unit of its own
+DISTILL_SCENARIOS = {"distill_tied_student": "student", "distill_tied_teacher": "teacher"}
+
+
+def distill_models(tied: str) -> tuple[TinyGPT, TinyGPT]:
+    student = tiny_gpt(tie_embeddings=tied == "student")
+    torch.manual_seed(1)
+    teacher = TinyGPT(
+        vocab_size=VOCAB,
+        d_model=TEACHER_D_MODEL,
+        n_layers=1,
+        n_heads=2,
+        max_seq_len=SEQ,
+        tie_embeddings=tied == "teacher",
+    )
+    return student, teacher
+
+
+class SaveDistillStep(SaveStep):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.result is not None and "loss" not in self.result:
+            self.result["loss"] = trainer.callback_metrics["train/loss_step"].item()
+
+
+def run_distill_scenario(tied: str) -> dict:
+    seen = []
+    original = lightning_flce.fused_linear_distillation
+
+    def recording_op(student_input, student_weight, teacher_input, teacher_weight, *args, **kwargs):
+        seen.append([(type(w).__name__, tuple(w.shape)) for w in (student_weight, teacher_weight)])
+        return original(student_input, student_weight, teacher_input, teacher_weight, *args, **kwargs)
+
+    lightning_flce.fused_linear_distillation = recording_op
+    save = SaveDistillStep()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
+        ),
+        max_steps=1,
+        accumulate_grad_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[save],
+    )
+    student, teacher = distill_models(tied)
+    module = DistillationModule(student, teacher=teacher, lr=0.0, **DISTILL)
+    try:
+        trainer.fit(module, DataLoader(samples(), batch_size=2), DataLoader(samples(), batch_size=2))
+    except Exception as exc:  # recorded: the parent decides whether it was expected
+        return {"error": f"{type(exc).__name__}: {exc}", "op_weights": seen}
+    finally:
+        lightning_flce.fused_linear_distillation = original
+    return {
+        "error": None,
+        "op_weights": seen,
+        "val_loss": trainer.callback_metrics["val/loss"].item(),
+        "units": [type(m).__name__ for m in (module, module.student.lm_head, module.teacher.lm_head)],
+        # what the loss left unsharded after the step: the tied student's unit (resharded by its backward) and
+        # the tied teacher's (resharded once the loss has run) must hold shards again
+        "unsharded_after_step": [
+            type(p).__name__ for m in (module.student, module.teacher) for p in m.parameters(recurse=False)
+        ]
+        + [
+            type(p).__name__ for m in (module.student.tok_emb, module.teacher.tok_emb) for p in m.parameters()
+        ],
+        **save.result,
+    }
+
+
 def worker(out_dir: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -189,6 +275,8 @@ def worker(out_dir: str) -> None:
         start = time.perf_counter()
         results[name] = run_scenario(name)
         results[name]["seconds"] = time.perf_counter() - start
+    for name, tied in DISTILL_SCENARIOS.items():
+        results[name] = run_distill_scenario(tied)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -269,6 +357,62 @@ def test_fsdp2_bf16_mixed_precision_policy(results):
 def test_mixin_registers_fsdp2_step_methods(results):
     """A plain FLCEMixin model sharded by the user's own fully_shard: the mixin registers its step methods."""
     _check_against_reference([r["mixin_only"] for r in results], tie_embeddings=True)
+
+
+def _distill_reference(tied: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """The distillation loss (the token mean over all 8 samples) and the student's gradients in one float64
+    process, from both models' logits."""
+    student, teacher = (model.double() for model in distill_models(tied))
+    data = samples()
+    input_ids = torch.stack([s["input_ids"] for s in data])
+    labels = torch.stack([s["labels"] for s in data]).reshape(-1)
+    logits = student(input_ids).reshape(-1, VOCAB)
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids).reshape(-1, VOCAB)
+    beta, temperature, hard_weight = DISTILL["beta"], DISTILL["temperature"], DISTILL["hard_weight"]
+    log_p = torch.log_softmax(logits / temperature, dim=-1)  # the student
+    log_q = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    log_m = torch.logsumexp(torch.stack([log_q + math.log(beta), log_p + math.log(1 - beta)]), dim=0)
+    jsd = beta * (log_q.exp() * (log_q - log_m)).sum(-1) + (1 - beta) * (log_p.exp() * (log_p - log_m)).sum(
+        -1
+    )
+    ce = F.cross_entropy(logits, labels, reduction="none")  # 0 where ignored
+    valid = labels != -100
+    loss = (((1 - hard_weight) * jsd + hard_weight * ce) * valid).sum() / valid.sum()
+    loss.backward()
+    grads = {f"student.{name}": p.grad.float() for name, p in student.named_parameters()}
+    return loss.item(), grads
+
+
+@pytest.mark.slow
+@needs_cpu_fsdp2
+@pytest.mark.parametrize("scenario", list(DISTILL_SCENARIOS))
+def test_fsdp2_distillation_step_equals_one_process_on_the_global_batch(results, scenario):
+    """DistillationModule.configure_model shards both models; a tied head's unit keeps it unsharded for the loss."""
+    tied = DISTILL_SCENARIOS[scenario]
+    ref_loss, ref_grads = _distill_reference(tied)
+    for rank, saved in enumerate(r[scenario] for r in results):
+        assert saved["error"] is None, (saved["error"], saved["op_weights"])
+        heads = ["FSDPLinear" if model != tied else "Linear" for model in ("student", "teacher")]
+        assert saved["units"] == ["FSDPDistillationModule", *heads]
+        assert set(saved["unsharded_after_step"]) == {"DTensor"}
+        # 2 micro-batches and 2 validation batches, each on both complete heads, never a DTensor shard
+        assert len(saved["op_weights"]) == 4, saved["op_weights"]
+        for student_weight, teacher_weight in saved["op_weights"]:
+            assert student_weight == ("Parameter", (VOCAB, 16)) and teacher_weight == (
+                "Parameter",
+                (VOCAB, 24),
+            )
+        assert saved["loss"] == pytest.approx(ref_loss, rel=1e-5)
+        assert saved["val_loss"] == pytest.approx(ref_loss, rel=1e-5)  # lr 0: the same parameters
+        grads = saved["grads"]
+        assert grads.keys() == ref_grads.keys()  # the teacher gets none
+        for name, want in ref_grads.items():
+            torch.testing.assert_close(grads[name]["full"], want, **FP32, msg=f"rank {rank}: {name}")
+            assert grads[name]["placements"] == "(Shard(dim=0),)", name
+    # the student head's gradient is sharded over the ranks: 42 + 41 rows
+    head = "student.tok_emb.weight" if tied == "student" else "student.lm_head.weight"
+    assert [r[scenario]["grads"][head]["local"].shape[0] for r in results] == [42, 41]
 
 
 def test_fully_shard_lm_refuses_a_tied_head_as_its_own_unit():

@@ -42,12 +42,20 @@ from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
 
+from lightning_flce.adapters import is_peft_lora_head
 from lightning_flce.callbacks.checkpoint_identity import IDENTITY_KEY
 from lightning_flce.callbacks.memory_model import head_compute_dtype
 from lightning_flce.console import rank_zero_info_line
 from lightning_flce.data.dataset import check_label_format
+from lightning_flce.fsdp import (
+    fsdp2_unit_of,
+    is_fsdp2_module,
+    register_fsdp_method,
+    register_fsdp_step_methods,
+)
 from lightning_flce.head import unwrap_head
-from lightning_flce.head_discovery import is_hf_model, resolve_head
+from lightning_flce.head_calls import run_in_head
+from lightning_flce.head_discovery import ResolvedHead, is_hf_model, resolve_head
 from lightning_flce.losses.distillation import DIVERGENCES, Divergence
 from lightning_flce.mixin import NARROW_INT_DTYPES
 from lightning_flce.mixin_step import StepNormalization
@@ -55,6 +63,7 @@ from lightning_flce.models.gpt import adamw_with_warmup_cosine
 from lightning_flce.models.hf import HFCausalLM
 from lightning_flce.normalization import StepNormalizer, UnweightedTermWatch
 from lightning_flce.options import NORMALIZE_MODES, AccumDtype, FLCEOptions, LogitsPrecision, NormalizeMode
+from lightning_flce.outputs import FLCEOutput
 
 __all__ = [
     "TEACHER_TOP_K_KEYS",
@@ -72,6 +81,8 @@ TEACHER_TOP_K_KEYS = ("teacher_top_k_indices", "teacher_top_k_logits")
 _DEFAULT_TEACHER_CLASS = "lightning_flce.models.gpt.TinyGPT"
 # order of the validation sums: the loss, the divergence, the student's cross-entropy, correct tokens, tokens
 _VAL_SUMS = ("loss", "divergence", "student_ce", "correct", "tokens")
+# who runs the fused losses inside the heads' calls (run_in_head's errors)
+_HEADS = "DistillationModule's heads"
 
 
 class HeadOperands(NamedTuple):
@@ -91,13 +102,37 @@ class TeacherTopK(NamedTuple):
     logits: Tensor
 
 
+def _resolved_head(model: nn.Module) -> ResolvedHead:
+    """The LM head of ``model`` found as :class:`~lightning_flce.mixin.FLCEMixin` finds it (its ``flce_head``
+    and ``flce_softcap`` where it has them, else ``get_output_embeddings()`` or ``lm_head``), with the logit
+    transforms the model declares."""
+    return resolve_head(model, getattr(model, "flce_head", None), getattr(model, "flce_softcap", None))
+
+
+def _head_rows(model: nn.Module) -> int:
+    """The vocabulary of ``model``'s LM head from the module's own sizes (a sharded weight's shape is a shard's)."""
+    module = unwrap_head(_resolved_head(model).module)
+    if is_peft_lora_head(module):
+        module = module.base_layer
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings
+    raise TypeError(
+        f"DistillationModule needs an LM head that computes F.linear(hidden, head.weight, head.bias) (an nn.Linear,"
+        f" an nn.Embedding used as the tied output matrix, or a PEFT LoRA Linear) on {type(model).__name__}, got"
+        f" {type(module).__name__}"
+    )
+
+
 def head_operands(model: nn.Module) -> HeadOperands:
     """The LM head of ``model`` found as :class:`~lightning_flce.mixin.FLCEMixin` finds it (its ``flce_head``
     and ``flce_softcap`` where it has them, else ``get_output_embeddings()`` or ``lm_head``), and the logit
     transforms the model declares. The head must be a plain ``nn.Linear`` (or an ``nn.Embedding`` used as the
-    tied output matrix): its weight is read directly, so hooks around the head (FSDP's gathering of a sharded
-    weight, PEFT LoRA) are not supported here."""
-    resolved = resolve_head(model, getattr(model, "flce_head", None), getattr(model, "flce_softcap", None))
+    tied output matrix). Its weight is read here, outside the head's call: a sharded head gives its shard.
+    :class:`DistillationModule` does not use this: it reads both heads inside their own calls
+    (:func:`~lightning_flce.head_calls.run_in_head`), where FSDP2 has unsharded them."""
+    resolved = _resolved_head(model)
     module = unwrap_head(resolved.module)
     is_linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
     if not (is_linear or isinstance(module, nn.Embedding)):
@@ -333,6 +368,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         #: the metrics logged at the end of the last validation (``{"val/loss": ..., ...}``)
         self.last_val_metrics: dict[str, float] = {}
         self._val_sums: Optional[Tensor] = None
+        # FSDP2 units kept unsharded after forward for a tied head, and whether each is the teacher's (_prepare_fsdp2)
+        self._fsdp_head_units: list[tuple[nn.Module, bool]] = []
 
     # ------------------------------------------------------------- the teacher
 
@@ -349,7 +386,67 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         if self.teacher is not None and self.teacher_dtype is not None:
             self.teacher.to(self.teacher_dtype)
 
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy`` (FSDP2): the student and the teacher each sharded by its own
+        ``configure_model`` (a LightningModule's, as TinyGPT's: every block, an untied head, then the model) on this
+        module's device mesh, then this module as the root unit; the methods the loss calls instead of ``forward``
+        are registered with FSDP2 (the steps, each model's ``hidden_states``). A model without a
+        ``configure_model`` of its own stays in the root unit. A no-op without a device mesh, and for a module
+        already sharded (``configure_model`` runs again for ``trainer.validate`` after ``fit``)."""
+        if self.device_mesh is None:
+            return
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        from lightning_flce.fsdp import fully_shard_lm
+
+        if not is_fsdp2_module(self):
+            for model in (self.student, self.teacher):
+                if isinstance(model, pl.LightningModule) and is_overridden(
+                    "configure_model", model, pl.LightningModule
+                ):
+                    # Lightning gives the mesh to the root module only; the models' configure_model reads it there
+                    model._device_mesh = self.device_mesh
+                    model.configure_model()
+        fully_shard_lm(self, self.device_mesh["data_parallel"])  # (the root; already sharded: left as it is)
+        self._prepare_fsdp2()
+
+    def _prepare_fsdp2(self) -> None:
+        """FSDP2 unshards a unit's parameters around ``forward`` only. So the step methods (this module) and each
+        model's ``hidden_states`` (what the loss calls instead of ``forward``) are registered as forward methods.
+        And a head that is not a unit of its own (tied to the embeddings) has its weight in a unit that would
+        reshard it when ``hidden_states`` returns, before the loss reads it: that unit keeps its parameters
+        unsharded after forward, as a root unit does (the student's until its backward; see
+        :meth:`_reshard_head_units`). No-ops for modules that are not sharded, and when called again."""
+        register_fsdp_step_methods(self)
+        units: list[tuple[nn.Module, bool]] = []
+        for model in (self.student, self.teacher):
+            if model is None:
+                continue
+            register_fsdp_method(model, "hidden_states")
+            head = unwrap_head(_resolved_head(model).module)
+            weight = (head.base_layer if is_peft_lora_head(head) else head).weight
+            unit = fsdp2_unit_of(self, weight)
+            if unit is None or unit is self or unit is head:  # the root: unsharded for the whole step
+                continue
+            if not hasattr(unit, "set_reshard_after_forward"):
+                raise NotImplementedError(
+                    f"the {type(model).__name__}'s LM head is tied into the FSDP2 unit {type(unit).__name__}: with this"
+                    " torch that unit cannot keep it unsharded for the loss (torch >= 2.6 can); untie the head and"
+                    " shard it as a unit of its own"
+                )
+            unit.set_reshard_after_forward(False, recurse=False)
+            units.append((unit, model is self.teacher))
+        self._fsdp_head_units = units
+
+    def _reshard_head_units(self, *, teacher_only: bool) -> None:
+        """Frees the unsharded parameters that :meth:`_prepare_fsdp2` kept for the loss, once it has run: the
+        teacher's (it has no backward to reshard them), and after validation and test steps the student's."""
+        for unit, is_teacher in self._fsdp_head_units:
+            if is_teacher or not teacher_only:
+                unit.reshard()
+
     def on_fit_start(self) -> None:
+        self._prepare_fsdp2()
         self._keep_teacher_dtype()
         if self._trainer is not None:  # (the hook may be called alone, to cast the teacher back)
             self._flce_start_fit_normalization()
@@ -366,9 +463,11 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         )
 
     def on_validation_start(self) -> None:
+        self._prepare_fsdp2()
         self._keep_teacher_dtype()
 
     def on_test_start(self) -> None:
+        self._prepare_fsdp2()
         self._keep_teacher_dtype()
 
     @torch.no_grad()
@@ -428,6 +527,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         student_hidden, teacher_side, target = self._forward_both(batch)
         divergence = self._loss_sum(student_hidden, teacher_side, target, 0.0)
         ce, correct = self._student_cross_entropy(student_hidden, target)
+        self._reshard_head_units(teacher_only=False)
         divergence_weight, ce_weight = self.loss_weights
         loss = divergence_weight * divergence + ce_weight * ce
         num_tokens = (target != self.ignore_index).sum()
@@ -536,77 +636,107 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         target: Tensor,
         hard_weight: float,
     ) -> Tensor:
-        """The token sum of the loss (``hard_weight`` 0: of the divergence) over the tokens that carry one."""
-        student = head_operands(self.student)
+        """The token sum of the loss (``hard_weight`` 0: of the divergence) over the tokens that carry one.
+
+        The op runs inside the student head's own call and, with a teacher model, inside the teacher head's call
+        nested in it (:func:`~lightning_flce.head_calls.run_in_head`): whatever hooks either head (FSDP2's
+        unsharding, ZeRO-3's gathering, PEFT) runs around it, and each head's logit scale multiplies its hidden
+        states and bias."""
         hp = self.hparams
-        vocab_size = student.weight.shape[0]
-        self.flce_last_logits_shape = (target.numel(), vocab_size)
-        self.flce_last_logits_bytes = target.numel() * vocab_size * 4
-        # the options both front ends of the op take: the student's head and the module's loss options
+        student_head = _resolved_head(self.student)
+        # the options both front ends of the op take: the student's softcap and the module's loss options
         shared: dict[str, Any] = dict(
-            student_bias=student.bias,
             divergence=hp.divergence,
             beta=hp.beta,
             temperature=hp.temperature,
             hard_weight=hard_weight,
             ignore_index=self.ignore_index,
             reduction="sum",
-            student_softcap=student.softcap,
-            student_logit_scale=student.logit_scale,
+            student_softcap=student_head.softcap,
             logits_precision=hp.logits_precision,
             accum_dtype=hp.accum_dtype,
             chunk_size=hp.chunk_size,
         )
-        if isinstance(teacher_side, TeacherTopK):  # no teacher head: no teacher logits to avoid
-            self.flce_last_teacher_logits_shape = None
-            self.flce_teacher_compute_dtype = None
-            return _fused_distillation_from_top_k(
-                student_hidden, student.weight, teacher_side.indices, teacher_side.logits, target, **shared
-            )
-        assert self.teacher is not None  # a tensor of hidden states comes from the teacher model
-        teacher = head_operands(self.teacher)
-        self.flce_last_teacher_logits_shape = (target.numel(), teacher.weight.shape[0])
-        # the teacher head's GEMM dtype: the autocast dtype under mixed precision (the op's rule), else its own
-        precision = getattr(self._trainer, "precision", None)
-        self.flce_teacher_compute_dtype = head_compute_dtype(precision, teacher.weight.dtype)
-        return _fused_distillation(
-            student_hidden,
-            student.weight,
-            teacher_side,
-            teacher.weight,
-            target,
-            teacher_bias=teacher.bias,
-            top_k=hp.top_k,
-            teacher_softcap=teacher.softcap,
-            teacher_logit_scale=teacher.logit_scale,
-            **shared,
-        )
+
+        def student_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+            self.flce_last_logits_shape = (target.numel(), weight.shape[0])
+            self.flce_last_logits_bytes = target.numel() * weight.shape[0] * 4
+            if isinstance(teacher_side, TeacherTopK):  # no teacher head: no teacher logits to avoid
+                self.flce_last_teacher_logits_shape = None
+                self.flce_teacher_compute_dtype = None
+                return _fused_distillation_from_top_k(
+                    hidden,
+                    weight,
+                    teacher_side.indices,
+                    teacher_side.logits,
+                    target,
+                    student_bias=bias,
+                    **shared,
+                )
+            assert self.teacher is not None  # a tensor of hidden states comes from the teacher model
+            teacher_head = _resolved_head(self.teacher)
+            losses: list[Tensor] = []
+
+            def teacher_loss(
+                teacher_hidden: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor]
+            ) -> Tensor:
+                self.flce_last_teacher_logits_shape = (target.numel(), teacher_weight.shape[0])
+                # the teacher head's GEMM dtype: the autocast dtype under mixed precision (the op's rule), else its own
+                precision = getattr(self._trainer, "precision", None)
+                self.flce_teacher_compute_dtype = head_compute_dtype(precision, teacher_weight.dtype)
+                losses.append(
+                    _fused_distillation(
+                        hidden,
+                        weight,
+                        teacher_hidden,
+                        teacher_weight,
+                        target,
+                        student_bias=bias,
+                        teacher_bias=teacher_bias,
+                        top_k=hp.top_k,
+                        teacher_softcap=teacher_head.softcap,
+                        **shared,
+                    )
+                )
+                # The loss leaves through the student head's call: the teacher head's hooks get no tensor that
+                # needs a gradient (FSDP2 would gather the frozen teacher head again in backward for it).
+                return losses[-1].detach()
+
+            run_in_head(teacher_head, teacher_side, teacher_loss, caller=_HEADS)
+            return losses[-1]
+
+        loss = run_in_head(student_head, student_hidden, student_loss, caller=_HEADS)
+        self._reshard_head_units(teacher_only=True)
+        return loss
 
     def _student_cross_entropy(self, hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
-        """The student's plain cross-entropy (token sum) and its correct tokens, fused."""
+        """The student's plain cross-entropy (token sum) and its correct tokens, fused, inside its head's call."""
         from lightning_flce.functional import fused_linear_cross_entropy_with_stats
 
-        head = head_operands(self.student)
-        bias = head.bias
-        if head.logit_scale != 1.0:  # softcap(scale * (x W^T + b)) = softcap((scale x) W^T + scale b)
-            hidden = hidden * head.logit_scale
-            bias = None if bias is None else bias * head.logit_scale
-        output = fused_linear_cross_entropy_with_stats(
-            hidden,
-            head.weight,
-            target,
-            bias,
-            ignore_index=self.ignore_index,
-            reduction="sum",
-            softcap=head.softcap,
-            logits_precision=self.hparams.logits_precision,
-            chunk_size=self.hparams.chunk_size,
+        head = _resolved_head(self.student)
+        output = FLCEOutput(
+            *run_in_head(
+                head,
+                hidden,
+                lambda h, weight, bias: fused_linear_cross_entropy_with_stats(
+                    h,
+                    weight,
+                    target,
+                    bias,
+                    ignore_index=self.ignore_index,
+                    reduction="sum",
+                    softcap=head.softcap,
+                    logits_precision=self.hparams.logits_precision,
+                    chunk_size=self.hparams.chunk_size,
+                ),
+                caller=_HEADS,
+            )
         )
         return output.loss, output.correct.sum()
 
     def _check_vocabularies(self, vocab_size: Optional[int]) -> None:
-        student_rows = head_operands(self.student).weight.shape[0]
-        teacher_rows = student_rows if self.teacher is None else head_operands(self.teacher).weight.shape[0]
+        student_rows = _head_rows(self.student)
+        teacher_rows = student_rows if self.teacher is None else _head_rows(self.teacher)
         if student_rows != teacher_rows:
             raise ValueError(
                 f"the student's LM head has {student_rows} rows and the teacher's {teacher_rows}: distillation"

@@ -8,7 +8,7 @@
 The FSDP2 helpers that used to live here are in :mod:`lightning_flce.fsdp` (still importable from here).
 """
 
-from lightning_flce.fsdp import fully_shard_lm, register_fsdp_step_methods
+from lightning_flce.fsdp import fully_shard_lm, register_fsdp_method, register_fsdp_step_methods
 from lightning_flce.parallel.head import VocabParallelHead, init_rows_like_linear, vocab_shard_range
 from lightning_flce.parallel.op import (
     vocab_parallel_fused_linear_cross_entropy,
@@ -19,6 +19,7 @@ __all__ = [
     "VocabParallelHead",
     "fully_shard_lm",
     "init_rows_like_linear",
+    "register_fsdp_method",
     "register_fsdp_step_methods",
     "vocab_parallel_fused_linear_cross_entropy",
     "vocab_parallel_fused_linear_cross_entropy_with_stats",
