@@ -25,7 +25,8 @@ Scenarios:
   temperature 2, hard_weight 0.25) whose ``configure_model`` shards the student and a wider teacher (TinyGPTs: each
   block, an untied head, then the model) and itself as the root. One model's head is tied to its embeddings (in
   the model's root unit), the other's is a unit of its own: both reach the fused distillation op unsharded, against
-  one float64 process computing the loss from both models' logits.
+  one float64 process computing the loss from both models' logits; then a sharded checkpoint, and a second run
+  resumed from it.
 
 Tolerances as in ``test_ddp_cpu.py``.
 """
@@ -217,7 +218,27 @@ class SaveDistillStep(SaveStep):
             self.result["loss"] = trainer.callback_metrics["train/loss_step"].item()
 
 
-def run_distill_scenario(tied: str) -> dict:
+def distill_trainer(max_steps: int, callbacks=()) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
+        ),
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+
+
+def run_distill_scenario(tied: str, checkpoint: str) -> dict:
+    """One optimizer step (and a validation), a sharded checkpoint, then a module whose student was changed resumed
+    from it (at its last step: nothing to train)."""
     seen = []
     original = lightning_flce.fused_linear_distillation
 
@@ -227,44 +248,47 @@ def run_distill_scenario(tied: str) -> dict:
 
     lightning_flce.fused_linear_distillation = recording_op
     save = SaveDistillStep()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(
-            data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
-        ),
-        max_steps=1,
-        accumulate_grad_batches=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[save],
-    )
-    student, teacher = distill_models(tied)
-    module = DistillationModule(student, teacher=teacher, lr=0.0, **DISTILL)
+    trainer = distill_trainer(1, [save])
+    module = DistillationModule(*distill_models(tied), lr=0.0, **DISTILL)
+    data = (DataLoader(samples(), batch_size=2), DataLoader(samples(), batch_size=2))
     try:
-        trainer.fit(module, DataLoader(samples(), batch_size=2), DataLoader(samples(), batch_size=2))
+        trainer.fit(module, *data)
+        trainer.save_checkpoint(checkpoint)
+        result = {
+            "error": None,
+            "op_weights": list(seen),
+            "val_loss": trainer.callback_metrics["val/loss"].item(),
+            "units": [type(m).__name__ for m in (module, module.student.lm_head, module.teacher.lm_head)],
+            # what the loss left unsharded after the step: the tied student's unit (resharded by its backward)
+            # and the tied teacher's (resharded once the loss has run) must hold shards again
+            "unsharded_after_step": [
+                type(p).__name__
+                for m in (module.student, module.teacher)
+                for p in m.parameters(recurse=False)
+            ]
+            + [
+                type(p).__name__
+                for m in (module.student.tok_emb, module.teacher.tok_emb)
+                for p in m.parameters()
+            ],
+            **save.result,
+        }
+        resumed = DistillationModule(*distill_models(tied), lr=0.0, **DISTILL)
+        with torch.no_grad():  # the checkpoint's student must replace these
+            for param in resumed.student.parameters():
+                param.add_(1.0)
+        calls_before = len(seen)
+        trainer = distill_trainer(1)  # the checkpoint's step: nothing left to train
+        trainer.fit(resumed, *data, ckpt_path=checkpoint)
+        result["resumed_step"] = trainer.global_step
+        result["resumed_loss_calls"] = len(seen) - calls_before
+        result["resumed_student"] = {k: v.full_tensor() for k, v in resumed.student.state_dict().items()}
+        result["resumed_teacher"] = {k: v.full_tensor() for k, v in resumed.teacher.state_dict().items()}
     except Exception as exc:  # recorded: the parent decides whether it was expected
         return {"error": f"{type(exc).__name__}: {exc}", "op_weights": seen}
     finally:
         lightning_flce.fused_linear_distillation = original
-    return {
-        "error": None,
-        "op_weights": seen,
-        "val_loss": trainer.callback_metrics["val/loss"].item(),
-        "units": [type(m).__name__ for m in (module, module.student.lm_head, module.teacher.lm_head)],
-        # what the loss left unsharded after the step: the tied student's unit (resharded by its backward) and
-        # the tied teacher's (resharded once the loss has run) must hold shards again
-        "unsharded_after_step": [
-            type(p).__name__ for m in (module.student, module.teacher) for p in m.parameters(recurse=False)
-        ]
-        + [
-            type(p).__name__ for m in (module.student.tok_emb, module.teacher.tok_emb) for p in m.parameters()
-        ],
-        **save.result,
-    }
+    return result
 
 
 def worker(out_dir: str) -> None:
@@ -276,7 +300,7 @@ def worker(out_dir: str) -> None:
         results[name] = run_scenario(name)
         results[name]["seconds"] = time.perf_counter() - start
     for name, tied in DISTILL_SCENARIOS.items():
-        results[name] = run_distill_scenario(tied)
+        results[name] = run_distill_scenario(tied, os.path.join(out_dir, f"{name}.ckpt"))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -413,6 +437,15 @@ def test_fsdp2_distillation_step_equals_one_process_on_the_global_batch(results,
     # the student head's gradient is sharded over the ranks: 42 + 41 rows
     head = "student.tok_emb.weight" if tied == "student" else "student.lm_head.weight"
     assert [r[scenario]["grads"][head]["local"].shape[0] for r in results] == [42, 41]
+    # resumed from the sharded checkpoint (which keeps the teacher's shards): both models as they were (lr 0)
+    student, teacher = distill_models(tied)
+    for saved in (r[scenario] for r in results):
+        assert saved["resumed_step"] == 1 and saved["resumed_loss_calls"] == 0
+        for name, model in (("resumed_student", student), ("resumed_teacher", teacher)):
+            state = model.state_dict()
+            assert saved[name].keys() == state.keys()
+            for key, value in state.items():
+                torch.testing.assert_close(saved[name][key], value, rtol=0, atol=0, msg=f"{name}: {key}")
 
 
 def test_fully_shard_lm_refuses_a_tied_head_as_its_own_unit():

@@ -483,9 +483,12 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             return final_hidden_states(self.teacher, input_ids, attention_mask)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Leaves the teacher's weights out: it is rebuilt from ``teacher`` / ``teacher_checkpoint``."""
+        """Leaves the teacher's weights out: it is rebuilt from ``teacher`` / ``teacher_checkpoint``. Not from a
+        sharded checkpoint (FSDP2, ``ModelParallelStrategy``): Lightning loads one with a plan of the module's whole
+        state dict, which fails on a checkpoint without the teacher, so there the teacher's shards are kept (and
+        loaded back unchanged: it is frozen)."""
         state = checkpoint.get("state_dict")
-        if state is not None:
+        if state is not None and not is_fsdp2_module(self):
             for name in [name for name in state if name.startswith(TEACHER_PREFIX)]:
                 del state[name]
 
