@@ -249,6 +249,12 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     cross-entropy on the labels), ``val/perplexity`` (its exp) and ``val/token_accuracy``, token-weighted over
     the whole validation and all ranks (one validation dataloader), and a console line with them.
 
+    **Sharded** (FSDP2, Lightning's ``ModelParallelStrategy``): :meth:`configure_model` shards the student and the
+    teacher, each by its own ``configure_model`` (TinyGPT's: every block, an untied head, then the model), and
+    this module as the root. Both heads are read only inside their own calls (``docs/distill.md``, "Sharded
+    training"), so hooks around a head (FSDP2's unsharding, PEFT) run around the loss, and a PEFT LoRA head is
+    computed exactly.
+
     **Memory**: after each loss call ``flce_last_logits_shape = (N, V)`` and ``flce_last_teacher_logits_shape``
     report the student's and the teacher's avoided logits to
     :class:`~lightning_flce.callbacks.FLCEMemoryCallback` (which adds the teacher's logits and softmax to the
@@ -431,7 +437,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             if not hasattr(unit, "set_reshard_after_forward"):
                 raise NotImplementedError(
                     f"the {type(model).__name__}'s LM head is tied into the FSDP2 unit {type(unit).__name__}: with this"
-                    " torch that unit cannot keep it unsharded for the loss (torch >= 2.6 can); untie the head and"
+                    " torch's FSDP2 that unit cannot keep it unsharded for the loss (no set_reshard_after_forward);"
+                    " update torch, or untie the head and"
                     " shard it as a unit of its own"
                 )
             unit.set_reshard_after_forward(False, recurse=False)
