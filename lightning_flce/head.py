@@ -333,14 +333,7 @@ class FLCEHeadLoss(nn.Module):
                 ),
             )
         weight = module.weight
-        bias = getattr(module, "bias", None)
-        if hidden.shape[-1] != weight.shape[1]:
-            raise ValueError(
-                f"hidden size {hidden.shape[-1]} does not match the head weight {tuple(weight.shape)} ([V, H])"
-            )
-        if logit_scale is not None:
-            hidden = hidden * logit_scale
-            bias = None if bias is None else bias * logit_scale
+        hidden, bias = scaled_head_input(hidden, weight, getattr(module, "bias", None), logit_scale)
         self.last_logits_shape = (hidden.numel() // hidden.shape[-1], weight.shape[0])
         if self.naive:
             return _plain_loss(hidden, weight, target, bias, options=options, with_stats=with_stats)
@@ -397,6 +390,22 @@ def _check_vocab_parallel_options(head_loss: FLCEHeadLoss) -> None:
             "naive=True (flce_naive) is not supported with a VocabParallelHead: the plain logits path needs the"
             " full [V, H] weight on one rank; use naive=False"
         )
+
+
+def scaled_head_input(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], logit_scale: Optional[float]
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``hidden`` and ``bias`` times the model's logit scale (``softcap(scale (x W^T + b))`` is the loss of
+    ``(scale x) W^T + scale b``: no scaled copy of the [V, H] weight); a clear error when the hidden size is not
+    the weight's ``[V, H]``."""
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size {hidden.shape[-1]} does not match the head weight {tuple(weight.shape)} ([V, H])"
+        )
+    if logit_scale is not None:
+        hidden = hidden * logit_scale
+        bias = None if bias is None else bias * logit_scale
+    return hidden, bias
 
 
 def unwrap_head(head: nn.Module) -> nn.Module:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, cast
 from torch import Tensor, nn
 
 from lightning_flce.adapters import is_peft_lora_head, lora_head_loss
-from lightning_flce.head import unwrap_head
+from lightning_flce.head import scaled_head_input, unwrap_head
 from lightning_flce.head_discovery import ResolvedHead
 from lightning_flce.module_calls import forward_bound_to, has_call_hooks
 from lightning_flce.parallel import VocabParallelHead
@@ -54,17 +54,10 @@ def run_in_head(
             "The LM head must compute F.linear(hidden, head.weight, head.bias): an nn.Linear that keeps"
             f" nn.Linear.forward or an nn.Embedding used as the tied output matrix; got {type(module).__name__}"
         )
-    scale = resolved.logit_scale
     ran = []
 
     def with_operands(head_input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Any:
-        if head_input.shape[-1] != weight.shape[1]:
-            raise ValueError(
-                f"hidden size {head_input.shape[-1]} does not match the head weight {tuple(weight.shape)} ([V, H])"
-            )
-        if scale is not None:
-            head_input = head_input * scale
-            bias = None if bias is None else bias * scale
+        head_input, bias = scaled_head_input(head_input, weight, bias, resolved.logit_scale)
         result = loss_of(head_input, weight, bias)
         return tuple(result) if isinstance(result, tuple) else result
 

@@ -148,6 +148,25 @@ class SaveStep(Callback):
             self.result["registered"] = list(pl_module.registered)
 
 
+def fsdp2_trainer(max_steps: int, callbacks=()) -> pl.Trainer:
+    """Two CPU ranks of FSDP2 (gloo), 2 micro-batches a step, no sanity check, checkpoints or logging."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
+        ),
+        max_steps=max_steps,
+        accumulate_grad_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+
+
 def run_scenario(name: str) -> dict:
     seen = []
     original = lightning_flce.head.fused_linear_cross_entropy
@@ -159,21 +178,7 @@ def run_scenario(name: str) -> dict:
     lightning_flce.head.fused_linear_cross_entropy = recording_op
     save = SaveStep()
     options = SCENARIOS[name]
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(
-            data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
-        ),
-        max_steps=1,
-        accumulate_grad_batches=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[save],
-    )
+    trainer = fsdp2_trainer(1, [save])
     model = tiny_gpt(ShardedTinyGPT, **options)
     try:
         trainer.fit(model, DataLoader(samples(), batch_size=2), DataLoader(samples(), batch_size=2))
@@ -218,24 +223,6 @@ class SaveDistillStep(SaveStep):
             self.result["loss"] = trainer.callback_metrics["train/loss_step"].item()
 
 
-def distill_trainer(max_steps: int, callbacks=()) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(
-            data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
-        ),
-        max_steps=max_steps,
-        accumulate_grad_batches=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
-
-
 def run_distill_scenario(tied: str, checkpoint: str) -> dict:
     """One optimizer step (and a validation), a sharded checkpoint, then a module whose student was changed resumed
     from it (at its last step: nothing to train)."""
@@ -248,7 +235,7 @@ def run_distill_scenario(tied: str, checkpoint: str) -> dict:
 
     lightning_flce.fused_linear_distillation = recording_op
     save = SaveDistillStep()
-    trainer = distill_trainer(1, [save])
+    trainer = fsdp2_trainer(1, [save])
     module = DistillationModule(*distill_models(tied), lr=0.0, **DISTILL)
     data = (DataLoader(samples(), batch_size=2), DataLoader(samples(), batch_size=2))
     try:
@@ -278,7 +265,7 @@ def run_distill_scenario(tied: str, checkpoint: str) -> dict:
             for param in resumed.student.parameters():
                 param.add_(1.0)
         calls_before = len(seen)
-        trainer = distill_trainer(1)  # the checkpoint's step: nothing left to train
+        trainer = fsdp2_trainer(1)  # the checkpoint's step: nothing left to train
         trainer.fit(resumed, *data, ckpt_path=checkpoint)
         result["resumed_step"] = trainer.global_step
         result["resumed_loss_calls"] = len(seen) - calls_before
