@@ -35,6 +35,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import lightning.pytorch as pl
 import pytest
@@ -199,22 +200,65 @@ DISTILL = {"divergence": "jsd", "beta": 0.5, "temperature": 2.0, "hard_weight": 
 TEACHER_D_MODEL = 24  # the teacher's hidden size differs from the student's 16
 
 
-# whose head is tied to its embeddings (in the model's root unit), whose is a unit of its own
-DISTILL_SCENARIOS = {"distill_tied_student": "student", "distill_tied_teacher": "teacher"}
+class DistillScenario(NamedTuple):
+    student_tied: bool  # the student's head tied to its embeddings (in the student's own unit)
+    teacher: str  # "tied" / "untied": a TinyGPT sharded by its configure_model; "hf": a Hugging Face Llama
+    # the user shards (each decoder layer, then the model: the untied head in the model's own unit)
 
 
-def distill_models(tied: str) -> tuple[TinyGPT, TinyGPT]:
-    student = tiny_gpt(tie_embeddings=tied == "student")
+DISTILL_SCENARIOS = {
+    "distill_tied_student": DistillScenario(student_tied=True, teacher="untied"),
+    "distill_tied_teacher": DistillScenario(student_tied=False, teacher="tied"),
+    "distill_hf_teacher": DistillScenario(student_tied=True, teacher="hf"),
+}
+
+
+def distill_models(scenario: DistillScenario) -> tuple[TinyGPT, torch.nn.Module]:
+    student = tiny_gpt(tie_embeddings=scenario.student_tied)
     torch.manual_seed(1)
+    if scenario.teacher == "hf":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(
+            "llama",
+            vocab_size=VOCAB,
+            hidden_size=TEACHER_D_MODEL,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+        return student, AutoModelForCausalLM.from_config(config)
     teacher = TinyGPT(
         vocab_size=VOCAB,
         d_model=TEACHER_D_MODEL,
         n_layers=1,
         n_heads=2,
         max_seq_len=SEQ,
-        tie_embeddings=tied == "teacher",
+        tie_embeddings=scenario.teacher == "tied",
     )
     return student, teacher
+
+
+class UserShardedTeacher(DistillationModule):
+    """Shards a Hugging Face teacher as users do (each decoder layer, then the model), then the module's own."""
+
+    def configure_model(self) -> None:
+        from lightning_flce.fsdp import _fsdp2, is_fsdp2_module
+
+        if self.device_mesh is not None and not is_fsdp2_module(self.teacher):
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.teacher.model.layers:
+                _fsdp2()[1](layer, mesh=mesh)
+            _fsdp2()[1](self.teacher, mesh=mesh)
+        super().configure_model()
+
+
+def distill_module(scenario: DistillScenario) -> DistillationModule:
+    cls = UserShardedTeacher if scenario.teacher == "hf" else DistillationModule
+    return cls(*distill_models(scenario), lr=0.0, **DISTILL)
 
 
 class SaveDistillStep(SaveStep):
@@ -223,7 +267,7 @@ class SaveDistillStep(SaveStep):
             self.result["loss"] = trainer.callback_metrics["train/loss_step"].item()
 
 
-def run_distill_scenario(tied: str, checkpoint: str) -> dict:
+def run_distill_scenario(scenario: DistillScenario, checkpoint: str) -> dict:
     """One optimizer step (and a validation), a sharded checkpoint, then a module whose student was changed resumed
     from it (at its last step: nothing to train)."""
     seen = []
@@ -236,7 +280,7 @@ def run_distill_scenario(tied: str, checkpoint: str) -> dict:
     lightning_flce.fused_linear_distillation = recording_op
     save = SaveDistillStep()
     trainer = fsdp2_trainer(1, [save])
-    module = DistillationModule(*distill_models(tied), lr=0.0, **DISTILL)
+    module = distill_module(scenario)
     data = (DataLoader(samples(), batch_size=2), DataLoader(samples(), batch_size=2))
     try:
         trainer.fit(module, *data)
@@ -246,21 +290,12 @@ def run_distill_scenario(tied: str, checkpoint: str) -> dict:
             "op_weights": list(seen),
             "val_loss": trainer.callback_metrics["val/loss"].item(),
             "units": [type(m).__name__ for m in (module, module.student.lm_head, module.teacher.lm_head)],
-            # what the loss left unsharded after the step: the tied student's unit (resharded by its backward)
-            # and the tied teacher's (resharded once the loss has run) must hold shards again
-            "unsharded_after_step": [
-                type(p).__name__
-                for m in (module.student, module.teacher)
-                for p in m.parameters(recurse=False)
-            ]
-            + [
-                type(p).__name__
-                for m in (module.student.tok_emb, module.teacher.tok_emb)
-                for p in m.parameters()
-            ],
+            # what the loss left unsharded after the step (a tied student's unit, resharded by its backward; a
+            # teacher's unit holding its head, resharded once the loss has run) must hold shards again
+            "after_step": {type(p).__name__ for p in module.parameters()},
             **save.result,
         }
-        resumed = DistillationModule(*distill_models(tied), lr=0.0, **DISTILL)
+        resumed = distill_module(scenario)
         with torch.no_grad():  # the checkpoint's student must replace these
             for param in resumed.student.parameters():
                 param.add_(1.0)
@@ -286,8 +321,8 @@ def worker(out_dir: str) -> None:
         start = time.perf_counter()
         results[name] = run_scenario(name)
         results[name]["seconds"] = time.perf_counter() - start
-    for name, tied in DISTILL_SCENARIOS.items():
-        results[name] = run_distill_scenario(tied, os.path.join(out_dir, f"{name}.ckpt"))
+    for name, scenario in DISTILL_SCENARIOS.items():
+        results[name] = run_distill_scenario(scenario, os.path.join(out_dir, f"{name}.ckpt"))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -370,23 +405,24 @@ def test_mixin_registers_fsdp2_step_methods(results):
     _check_against_reference([r["mixin_only"] for r in results], tie_embeddings=True)
 
 
-def _distill_reference(tied: str) -> tuple[float, dict[str, torch.Tensor]]:
+def _distill_reference(scenario: DistillScenario) -> tuple[float, dict[str, torch.Tensor]]:
     """The distillation loss (the token mean over all 8 samples) and the student's gradients in one float64
     process, from both models' logits."""
-    student, teacher = (model.double() for model in distill_models(tied))
+    student, teacher = (model.double() for model in distill_models(scenario))
     data = samples()
     input_ids = torch.stack([s["input_ids"] for s in data])
     labels = torch.stack([s["labels"] for s in data]).reshape(-1)
     logits = student(input_ids).reshape(-1, VOCAB)
     with torch.no_grad():
-        teacher_logits = teacher(input_ids).reshape(-1, VOCAB)
+        output = teacher(input_ids)
+        teacher_logits = getattr(output, "logits", output).reshape(-1, VOCAB)
     beta, temperature, hard_weight = DISTILL["beta"], DISTILL["temperature"], DISTILL["hard_weight"]
     log_p = torch.log_softmax(logits / temperature, dim=-1)  # the student
     log_q = torch.log_softmax(teacher_logits / temperature, dim=-1)
     log_m = torch.logsumexp(torch.stack([log_q + math.log(beta), log_p + math.log(1 - beta)]), dim=0)
-    jsd = beta * (log_q.exp() * (log_q - log_m)).sum(-1) + (1 - beta) * (log_p.exp() * (log_p - log_m)).sum(
-        -1
-    )
+    q_term = (log_q.exp() * (log_q - log_m)).sum(-1)
+    p_term = (log_p.exp() * (log_p - log_m)).sum(-1)
+    jsd = beta * q_term + (1 - beta) * p_term
     ce = F.cross_entropy(logits, labels, reduction="none")  # 0 where ignored
     valid = labels != -100
     loss = (((1 - hard_weight) * jsd + hard_weight * ce) * valid).sum() / valid.sum()
@@ -397,42 +433,50 @@ def _distill_reference(tied: str) -> tuple[float, dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 @needs_cpu_fsdp2
-@pytest.mark.parametrize("scenario", list(DISTILL_SCENARIOS))
-def test_fsdp2_distillation_step_equals_one_process_on_the_global_batch(results, scenario):
-    """DistillationModule.configure_model shards both models; a tied head's unit keeps it unsharded for the loss."""
-    tied = DISTILL_SCENARIOS[scenario]
-    ref_loss, ref_grads = _distill_reference(tied)
-    for rank, saved in enumerate(r[scenario] for r in results):
+@pytest.mark.parametrize("name", list(DISTILL_SCENARIOS))
+def test_fsdp2_distillation_step_equals_one_process_on_the_global_batch(results, name):
+    """Both models sharded (by DistillationModule.configure_model, or the HF teacher by the user's recipe); a head
+    in a unit that is not its own stays unsharded for the loss."""
+    if DISTILL_SCENARIOS[name].teacher == "hf":
+        pytest.importorskip("transformers")
+    scenario = DISTILL_SCENARIOS[name]
+    ref_loss, ref_grads = _distill_reference(scenario)
+    units = [
+        "FSDPUserShardedTeacher" if scenario.teacher == "hf" else "FSDPDistillationModule",
+        "Linear" if scenario.student_tied else "FSDPLinear",
+        "FSDPLinear" if scenario.teacher == "untied" else "Linear",
+    ]
+    for rank, saved in enumerate(r[name] for r in results):
         assert saved["error"] is None, (saved["error"], saved["op_weights"])
-        heads = ["FSDPLinear" if model != tied else "Linear" for model in ("student", "teacher")]
-        assert saved["units"] == ["FSDPDistillationModule", *heads]
-        assert set(saved["unsharded_after_step"]) == {"DTensor"}
+        assert saved["units"] == units
+        assert saved["after_step"] == {"DTensor"}
         # 2 micro-batches and 2 validation batches, each on both complete heads, never a DTensor shard
-        assert len(saved["op_weights"]) == 4, saved["op_weights"]
-        for student_weight, teacher_weight in saved["op_weights"]:
-            assert student_weight == ("Parameter", (VOCAB, 16)) and teacher_weight == (
-                "Parameter",
-                (VOCAB, 24),
-            )
+        assert (
+            saved["op_weights"] == [[("Parameter", (VOCAB, 16)), ("Parameter", (VOCAB, TEACHER_D_MODEL))]] * 4
+        )
         assert saved["loss"] == pytest.approx(ref_loss, rel=1e-5)
         assert saved["val_loss"] == pytest.approx(ref_loss, rel=1e-5)  # lr 0: the same parameters
         grads = saved["grads"]
         assert grads.keys() == ref_grads.keys()  # the teacher gets none
-        for name, want in ref_grads.items():
-            torch.testing.assert_close(grads[name]["full"], want, **FP32, msg=f"rank {rank}: {name}")
-            assert grads[name]["placements"] == "(Shard(dim=0),)", name
+        for param_name, want in ref_grads.items():
+            torch.testing.assert_close(
+                grads[param_name]["full"], want, **FP32, msg=f"rank {rank}: {param_name}"
+            )
+            assert grads[param_name]["placements"] == "(Shard(dim=0),)", param_name
     # the student head's gradient is sharded over the ranks: 42 + 41 rows
-    head = "student.tok_emb.weight" if tied == "student" else "student.lm_head.weight"
-    assert [r[scenario]["grads"][head]["local"].shape[0] for r in results] == [42, 41]
+    head = "student.tok_emb.weight" if scenario.student_tied else "student.lm_head.weight"
+    assert [r[name]["grads"][head]["local"].shape[0] for r in results] == [42, 41]
     # resumed from the sharded checkpoint (which keeps the teacher's shards): both models as they were (lr 0)
-    student, teacher = distill_models(tied)
-    for saved in (r[scenario] for r in results):
+    student, teacher = distill_models(scenario)
+    for saved in (r[name] for r in results):
         assert saved["resumed_step"] == 1 and saved["resumed_loss_calls"] == 0
-        for name, model in (("resumed_student", student), ("resumed_teacher", teacher)):
+        for key, model in (("resumed_student", student), ("resumed_teacher", teacher)):
             state = model.state_dict()
-            assert saved[name].keys() == state.keys()
-            for key, value in state.items():
-                torch.testing.assert_close(saved[name][key], value, rtol=0, atol=0, msg=f"{name}: {key}")
+            assert saved[key].keys() == state.keys()
+            for param_name, value in state.items():
+                torch.testing.assert_close(
+                    saved[key][param_name], value, rtol=0, atol=0, msg=f"{key}: {param_name}"
+                )
 
 
 def test_fully_shard_lm_refuses_a_tied_head_as_its_own_unit():

@@ -61,6 +61,7 @@ from lightning_flce.mixin import NARROW_INT_DTYPES
 from lightning_flce.mixin_step import StepNormalization
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 from lightning_flce.models.hf import HFCausalLM
+from lightning_flce.module_calls import forward_bound_to, has_call_hooks
 from lightning_flce.normalization import StepNormalizer, UnweightedTermWatch
 from lightning_flce.options import NORMALIZE_MODES, AccumDtype, FLCEOptions, LogitsPrecision, NormalizeMode
 from lightning_flce.outputs import FLCEOutput
@@ -149,7 +150,7 @@ def final_hidden_states(
 ) -> Tensor:
     """The hidden states [B, T, H] that ``model``'s LM head reads: its ``hidden_states`` method (TinyGPT,
     HFCausalLM, LitGPTCausalLM; given the attention mask where it takes one), or the decoder of a Hugging Face
-    causal LM."""
+    causal LM (run inside the model's own call where hooks, such as FSDP2's, wrap it)."""
     hidden_states = getattr(model, "hidden_states", None)
     if callable(hidden_states):
         if attention_mask is not None and "attention_mask" in inspect.signature(hidden_states).parameters:
@@ -157,8 +158,17 @@ def final_hidden_states(
         return hidden_states(input_ids)
     if is_hf_model(model):
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-        output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+        def decoder_hidden_states(*_: Any) -> Tensor:
+            output = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+        if not has_call_hooks(model):
+            return decoder_hidden_states()
+        # Inside the model's own call, so that what hooks it runs around the decoder: FSDP2 unshards the model's own
+        # unit there (its embeddings and final norm, when the user sharded the layers and then the model).
+        with forward_bound_to(model, decoder_hidden_states):
+            return model(input_ids)
     raise TypeError(
         f"{type(model).__name__} has no `hidden_states(input_ids)` method and is no Hugging Face causal LM: the"
         " distillation loss needs the hidden states its LM head reads"
