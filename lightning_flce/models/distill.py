@@ -384,7 +384,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         #: the metrics logged at the end of the last validation (``{"val/loss": ..., ...}``)
         self.last_val_metrics: dict[str, float] = {}
         self._val_sums: Optional[Tensor] = None
-        # FSDP2 units kept unsharded after forward for a tied head, and whether each is the teacher's (_prepare_fsdp2)
+        # FSDP2 units kept unsharded after forward for a head not in a unit of its own, and whether each is the
+        # teacher's (_prepare_fsdp2)
         self._fsdp_head_units: list[tuple[nn.Module, bool]] = []
 
     # ------------------------------------------------------------- the teacher
@@ -429,9 +430,9 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     def _prepare_fsdp2(self) -> None:
         """FSDP2 unshards a unit's parameters around ``forward`` only. So the step methods (this module) and each
         model's ``hidden_states`` (what the loss calls instead of ``forward``) are registered as forward methods.
-        And a head that is not a unit of its own (tied to the embeddings) has its weight in a unit that would
-        reshard it when ``hidden_states`` returns, before the loss reads it: that unit keeps its parameters
-        unsharded after forward, as a root unit does (the student's until its backward; see
+        And a head that is not a unit of its own (tied to the embeddings, or left in its model's unit) has its
+        weight in a unit that would reshard it when ``hidden_states`` returns, before the loss reads it: that unit
+        keeps its parameters unsharded after forward, as a root unit does (the student's until its backward; see
         :meth:`_reshard_head_units`). No-ops for modules that are not sharded, and when called again."""
         register_fsdp_step_methods(self)
         units: list[tuple[nn.Module, bool]] = []
@@ -446,10 +447,9 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                 continue
             if not hasattr(unit, "set_reshard_after_forward"):
                 raise NotImplementedError(
-                    f"the {type(model).__name__}'s LM head is tied into the FSDP2 unit {type(unit).__name__}: with this"
-                    " torch's FSDP2 that unit cannot keep it unsharded for the loss (no set_reshard_after_forward);"
-                    " update torch, or untie the head and"
-                    " shard it as a unit of its own"
+                    f"the {type(model).__name__}'s LM head is in the FSDP2 unit {type(unit).__name__}, not a unit of"
+                    " its own: with this torch's FSDP2 that unit cannot keep it unsharded for the loss (no"
+                    " set_reshard_after_forward); update torch, or shard the (untied) head as a unit of its own"
                 )
             unit.set_reshard_after_forward(False, recurse=False)
             units.append((unit, model is self.teacher))
@@ -457,7 +457,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
 
     def _reshard_head_units(self, *, teacher_only: bool) -> None:
         """Frees the unsharded parameters that :meth:`_prepare_fsdp2` kept for the loss, once it has run: the
-        teacher's (it has no backward to reshard them), and after validation and test steps the student's."""
+        teacher's (it has no backward to reshard them), and after a validation step the student's."""
         for unit, is_teacher in self._fsdp_head_units:
             if is_teacher or not teacher_only:
                 unit.reshard()
