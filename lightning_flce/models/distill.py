@@ -434,6 +434,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         weight in a unit that would reshard it when ``hidden_states`` returns, before the loss reads it: that unit
         keeps its parameters unsharded after forward, as a root unit does (the student's until its backward; see
         :meth:`_reshard_head_units`). No-ops for modules that are not sharded, and when called again."""
+        if not any(map(is_fsdp2_module, self.modules())):
+            return
         register_fsdp_step_methods(self)
         units: list[tuple[nn.Module, bool]] = []
         for model in (self.student, self.teacher):
