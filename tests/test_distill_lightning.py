@@ -160,6 +160,17 @@ def student_grads(module) -> dict:
     return {name: p.grad.clone() for name, p in module.student.named_parameters() if p.grad is not None}
 
 
+def assert_matches_unfused(module, loss, fused: dict, expected: torch.Tensor) -> None:
+    """The fused loss and the student gradients it gave (``fused``) equal the unfused formula's ``expected`` loss
+    and the gradients its backward leaves in the student (zeroed before)."""
+    expected.backward()
+    torch.testing.assert_close(loss, expected, **TOL)
+    unfused = student_grads(module)
+    assert fused.keys() == unfused.keys() and fused
+    for name, grad in fused.items():
+        torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
+
+
 requires_op = pytest.mark.skipif(not _fused_available(), reason="fused_linear_distillation not merged yet")
 
 CASES = [
@@ -185,12 +196,7 @@ def test_loss_and_student_grads_equal_the_unfused_formula_in_float64(options, so
     fused = student_grads(module)
     module.zero_grad()
     expected = reference_loss(module, batch)
-    expected.backward()
-    torch.testing.assert_close(loss, expected, **TOL)
-    unfused = student_grads(module)
-    assert fused.keys() == unfused.keys() and fused
-    for name, grad in fused.items():
-        torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
+    assert_matches_unfused(module, loss, fused, expected)
     assert all(p.grad is None for p in module.teacher.parameters())
 
 
@@ -241,12 +247,7 @@ def test_hugging_face_student_and_teacher_with_padding_in_float64():
         divergence="jsd",
         hard_weight=0.3,
     )
-    expected.backward()
-    torch.testing.assert_close(loss, expected, **TOL)
-    unfused = student_grads(module)
-    assert fused.keys() == unfused.keys() and fused
-    for name, grad in fused.items():
-        torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
+    assert_matches_unfused(module, loss, fused, expected)
 
 
 class GatheredOnlyInCalls:
@@ -301,12 +302,7 @@ def test_both_heads_are_read_inside_their_own_calls_with_their_logit_scales_in_f
         student_logit_scale=0.5,
         teacher_logit_scale=2.0,
     )
-    expected.backward()
-    torch.testing.assert_close(loss, expected, **TOL)
-    unfused = student_grads(module)
-    assert fused.keys() == unfused.keys() and fused
-    for name, grad in fused.items():
-        torch.testing.assert_close(grad, unfused[name], **TOL, msg=name)
+    assert_matches_unfused(module, loss, fused, expected)
 
 
 @requires_op
