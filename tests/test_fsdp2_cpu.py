@@ -262,9 +262,20 @@ def distill_module(scenario: DistillScenario) -> DistillationModule:
 
 
 class SaveDistillStep(SaveStep):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        # after the step's backward: what the loss kept unsharded (a student's unit holding its head, resharded by
+        # its backward; a teacher's, resharded once the loss has run) must hold shards again
+        self.result["after_backward"] = {type(p).__name__ for p in pl_module.parameters()}
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # the teacher's parameters are shards again as soon as the loss has run, not only after the backward
+        self.teacher_before_backward = {type(p).__name__ for p in pl_module.teacher.parameters()}
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.result is not None and "loss" not in self.result:
             self.result["loss"] = trainer.callback_metrics["train/loss_step"].item()
+            self.result["teacher_before_backward"] = self.teacher_before_backward
 
 
 def run_distill_scenario(scenario: DistillScenario, checkpoint: str) -> dict:
@@ -290,9 +301,8 @@ def run_distill_scenario(scenario: DistillScenario, checkpoint: str) -> dict:
             "op_weights": list(seen),
             "val_loss": trainer.callback_metrics["val/loss"].item(),
             "units": [type(m).__name__ for m in (module, module.student.lm_head, module.teacher.lm_head)],
-            # what the loss left unsharded after the step (a tied student's unit, resharded by its backward; a
-            # teacher's unit holding its head, resharded once the loss has run) must hold shards again
-            "after_step": {type(p).__name__ for p in module.parameters()},
+            # and after the validation that followed (the student's unit resharded at the end of each step)
+            "after_fit": {type(p).__name__ for p in module.parameters()},
             **save.result,
         }
         resumed = distill_module(scenario)
@@ -449,7 +459,9 @@ def test_fsdp2_distillation_step_equals_one_process_on_the_global_batch(results,
     for rank, saved in enumerate(r[name] for r in results):
         assert saved["error"] is None, (saved["error"], saved["op_weights"])
         assert saved["units"] == units
-        assert saved["after_step"] == {"DTensor"}
+        assert (
+            saved["teacher_before_backward"] == saved["after_backward"] == saved["after_fit"] == {"DTensor"}
+        )
         # 2 micro-batches and 2 validation batches, each on both complete heads, never a DTensor shard
         assert (
             saved["op_weights"] == [[("Parameter", (VOCAB, 16)), ("Parameter", (VOCAB, TEACHER_D_MODEL))]] * 4

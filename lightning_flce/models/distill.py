@@ -459,7 +459,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
 
     def _reshard_head_units(self, *, teacher_only: bool) -> None:
         """Frees the unsharded parameters that :meth:`_prepare_fsdp2` kept for the loss, once it has run: the
-        teacher's (it has no backward to reshard them), and after a validation step the student's."""
+        teacher's at once (it needs none in backward; FSDP2 would reshard them only at the end of the student's
+        backward), and after a validation step (no backward) the student's."""
         for unit, is_teacher in self._fsdp_head_units:
             if is_teacher or not teacher_only:
                 unit.reshard()
