@@ -246,13 +246,13 @@ class UserShardedTeacher(DistillationModule):
     """Shards a Hugging Face teacher as users do (each decoder layer, then the model), then the module's own."""
 
     def configure_model(self) -> None:
-        from lightning_flce.fsdp import _fsdp2, is_fsdp2_module
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        if self.device_mesh is not None and not is_fsdp2_module(self.teacher):
+        if self.device_mesh is not None and not isinstance(self.teacher, FSDPModule):
             mesh = self.device_mesh["data_parallel"]
             for layer in self.teacher.model.layers:
-                _fsdp2()[1](layer, mesh=mesh)
-            _fsdp2()[1](self.teacher, mesh=mesh)
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.teacher, mesh=mesh)
         super().configure_model()
 
 

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import Tensor, nn
@@ -49,6 +50,7 @@ from lightning_flce.console import rank_zero_info_line
 from lightning_flce.data.dataset import check_label_format
 from lightning_flce.fsdp import (
     fsdp2_unit_of,
+    fully_shard_lm,
     is_fsdp2_module,
     register_fsdp_method,
     register_fsdp_step_methods,
@@ -69,10 +71,8 @@ from lightning_flce.outputs import FLCEOutput
 __all__ = [
     "TEACHER_TOP_K_KEYS",
     "DistillationModule",
-    "HeadOperands",
     "TeacherTopK",
     "final_hidden_states",
-    "head_operands",
 ]
 
 TEACHER_PREFIX = "teacher."
@@ -84,15 +84,6 @@ _DEFAULT_TEACHER_CLASS = "lightning_flce.models.gpt.TinyGPT"
 _VAL_SUMS = ("loss", "divergence", "student_ce", "correct", "tokens")
 # who runs the fused losses inside the heads' calls (run_in_head's errors)
 _HEADS = "DistillationModule's heads"
-
-
-class HeadOperands(NamedTuple):
-    """An LM head's operands for the fused loss: ``softcap(scale * (x @ weight.T + bias))``."""
-
-    weight: Tensor
-    bias: Optional[Tensor]
-    logit_scale: float
-    softcap: Optional[float]
 
 
 class TeacherTopK(NamedTuple):
@@ -124,25 +115,6 @@ def _head_rows(model: nn.Module) -> int:
         f" an nn.Embedding used as the tied output matrix, or a PEFT LoRA Linear) on {type(model).__name__}, got"
         f" {type(module).__name__}"
     )
-
-
-def head_operands(model: nn.Module) -> HeadOperands:
-    """The LM head of ``model`` found as :class:`~lightning_flce.mixin.FLCEMixin` finds it (its ``flce_head``
-    and ``flce_softcap`` where it has them, else ``get_output_embeddings()`` or ``lm_head``), and the logit
-    transforms the model declares. The head must be a plain ``nn.Linear`` (or an ``nn.Embedding`` used as the
-    tied output matrix). Its weight is read here, outside the head's call: a sharded head gives its shard.
-    :class:`DistillationModule` does not use this: it reads both heads inside their own calls
-    (:func:`~lightning_flce.head_calls.run_in_head`), where FSDP2 has unsharded them."""
-    resolved = _resolved_head(model)
-    module = unwrap_head(resolved.module)
-    is_linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-    if not (is_linear or isinstance(module, nn.Embedding)):
-        raise TypeError(
-            f"DistillationModule needs a plain LM head (an nn.Linear, or an nn.Embedding used as the tied output"
-            f" matrix) on {type(model).__name__}, got {type(module).__name__}"
-        )
-    scale = 1.0 if resolved.logit_scale is None else float(resolved.logit_scale)
-    return HeadOperands(module.weight, getattr(module, "bias", None), scale, resolved.softcap)
 
 
 def final_hidden_states(
@@ -412,10 +384,6 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         already sharded (``configure_model`` runs again for ``trainer.validate`` after ``fit``)."""
         if self.device_mesh is None:
             return
-        from lightning.pytorch.utilities.model_helpers import is_overridden
-
-        from lightning_flce.fsdp import fully_shard_lm
-
         if not is_fsdp2_module(self):
             for model in (self.student, self.teacher):
                 if isinstance(model, pl.LightningModule) and is_overridden(
