@@ -46,3 +46,13 @@ for name in sys.argv[1:]:
 PYEOF
     } 2>&1 | tee "$OUT/env.txt"
 }
+
+# DeepSpeed (the ZeRO-3 tests), where benchmarks/fetch_peers.sh carried it in .whl/deepspeed: pip's resolver
+# installs only what the image lacks.
+install_deepspeed() {
+    if compgen -G ".whl/deepspeed/deepspeed-*.whl" >/dev/null; then
+        step "installing DeepSpeed from .whl/deepspeed"
+        "$PY" -m pip install -q --no-index --find-links .whl/deepspeed --no-compile deepspeed 2>&1 | tail -n 5
+        "$PY" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -n 3 | tee -a "$OUT/env.txt"
+    fi
+}

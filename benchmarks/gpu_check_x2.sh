@@ -51,11 +51,7 @@ EOF
 } 2>&1 | tee "$OUT/env.txt"
 
 # --- 2b. DeepSpeed (for the ZeRO-3 suite): pip's resolver installs only what the image lacks ---------------
-if compgen -G ".whl/deepspeed/deepspeed-*.whl" >/dev/null; then
-    step "installing DeepSpeed from .whl/deepspeed"
-    "$PY" -m pip install -q --no-index --find-links .whl/deepspeed --no-compile deepspeed 2>&1 | tail -n 5
-    "$PY" -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -n 3 | tee -a "$OUT/env.txt"
-fi
+install_deepspeed
 
 # --- 3. benchmark ------------------------------------------------------------------------------------------
 BENCH_STATUS="skipped"

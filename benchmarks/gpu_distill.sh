@@ -25,6 +25,7 @@ TOTAL=${GPU_DISTILL_TOTAL_S:-540}
 source "$(dirname "$0")/_gpu_env.sh"
 {
     print_environment triton lightning liger_kernel lightning_flce
+    install_deepspeed  # (tests/test_distill_fsdp1_zero3.py's ZeRO-3 case)
 
     if [ "${SKIP_TESTS:-0}" != "1" ]; then
         # test_distill_cuda.py whole (its module name matches -k cuda), and the tests of the other distillation

@@ -52,6 +52,7 @@ from lightning_flce.fsdp import (
     fsdp2_unit_of,
     fully_shard_lm,
     is_fsdp2_module,
+    is_sharded_tensor,
     register_fsdp_method,
     register_fsdp_step_methods,
 )
@@ -159,6 +160,13 @@ def _fused_distillation_from_top_k(*args: Any, **kwargs: Any) -> Tensor:
     from lightning_flce import fused_linear_distillation_from_top_k
 
     return fused_linear_distillation_from_top_k(*args, **kwargs)
+
+
+def _frozen(tensor: Tensor) -> Tensor:
+    """The frozen teacher head's ``tensor`` detached where it requires grad: a sharding wrapper may hand it over as a
+    view that does (FSDP1's unsharded views of a flat parameter that also holds trainable ones, with
+    ``use_orig_params``), which the op would refuse as a teacher that needs a gradient."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 def _cached_top_k(batch: dict[str, Tensor], positions: tuple[int, ...]) -> TeacherTopK:
@@ -472,12 +480,15 @@ class DistillationModule(StepNormalization, pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Leaves the teacher's weights out: it is rebuilt from ``teacher`` / ``teacher_checkpoint``. Not from a
-        sharded checkpoint (FSDP2, ``ModelParallelStrategy``): Lightning loads one with a plan of the module's whole
-        state dict, which fails on a checkpoint without the teacher, so there the teacher's shards are kept (and
-        loaded back unchanged: it is frozen)."""
+        sharded checkpoint (FSDP2's ``ModelParallelStrategy``, FSDP1's ``state_dict_type="sharded"``): Lightning
+        loads one with a plan of the module's whole state dict, which fails on a checkpoint without the teacher, so
+        there the teacher's shards are kept (and loaded back unchanged: it is frozen)."""
         state = checkpoint.get("state_dict")
-        if state is not None and not is_fsdp2_module(self):
-            for name in [name for name in state if name.startswith(TEACHER_PREFIX)]:
+        if state is None:
+            return
+        teacher_names = [name for name in state if name.startswith(TEACHER_PREFIX)]
+        if not any(is_sharded_tensor(state[name]) for name in teacher_names):
+            for name in teacher_names:
                 del state[name]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -680,10 +691,10 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                         hidden,
                         weight,
                         teacher_hidden,
-                        teacher_weight,
+                        _frozen(teacher_weight),
                         target,
                         student_bias=bias,
-                        teacher_bias=teacher_bias,
+                        teacher_bias=None if teacher_bias is None else _frozen(teacher_bias),
                         top_k=hp.top_k,
                         teacher_softcap=teacher_head.softcap,
                         **shared,
