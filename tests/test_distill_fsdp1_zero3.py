@@ -156,8 +156,8 @@ class SaveStep(Callback):
         else:
             from deepspeed.utils import safe_get_full_grad
 
-            # a collective under ZeRO-3; None for the frozen teacher
-            full = {_clean(n): safe_get_full_grad(p) for n, p in params}
+            # a collective under ZeRO-3 (the trainable parameters: DeepSpeed keeps no gradient for frozen ones)
+            full = {_clean(n): safe_get_full_grad(p) for n, p in params if p.requires_grad}
             grads = {n: g.float().cpu().clone() for n, g in full.items() if g is not None}
         self.result["grads"] = grads
 
