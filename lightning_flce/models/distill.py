@@ -242,8 +242,9 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     **Sharded** (FSDP2, Lightning's ``ModelParallelStrategy``): :meth:`configure_model` shards the student and the
     teacher, each by its own ``configure_model`` (TinyGPT's: every block, an untied head, then the model), and
     this module as the root. Both heads are read only inside their own calls (``docs/distill.md``, "Sharded
-    training"), so hooks around a head (FSDP2's unsharding, PEFT) run around the loss, and a PEFT LoRA head is
-    computed exactly.
+    training"), so hooks around a head (FSDP2's unsharding, ZeRO-3's gathering, PEFT) run around the loss, and a
+    PEFT LoRA head is computed exactly. FSDP1 (``FSDPStrategy``) and DeepSpeed ZeRO-3 (``normalize="micro_batch"``)
+    need nothing more; a sharded checkpoint keeps the teacher's shards.
 
     **Memory**: after each loss call ``flce_last_logits_shape = (N, V)`` and ``flce_last_teacher_logits_shape``
     report the student's and the teacher's avoided logits to
