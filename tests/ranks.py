@@ -144,6 +144,28 @@ class SaveStep(Callback):
             self.grads = None
 
 
+def cpu_fsdp_strategy(**kwargs: Any):
+    """Lightning's ``FSDPStrategy`` (FSDP1) for CPU processes: Lightning refuses ``FSDPStrategy`` itself on the CPU
+    (exactly that type) and wraps with ``device_id=None``, which torch's FSDP1 refuses there, while FSDP1 itself runs
+    on the CPU with gloo. A subclass that wraps with ``device_id="cpu"`` first (Lightning then keeps the wrapped
+    model, and warns that it ignores its ``auto_wrap_policy``: the wrap here applied it, from ``kwargs``)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class CPUFSDPStrategy(FSDPStrategy):
+        def _setup_model(self, model):
+            model = FullyShardedDataParallel(
+                model,
+                sharding_strategy=self.sharding_strategy,
+                mixed_precision=self.mixed_precision_config,
+                device_id=torch.device("cpu"),
+                **self.kwargs,
+            )
+            return super()._setup_model(model)
+
+    return CPUFSDPStrategy(process_group_backend="gloo", **kwargs)
+
+
 def end_worker() -> None:
     """The end of a DDP worker script, once it has saved its results: wait for the other ranks, then exit without
     the process group's and the interpreter's teardown, in which gloo sometimes aborted a rank ("terminate called

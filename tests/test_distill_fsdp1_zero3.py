@@ -11,8 +11,8 @@ the saved student and left the teacher as built.
 
 - **FSDP1 on 2 CPU processes** (gloo; ``test_fsdp1_distillation_on_two_cpu_ranks``): one unit per block (TinyGPT's
   and Llama's decoder layers), both heads in the root unit, whose flat parameter then holds frozen (teacher) and
-  trainable (student) parameters (``use_orig_params``, Lightning's default). Lightning refuses ``FSDPStrategy``
-  itself on the CPU; as in ``test_multi_gpu.py`` a subclass wraps with ``device_id="cpu"``. The checkpoint is
+  trainable (student) parameters (``use_orig_params``, Lightning's default); through ``ranks.cpu_fsdp_strategy``,
+  as ``test_multi_gpu.py``'s CPU run (Lightning refuses ``FSDPStrategy`` itself on the CPU). The checkpoint is
   ``state_dict_type="sharded"`` here: torch's FSDP1 crashes (a segmentation fault in its state-dict hook's clone)
   saving a full state dict of CPU tensors, a plain TinyGPT's too.
 - **One GPU** (``cuda``: FSDP1 with the default full state dict, and DeepSpeed ZeRO-3 where ``deepspeed`` is
@@ -35,7 +35,7 @@ import traceback
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from ranks import end_worker, free_port, run_ranks, torchrun_env
+from ranks import cpu_fsdp_strategy, end_worker, free_port, run_ranks, torchrun_env
 from test_fsdp2_cpu import (
     DISTILL,
     DISTILL_SCENARIOS,
@@ -76,29 +76,8 @@ def _strategy(suite: str, scenario):
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
         policy.add(LlamaDecoderLayer)
-    cls = FSDPStrategy
-    if device == "cpu":
-
-        class CPUFSDPStrategy(FSDPStrategy):
-            def _setup_model(self, model):
-                from torch.distributed.fsdp import FullyShardedDataParallel
-
-                model = FullyShardedDataParallel(
-                    model,
-                    sharding_strategy=self.sharding_strategy,
-                    mixed_precision=self.mixed_precision_config,
-                    device_id=torch.device("cpu"),
-                    **self.kwargs,
-                )
-                return super()._setup_model(model)
-
-        cls = CPUFSDPStrategy
-    return cls(
-        sharding_strategy="FULL_SHARD",
-        auto_wrap_policy=policy,
-        state_dict_type=state_dict_type,
-        process_group_backend="gloo" if device == "cpu" else None,
-    )
+    options = dict(sharding_strategy="FULL_SHARD", auto_wrap_policy=policy, state_dict_type=state_dict_type)
+    return cpu_fsdp_strategy(**options) if device == "cpu" else FSDPStrategy(**options)
 
 
 def _trainer(suite: str, scenario, callbacks=()):

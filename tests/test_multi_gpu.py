@@ -63,7 +63,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from ranks import error_in_step, free_port, run_ranks, torchrun_env
+from ranks import cpu_fsdp_strategy, error_in_step, free_port, run_ranks, torchrun_env
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _key, _value in NO_MULTICAST.items():  # also for anything this process starts
@@ -266,26 +266,9 @@ def _strategy(suite: str, device: str):
     if suite == "fsdp1":
         from lightning_flce.models.gpt import _Block
 
-        cls = FSDPStrategy
-        if device == "cpu":
-            # Lightning refuses FSDPStrategy itself on the CPU (exactly that type) and wraps with device_id=None,
-            # which torch's FSDP1 refuses there; FSDP1 itself runs on the CPU with gloo. For a CPU check of this
-            # path: a subclass that wraps with device_id="cpu" first (Lightning then keeps the wrapped model).
-            class CPUFSDPStrategy(FSDPStrategy):
-                def _setup_model(self, model):
-                    from torch.distributed.fsdp import FullyShardedDataParallel
-
-                    model = FullyShardedDataParallel(
-                        model,
-                        sharding_strategy=self.sharding_strategy,
-                        mixed_precision=self.mixed_precision_config,
-                        device_id=torch.device("cpu"),
-                        **self.kwargs,
-                    )
-                    return super()._setup_model(model)
-
-            cls = CPUFSDPStrategy
-        return cls(sharding_strategy="FULL_SHARD", auto_wrap_policy={_Block}, process_group_backend=backend)
+        options = dict(sharding_strategy="FULL_SHARD", auto_wrap_policy={_Block})
+        # on the CPU: FSDP1 through a subclass that wraps with device_id="cpu" (ranks.cpu_fsdp_strategy)
+        return cpu_fsdp_strategy(**options) if device == "cpu" else FSDPStrategy(**options)
     if suite == "fsdp2":
         return ModelParallelStrategy(
             data_parallel_size=WORLD, tensor_parallel_size=1, process_group_backend=backend
