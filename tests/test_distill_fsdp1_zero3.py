@@ -21,6 +21,9 @@ the saved student and left the teacher as built.
   ``normalize="micro_batch"`` on one micro-batch of all 8 samples (DeepSpeed divides accumulated losses again:
   ``DistillationModule``'s docstring), the same token mean as the reference.
 
+Each suite also checks that a ``teacher_dtype`` the strategy overrode (bf16 under "32-true": FSDP1 and DeepSpeed
+convert the wrapped module and manage its parameters) is refused with a clear error, not run in fp32.
+
 Tolerances: fp32 as in ``test_fsdp2_cpu.py`` (``FP32``; the float64 reference differs by fp32 rounding through a
 one-layer model and one reduction).
 """
@@ -198,11 +201,28 @@ def run_scenario(suite: str, name: str, out_dir: str) -> dict:
     return result
 
 
+def run_teacher_dtype_case(suite: str) -> str:
+    """A bf16 ``teacher_dtype`` under "32-true": the strategy converts the module when it wraps it (FSDP1 and
+    DeepSpeed) and manages its parameters then, so the teacher would silently run in fp32. The error raised."""
+    from torch.utils.data import DataLoader
+
+    from lightning_flce.models import DistillationModule
+
+    scenario = DISTILL_SCENARIOS["distill_tied_student"]
+    options = dict(DISTILL, normalize="micro_batch") if suite.startswith("deepspeed3") else DISTILL
+    module = DistillationModule(*distill_models(scenario), lr=0.0, teacher_dtype="bfloat16", **options)
+    try:
+        _trainer(suite, scenario).fit(module, DataLoader(samples(), batch_size=2))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 def worker(suite: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = False
     rank = int(os.environ["RANK"])
-    results = {}
+    results = {"teacher_dtype_error": run_teacher_dtype_case(suite)}
     for name, scenario in DISTILL_SCENARIOS.items():
         if scenario.teacher == "hf" and not _has("transformers"):
             continue
@@ -230,6 +250,12 @@ def launch(suite: str, out_dir) -> list[dict]:
         cwd=out_dir,
         label=suite,
     )
+
+
+def check_teacher_dtype_refused(ranks: list[dict]) -> None:
+    for saved in ranks:
+        error = saved["teacher_dtype_error"]
+        assert "teacher_dtype=bfloat16 was not kept" in error, error
 
 
 def check_scenario(suite: str, name: str, ranks: list[dict]) -> None:
@@ -279,6 +305,11 @@ def test_fsdp1_distillation_on_two_cpu_ranks(fsdp1_cpu_results, name):
     check_scenario("fsdp1_cpu", name, [r[name] for r in fsdp1_cpu_results])
 
 
+@pytest.mark.slow
+def test_fsdp1_refuses_a_teacher_dtype_it_overrode(fsdp1_cpu_results):
+    check_teacher_dtype_refused(fsdp1_cpu_results)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("suite", ["fsdp1_cuda", "deepspeed3_cuda"])
@@ -286,8 +317,10 @@ def test_distillation_sharded_on_one_gpu(suite, tmp_path):
     if suite.startswith("deepspeed3"):
         pytest.importorskip("deepspeed")
     ranks = launch(suite, tmp_path)
-    for name in ranks[0]:
-        check_scenario(suite, name, [r[name] for r in ranks])
+    check_teacher_dtype_refused(ranks)
+    for name in DISTILL_SCENARIOS:
+        if name in ranks[0]:
+            check_scenario(suite, name, [r[name] for r in ranks])
 
 
 if __name__ == "__main__":

@@ -439,6 +439,16 @@ def test_a_bfloat16_teacher_beside_a_float32_student():
     torch.testing.assert_close(loss.double(), expected, rtol=2e-2, atol=1e-4)
 
 
+@requires_op
+def test_a_teacher_dtype_the_strategy_did_not_keep_is_refused():
+    """As under FSDP1 with "32-true" (tests/test_distill_fsdp1_zero3.py): the wrapper converted the teacher and
+    manages its parameters, so the cast back does not reach the head; the loss would silently run in float32."""
+    module = DistillationModule(student=tiny_student(), teacher=tiny_teacher(), teacher_dtype="bfloat16")
+    module.teacher.float()
+    with pytest.raises(RuntimeError, match="teacher_dtype=bfloat16 was not kept: .* in float32"):
+        module.training_step(make_batch(1), 0)
+
+
 ACCUMULATION_OPTIONS = {"divergence": "jsd", "hard_weight": 0.3}
 
 

@@ -262,6 +262,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         teacher_dtype: ``"bfloat16"``, ``"float32"``, ... (a ``torch`` dtype's name): the teacher's parameters
             in that dtype and its body run outside autocast. None: the teacher follows the Trainer's precision.
             (Under mixed precision the loss's two head GEMMs run in the autocast dtype, as ``nn.Linear``'s would.)
+            A strategy that overrides it (FSDP1 and DeepSpeed convert a ``"*-true"`` module they wrap) is refused at
+            the first loss with a clear error; FSDP2 keeps it.
         divergence: ``"forward_kl"`` (KL(teacher ‖ student)), ``"reverse_kl"`` (KL(student ‖ teacher)) or
             ``"jsd"`` (generalized Jensen-Shannon with ``beta``).
         beta: the teacher's weight in JSD's mixture (0: forward KL, 1: reverse KL).
@@ -683,6 +685,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             def teacher_loss(
                 teacher_hidden: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor]
             ) -> Tensor:
+                self._check_teacher_dtype(teacher_weight)
                 self.flce_last_teacher_logits_shape = (target.numel(), teacher_weight.shape[0])
                 # the teacher head's GEMM dtype: the autocast dtype under mixed precision (the op's rule), else its own
                 precision = getattr(self._trainer, "precision", None)
@@ -711,6 +714,22 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         loss = run_in_head(student_head, student_hidden, student_loss, caller=_HEADS)
         self._reshard_head_units(teacher_only=True)
         return loss
+
+    def _check_teacher_dtype(self, teacher_weight: Tensor) -> None:
+        """Refuses a ``teacher_dtype`` the strategy did not keep: FSDP1 and DeepSpeed convert the whole module to a
+        ``"*-true"`` precision's dtype when they wrap it and manage the parameters from then on, so the cast back
+        (:meth:`_keep_teacher_dtype`) does not reach what the teacher computes with."""
+        if self.teacher_dtype is None or teacher_weight.dtype == self.teacher_dtype:
+            return
+        strategy = type(self._trainer.strategy).__name__ if self._trainer is not None else "the strategy"
+        raise RuntimeError(
+            f"teacher_dtype={str(self.teacher_dtype).removeprefix('torch.')} was not kept: the teacher's head"
+            f" reached the loss in {str(teacher_weight.dtype).removeprefix('torch.')} under {strategy}. A strategy"
+            " that converts the module's parameters when it wraps it and manages them from then on (FSDP1 and"
+            " DeepSpeed, for '*-true' precisions), or a mixed-precision policy that casts them, overrides it."
+            " Leave teacher_dtype unset there (the teacher follows the Trainer's precision: 'bf16-true' for bf16"
+            " weights), or shard with FSDP2 (ModelParallelStrategy), which keeps it"
+        )
 
     def _student_cross_entropy(self, hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
         """The student's plain cross-entropy (token sum) and its correct tokens, fused, inside its head's call."""
