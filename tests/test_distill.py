@@ -407,6 +407,62 @@ def test_bad_input_raises_before_any_kernel(monkeypatch, change, error, message)
         fused_linear_distillation(*call.values(), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "rows", [(40, 48), (48, 40), (44, 48)], ids=["teacher_padded", "student_padded", "both"]
+)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd_0.5"])
+def test_vocab_size_distills_heads_padded_to_different_rows(divergence, reduction, rows):
+    """Heads padded to different row counts for one tokenizer (Qwen2.5-7B's 152064 rows, 0.5B's 151936): the loss
+    over the first vocab_size = 40 rows of each, in float64 against the formula on those rows; the student's rows
+    past it get a zero gradient."""
+    student_rows, teacher_rows = rows
+    vocab = 40
+    student, teacher, target, extras = make_problem(v=48)
+    ws = student[1].detach()[:student_rows].clone().requires_grad_()
+    bs = student[2].detach()[:student_rows].clone().requires_grad_()
+    wt, bt = teacher[1][:teacher_rows], teacher[2][:teacher_rows]
+    target = torch.where(target >= vocab, target - vocab, target)
+    options = dict(DIVERGENCES[divergence], reduction=reduction, temperature=1.5, hard_weight=0.3)
+    got = fused_linear_distillation(
+        student[0], ws, teacher[0], wt, target, student_bias=bs, teacher_bias=bt, vocab_size=vocab, **options
+    )
+    want = reference_loss(
+        student[0], ws[:vocab], teacher[0], wt[:vocab], target, student_bias=bs[:vocab], teacher_bias=bt[:vocab],
+        **options,
+    )  # fmt: skip
+    assert relative_error(got, want) < FP64_TOL
+    upstream = extras["grad_output"] if reduction == "none" else 1.0
+    got_grads = grads((got * upstream).sum(), (student[0], ws, bs))
+    want_grads = grads((want * upstream).sum(), (student[0], ws, bs))
+    for g, r in zip(got_grads, want_grads):
+        assert g.shape == r.shape and relative_error(g, r) < FP64_TOL
+    assert not got_grads[1][vocab:].any() and not got_grads[2][vocab:].any()
+
+
+def test_vocab_size_for_a_cached_teacher_and_its_errors():
+    student, teacher, target, _ = make_problem(v=48)
+    vocab = 40
+    target = torch.where(target >= vocab, target - vocab, target)
+    indices, logits = cached_top_k((teacher[0], teacher[1][:vocab]), 6)
+    got = fused_linear_distillation_from_top_k(
+        student[0], student[1], indices, logits, target, divergence="jsd", hard_weight=0.2, vocab_size=vocab
+    )
+    want = reference_loss(
+        student[0], student[1][:vocab], None, None, target, divergence="jsd", hard_weight=0.2,
+        top_k_indices=indices, top_k_logits=logits,
+    )  # fmt: skip
+    assert relative_error(got, want) < FP64_TOL
+    args = (student[0], student[1], teacher[0], teacher[1][:44], target)
+    with pytest.raises(ValueError, match="pass vocab_size"):
+        fused_linear_distillation(*args)
+    for bad in (45, 0, True, 40.0):
+        with pytest.raises(ValueError, match=r"vocab_size must be None or an int in \[1, 44\]"):
+            fused_linear_distillation(*args, vocab_size=bad)
+    with pytest.raises(ValueError, match=r"outside \[0, 30\)"):  # targets must lie below it
+        fused_linear_distillation(*args, vocab_size=30)
+
+
 def test_backward_twice_raises_and_grad_output_scales():
     student, teacher, target, _ = make_problem()
     args = (student[0], student[1], teacher[0], teacher[1], target)

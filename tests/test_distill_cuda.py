@@ -228,3 +228,24 @@ def test_op_cached_top_k_matches_float64(divergence):
     got = fused_linear_distillation_from_top_k(args[0], args[1], indices, values, args[4], **kwargs)
     want = reference_loss(*args, top_k_indices=indices, top_k_logits=values, **kwargs)
     check_op(got, want, student, kwargs.get("student_bias"), FP32_TOL)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd_0.5"])
+def test_op_vocab_size_over_padded_heads_matches_float64(divergence):
+    """Heads padded to different rows (student 1000, teacher 1008) distilled over vocab_size = 993 rows, fp32 on the
+    GPU (the kernel's rows of 993 columns are views of the heads' first rows): within FP32_TOL of float64 on those
+    rows, the gradients of the whole student head included (zero in its rows past them)."""
+    student, teacher, target, extras = _op_problem(torch.float32)
+    vocab = 993
+    target = torch.where(target >= vocab, target - vocab, target)
+    wt = torch.cat([teacher[1], teacher[1][:8]])  # 1008 rows
+    args, kwargs = resolve(student, teacher, target, extras, "all", divergence)
+    kwargs["teacher_bias"] = torch.cat([teacher[2], teacher[2][:8]])
+    got = fused_linear_distillation(args[0], args[1], args[2], wt, args[4], vocab_size=vocab, **kwargs)
+    want_kwargs = {
+        **kwargs,
+        "student_bias": kwargs["student_bias"][:vocab],
+        "teacher_bias": teacher[2][:vocab],
+    }
+    want = reference_loss(args[0], args[1][:vocab], args[2], teacher[1][:vocab], args[4], **want_kwargs)
+    check_op(got, want, student, kwargs.get("student_bias"), FP32_TOL)

@@ -624,6 +624,48 @@ def test_validation_logs_loss_divergence_and_student_ce(tmp_path):
     assert teacher.training is False
 
 
+@requires_op
+def test_vocab_size_distills_heads_padded_to_different_rows_in_float64(tmp_path):
+    """A student head of VOCAB + 4 rows and a teacher's of VOCAB + 8 for one tokenizer of VOCAB tokens (as Qwen2.5's
+    0.5B and 7B heads, 151936 and 152064 rows for 151665 tokens): the loss and the validation's student CE over the
+    first VOCAB rows of both heads, the student's padding rows without a gradient."""
+    options = {"divergence": "jsd", "beta": 0.3, "hard_weight": 0.25, "temperature": 1.5}
+    student, teacher = tiny_student(vocab_size=VOCAB + 4), tiny_teacher(vocab_size=VOCAB + 8)
+    with pytest.raises(ValueError, match="pass vocab_size"):
+        DistillationModule(student=student, teacher=teacher)
+    with pytest.raises(ValueError, match="the data's vocabulary has 53 tokens"):
+        DistillationModule(student=student, teacher=teacher, vocab_size=VOCAB + 5)
+    module = DistillationModule(student=student, teacher=teacher, vocab_size=VOCAB, **options).double()
+    batch = make_batch(3, n_ignored=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+    loss.backward()
+    fused = student_grads(module)
+    module.zero_grad()
+    head = (
+        "lm_head.weight" if "lm_head.weight" in fused else "tok_emb.weight"
+    )  # (TinyGPT ties them by default)
+    assert not fused[head][VOCAB:].any()
+    with torch.no_grad():
+        teacher_hidden = teacher.hidden_states(batch["input_ids"])
+    expected = unfused_distillation(
+        student.hidden_states(batch["input_ids"]),
+        student.lm_head.weight[:VOCAB],
+        teacher_hidden,
+        teacher.lm_head.weight[:VOCAB],
+        batch["labels"],
+        **options,
+    )
+    assert_matches_unfused(module, loss, fused, expected)
+    assert module.flce_last_logits_shape == module.flce_last_teacher_logits_shape == (2 * SEQ, VOCAB)
+    ce, correct = module._student_cross_entropy(student.hidden_states(batch["input_ids"]), batch["labels"])
+    logits = student(batch["input_ids"])[..., :VOCAB].reshape(-1, VOCAB)
+    labels = batch["labels"].reshape(-1)
+    torch.testing.assert_close(ce, F.cross_entropy(logits, labels, reduction="sum"), **TOL)
+    assert int(correct) == int(((logits.argmax(-1) == labels) & (labels != -100)).sum())
+
+
 def test_memory_callback_counts_the_teacher(tmp_path):
     from types import SimpleNamespace
 

@@ -47,6 +47,7 @@ def fused_linear_distillation(
     ignore_index: int = -100,
     reduction: Reduction = "mean",
     token_weight: Optional[Tensor] = None,
+    vocab_size: Optional[int] = None,
     student_softcap: Optional[float] = None,
     teacher_softcap: Optional[float] = None,
     student_logit_scale: float = 1.0,
@@ -92,6 +93,11 @@ def fused_linear_distillation(
         reduction: ``"mean"`` (over the tokens that carry a loss; ``token_weight`` does not change the count),
             ``"sum"``, or ``"none"`` (per token in the leading shape, 0 where ignored).
         token_weight: optional float weights in the leading shape multiplying each token's loss (no gradient).
+        vocab_size: the vocabulary the two heads share, for heads padded to different row counts for one tokenizer
+            (Qwen2.5-7B's head has 152064 rows, Qwen2.5-0.5B's 151936, for 151665 tokens): the loss (divergence and
+            cross-entropy) runs over the first ``vocab_size`` rows of each head (a view: no copy), both
+            distributions over those tokens; rows past it take no part and get no gradient. At most either head's
+            rows; targets must lie below it. None: the heads must have the same rows.
         student_softcap, teacher_softcap: if set, that side's logits become ``c tanh(logits / c)`` (after the
             logit scale, before the temperature).
         student_logit_scale, teacher_logit_scale: positive factors of each side's logits (before the softcap).
@@ -113,7 +119,9 @@ def fused_linear_distillation(
     inputs' dtype (a bf16 teacher beside an fp32 student is fine). "mean"/"sum" compute the student's gradients in
     forward (backward scales them once); "none" recomputes the chunks in backward (about twice the GEMMs).
     """
-    _check_teacher(student_input, student_weight, teacher_input, teacher_weight, teacher_bias)
+    _check_teacher(student_input, student_weight, teacher_input, teacher_weight, teacher_bias, vocab_size)
+    student_weight, student_bias = vocab_rows(student_weight, student_bias, vocab_size)
+    teacher_weight, teacher_bias = vocab_rows(teacher_weight, teacher_bias, vocab_size)
     return _distillation(
         student_input,
         student_weight,
@@ -155,6 +163,7 @@ def fused_linear_distillation_from_top_k(
     ignore_index: int = -100,
     reduction: Reduction = "mean",
     token_weight: Optional[Tensor] = None,
+    vocab_size: Optional[int] = None,
     student_softcap: Optional[float] = None,
     student_logit_scale: float = 1.0,
     logits_precision: LogitsPrecision = "input",
@@ -182,6 +191,8 @@ def fused_linear_distillation_from_top_k(
     ``ValueError`` before any kernel runs (one host sync, with the targets' check).
     """
     _check_top_k_teacher(student_input, student_weight, teacher_indices, teacher_logits)
+    _check_vocab_size(vocab_size, student_weight)
+    student_weight, student_bias = vocab_rows(student_weight, student_bias, vocab_size)
     return _distillation(
         student_input,
         student_weight,
@@ -356,14 +367,37 @@ def _check_options(
             raise ValueError(f"top_k must be None or an int in [1, V={vocab}], got {top_k!r}")
 
 
+def vocab_rows(
+    weight: Tensor, bias: Optional[Tensor], vocab_size: Optional[int]
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """A head's ``weight`` and ``bias`` over its first ``vocab_size`` rows (views; as given for None or all rows)."""
+    if vocab_size is None or weight.shape[0] == vocab_size:
+        return weight, bias
+    return weight[:vocab_size], None if bias is None else bias[:vocab_size]
+
+
+def _check_vocab_size(vocab_size: Optional[int], *weights: Tensor) -> None:
+    if vocab_size is None:
+        return
+    rows = [weight.shape[0] for weight in weights if weight.dim() == 2]
+    if not rows:  # (the weights' own checks raise)
+        return
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= min(rows):
+        raise ValueError(
+            f"vocab_size must be None or an int in [1, {min(rows)}] (at most each head's rows: {rows}), got"
+            f" {vocab_size!r}"
+        )
+
+
 def _check_teacher(
     student_input: Tensor,
     student_weight: Tensor,
     teacher_input: Tensor,
     teacher_weight: Tensor,
     teacher_bias: Optional[Tensor],
+    vocab_size: Optional[int],
 ) -> None:
-    """The teacher's shapes and devices against the student's, and no gradient to it."""
+    """The teacher's shapes and devices against the student's, the shared vocabulary, and no gradient to it."""
     if torch.is_grad_enabled():
         for name, tensor in (
             ("teacher_input", teacher_input),
@@ -381,10 +415,13 @@ def _check_teacher(
             f"expected head weights [V, H], got student {tuple(student_weight.shape)} and teacher"
             f" {tuple(teacher_weight.shape)}"
         )
-    if teacher_weight.shape[0] != student_weight.shape[0]:
+    _check_vocab_size(vocab_size, student_weight, teacher_weight)
+    if vocab_size is None and teacher_weight.shape[0] != student_weight.shape[0]:
         raise ValueError(
             f"vocabulary mismatch: the student's head has V={student_weight.shape[0]}, the teacher's"
-            f" V={teacher_weight.shape[0]} (distillation needs the same vocabulary on both sides)"
+            f" V={teacher_weight.shape[0]} (distillation needs the same vocabulary on both sides). Heads padded to"
+            " different row counts for one tokenizer (Qwen2.5-7B's 152064 rows, 0.5B's 151936): pass vocab_size="
+            "the tokenizer's size (or the smaller head's rows) to distill over the rows they share"
         )
     if teacher_input.dim() < 1 or teacher_input.shape[:-1] != student_input.shape[:-1]:
         raise ValueError(
@@ -474,6 +511,7 @@ class FusedLinearDistillationLoss(torch.nn.Module):
         top_k: Optional[int] = None,
         ignore_index: int = -100,
         reduction: Reduction = "mean",
+        vocab_size: Optional[int] = None,
         student_softcap: Optional[float] = None,
         teacher_softcap: Optional[float] = None,
         student_logit_scale: float = 1.0,
@@ -496,6 +534,7 @@ class FusedLinearDistillationLoss(torch.nn.Module):
             top_k=top_k,
             ignore_index=ignore_index,
             reduction=reduction,
+            vocab_size=vocab_size,
             student_softcap=student_softcap,
             teacher_softcap=teacher_softcap,
             student_logit_scale=student_logit_scale,

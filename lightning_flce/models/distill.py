@@ -280,8 +280,11 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         accum_dtype: the student's head-weight gradient accumulator over chunks (``"float32"``, ``"bfloat16"``,
             ...; ``accum_dtype`` of :func:`~lightning_flce.fused_linear_distillation`). None: the op chooses (fp32
             for 16-bit GEMMs); the weight's own dtype saves its [V, H] fp32 accumulator.
-        vocab_size: the data's vocabulary (``lightning-flce`` links the tokenizer's size to it): checked against
-            both heads. None: not checked against the data (the two heads are always checked).
+        vocab_size: the data's vocabulary (``lightning-flce`` links the tokenizer's size to it), at most either
+            head's rows: the loss (and the validation's student CE) runs over the first ``vocab_size`` rows of both
+            heads, so heads padded to different row counts for one tokenizer distill (Qwen2.5-7B's head has 152064
+            rows, 0.5B's 151936, for 151665 tokens); rows past it get no gradient. None: the two heads must have the
+            same rows, all of them used.
         lr: peak learning rate of AdamW (the student's parameters).
         weight_decay: AdamW weight decay of the matrices; biases and norms get none.
         warmup_steps: linear warmup steps, then cosine decay to 10% of ``lr``.
@@ -657,6 +660,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             hard_weight=hard_weight,
             ignore_index=self.ignore_index,
             reduction="sum",
+            vocab_size=hp.vocab_size,
             student_softcap=student_head.softcap,
             logits_precision=hp.logits_precision,
             accum_dtype=hp.accum_dtype,
@@ -664,8 +668,9 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         )
 
         def student_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-            self.flce_last_logits_shape = (target.numel(), weight.shape[0])
-            self.flce_last_logits_bytes = target.numel() * weight.shape[0] * 4
+            rows = weight.shape[0] if hp.vocab_size is None else hp.vocab_size  # the loss's logits
+            self.flce_last_logits_shape = (target.numel(), rows)
+            self.flce_last_logits_bytes = target.numel() * rows * 4
             if isinstance(teacher_side, TeacherTopK):  # no teacher head: no teacher logits to avoid
                 self.flce_last_teacher_logits_shape = None
                 self.flce_teacher_compute_dtype = None
@@ -686,7 +691,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                 teacher_hidden: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor]
             ) -> Tensor:
                 self._check_teacher_dtype(teacher_weight)
-                self.flce_last_teacher_logits_shape = (target.numel(), teacher_weight.shape[0])
+                self.flce_last_teacher_logits_shape = (target.numel(), rows)
                 # the teacher head's GEMM dtype: the autocast dtype under mixed precision (the op's rule), else its own
                 precision = getattr(self._trainer, "precision", None)
                 self.flce_teacher_compute_dtype = head_compute_dtype(precision, teacher_weight.dtype)
@@ -733,41 +738,43 @@ class DistillationModule(StepNormalization, pl.LightningModule):
 
     def _student_cross_entropy(self, hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
         """The student's plain cross-entropy (token sum) and its correct tokens, fused, inside its head's call."""
+        from lightning_flce.distill.functional import vocab_rows
         from lightning_flce.functional import fused_linear_cross_entropy_with_stats
 
         head = _resolved_head(self.student)
-        output = FLCEOutput(
-            *run_in_head(
-                head,
-                hidden,
-                lambda h, weight, bias: fused_linear_cross_entropy_with_stats(
-                    h,
-                    weight,
-                    target,
-                    bias,
-                    ignore_index=self.ignore_index,
-                    reduction="sum",
-                    softcap=head.softcap,
-                    logits_precision=self.hparams.logits_precision,
-                    chunk_size=self.hparams.chunk_size,
-                ),
-                caller=_HEADS,
+
+        def cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Any:
+            weight, bias = vocab_rows(weight, bias, self.hparams.vocab_size)  # the loss's rows
+            return fused_linear_cross_entropy_with_stats(
+                h,
+                weight,
+                target,
+                bias,
+                ignore_index=self.ignore_index,
+                reduction="sum",
+                softcap=head.softcap,
+                logits_precision=self.hparams.logits_precision,
+                chunk_size=self.hparams.chunk_size,
             )
-        )
+
+        output = FLCEOutput(*run_in_head(head, hidden, cross_entropy, caller=_HEADS))
         return output.loss, output.correct.sum()
 
     def _check_vocabularies(self, vocab_size: Optional[int]) -> None:
         student_rows = _head_rows(self.student)
         teacher_rows = student_rows if self.teacher is None else _head_rows(self.teacher)
-        if student_rows != teacher_rows:
+        if vocab_size is None and student_rows != teacher_rows:
             raise ValueError(
                 f"the student's LM head has {student_rows} rows and the teacher's {teacher_rows}: distillation"
-                " needs one vocabulary (the same tokenizer); give the student the teacher's vocab_size"
+                " needs one vocabulary (the same tokenizer). Heads padded to different row counts for one tokenizer"
+                " (Qwen2.5-7B's 152064 rows, 0.5B's 151936): pass vocab_size (the tokenizer's size; the CLI links"
+                " the data's) to distill over the rows they share"
             )
-        if vocab_size is not None and vocab_size != student_rows:
+        if vocab_size is not None and vocab_size > min(student_rows, teacher_rows):
             raise ValueError(
-                f"the data's vocabulary has {vocab_size} tokens but the student's and the teacher's heads"
-                f" {student_rows}: use the tokenizer the teacher was trained with (data.init_args.vocab_size)"
+                f"the data's vocabulary has {vocab_size} tokens but the student's LM head has {student_rows} rows and"
+                f" the teacher's {teacher_rows}: use the tokenizer the teacher was trained with"
+                " (data.init_args.vocab_size)"
             )
 
 
