@@ -237,6 +237,10 @@ distill_loss = fused_linear_distillation(
 assert_type(distill_loss, Tensor)
 fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, divergence="kl")  # type: ignore[arg-type]
 distill_module = FusedLinearDistillationLoss(divergence="jsd", beta=0.1, temperature=2.0)
+# a teacher head padded to more rows for the same tokenizer: the loss over the rows both share
+padded_teacher_head = torch.randn(V + 64, 48)
+fused_linear_distillation(hidden, lm_head, teacher_hidden, padded_teacher_head, labels, vocab_size=V)
+fused_linear_distillation(hidden, lm_head, teacher_hidden, padded_teacher_head, vocab_size="V")  # type: ignore[arg-type]
 FusedLinearDistillationLoss(accum_dtype=torch.bfloat16)  # the memory-lean accumulator
 FusedLinearDistillationLoss(accum_dtype="bfloat16")
 FusedLinearDistillationLoss(accum_dtype="bf16")  # type: ignore[arg-type]
