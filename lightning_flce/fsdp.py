@@ -1,6 +1,5 @@
 """FSDP2 (``fully_shard``, Lightning's ``ModelParallelStrategy``) for language models that compute their loss with
-FLCE: sharding helper and the registration of the step methods as FSDP forward methods; and what a sharded
-checkpoint holds (:func:`is_sharded_tensor`, FSDP1's too)."""
+FLCE: sharding helper and the registration of the step methods as FSDP forward methods."""
 
 from __future__ import annotations
 
@@ -22,18 +21,6 @@ def _fsdp2():
 def is_fsdp2_module(module: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``module``."""
     return isinstance(module, _fsdp2()[0])
-
-
-def is_sharded_tensor(value: Any) -> bool:
-    """Whether a state dict entry is a shard of a distributed checkpoint: a ``DTensor`` (FSDP2, and FSDP1's
-    ``"sharded"`` state dict on recent torch) or a ``ShardedTensor`` (FSDP1's on older torch), not a whole tensor."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch 2.4
-        from torch.distributed._tensor import DTensor
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return isinstance(value, (DTensor, ShardedTensor))
 
 
 def fsdp2_unit_of(root: nn.Module, parameter: nn.Parameter) -> Optional[nn.Module]:

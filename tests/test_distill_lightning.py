@@ -539,6 +539,36 @@ def test_checkpoint_leaves_the_teacher_out_and_resumes(tmp_path):
         torch.testing.assert_close(loaded.teacher.state_dict()[name], value)
 
 
+@pytest.mark.parametrize(
+    "strategy, keeps_teacher",
+    [
+        ("SingleDeviceStrategy", False),
+        ("DDPStrategy", False),
+        ("FSDPStrategy", True),
+        ("ModelParallelStrategy", True),
+    ],
+)
+def test_the_teacher_stays_in_checkpoints_a_strategy_loads_itself(strategy, keeps_teacher):
+    """FSDP1 and FSDP2 load a checkpoint into the module in their own ``load_checkpoint``, strictly, before
+    ``on_load_checkpoint`` could put a dropped teacher back (tests/test_distill_fsdp1_zero3.py resumes through both):
+    their checkpoints keep it; the others drop it."""
+    from types import SimpleNamespace
+
+    import lightning.pytorch.strategies as strategies
+
+    module = DistillationModule(student=tiny_student(), teacher=tiny_teacher())
+    instance = (
+        strategies.SingleDeviceStrategy("cpu")
+        if strategy == "SingleDeviceStrategy"
+        else getattr(strategies, strategy)()
+    )
+    module._trainer = SimpleNamespace(strategy=instance)
+    checkpoint = {"state_dict": module.state_dict()}
+    module.on_save_checkpoint(checkpoint)
+    assert any(name.startswith("teacher.") for name in checkpoint["state_dict"]) is keeps_teacher
+    assert any(name.startswith("student.") for name in checkpoint["state_dict"])
+
+
 def test_teacher_checkpoint_is_loaded_and_a_missing_one_explained(tmp_path):
     teacher = tiny_teacher()
     path = save_module_checkpoint(teacher, tmp_path / "teacher.ckpt")

@@ -52,7 +52,6 @@ from lightning_flce.fsdp import (
     fsdp2_unit_of,
     fully_shard_lm,
     is_fsdp2_module,
-    is_sharded_tensor,
     register_fsdp_method,
     register_fsdp_step_methods,
 )
@@ -162,6 +161,15 @@ def _fused_distillation_from_top_k(*args: Any, **kwargs: Any) -> Tensor:
     return fused_linear_distillation_from_top_k(*args, **kwargs)
 
 
+def _strategy_loads_the_module(trainer: Optional[pl.Trainer]) -> bool:
+    """Whether ``trainer``'s strategy loads a checkpoint's weights into the module in its own ``load_checkpoint``
+    (FSDP1, FSDP2, DeepSpeed), before the module's ``on_load_checkpoint`` runs."""
+    from lightning.pytorch.strategies import Strategy
+
+    strategy = getattr(trainer, "strategy", None)
+    return strategy is not None and type(strategy).load_checkpoint is not Strategy.load_checkpoint
+
+
 def _frozen(tensor: Tensor) -> Tensor:
     """The frozen teacher head's ``tensor`` detached where it requires grad: a sharding wrapper may hand it over as a
     view that does (FSDP1's unsharded views of a flat parameter that also holds trainable ones, with
@@ -244,7 +252,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     this module as the root. Both heads are read only inside their own calls (``docs/distill.md``, "Sharded
     training"), so hooks around a head (FSDP2's unsharding, ZeRO-3's gathering, PEFT) run around the loss, and a
     PEFT LoRA head is computed exactly. FSDP1 (``FSDPStrategy``) and DeepSpeed ZeRO-3 (``normalize="micro_batch"``)
-    need nothing more; a sharded checkpoint keeps the teacher's shards.
+    need nothing more; their checkpoints keep the teacher (they load it before ``on_load_checkpoint``).
 
     **Memory**: after each loss call ``flce_last_logits_shape = (N, V)`` and ``flce_last_teacher_logits_shape``
     report the student's and the teacher's avoided logits to
@@ -485,17 +493,16 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             return final_hidden_states(self.teacher, input_ids, attention_mask)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Leaves the teacher's weights out: it is rebuilt from ``teacher`` / ``teacher_checkpoint``. Not from a
-        sharded checkpoint (FSDP2's ``ModelParallelStrategy``, FSDP1's ``state_dict_type="sharded"``): Lightning
-        loads one with a plan of the module's whole state dict, which fails on a checkpoint without the teacher, so
-        there the teacher's shards are kept (and loaded back unchanged: it is frozen)."""
+        """Leaves the teacher's weights out: it is rebuilt from ``teacher`` / ``teacher_checkpoint``. Not where the
+        strategy loads a checkpoint into the module itself (its own ``load_checkpoint``: FSDP1's ``FSDPStrategy``,
+        FSDP2's ``ModelParallelStrategy``, sharded or full; DeepSpeed keeps its own files anyway): that strict load
+        runs before :meth:`on_load_checkpoint` could put the teacher back and fails on its missing keys, so there the
+        teacher is kept (and loaded back unchanged: it is frozen)."""
         state = checkpoint.get("state_dict")
-        if state is None:
+        if state is None or _strategy_loads_the_module(self._trainer):
             return
-        teacher_names = [name for name in state if name.startswith(TEACHER_PREFIX)]
-        if not any(is_sharded_tensor(state[name]) for name in teacher_names):
-            for name in teacher_names:
-                del state[name]
+        for name in [name for name in state if name.startswith(TEACHER_PREFIX)]:
+            del state[name]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Puts this module's teacher into the checkpoint's weights, so that strict loading (and the resume
