@@ -160,6 +160,18 @@ def student_grads(module) -> dict:
     return {name: p.grad.clone() for name, p in module.student.named_parameters() if p.grad is not None}
 
 
+def fused_loss_and_grads(module, batch: dict) -> tuple[torch.Tensor, dict]:
+    """The module's training-step loss on ``batch`` (without a Trainer) and the student gradients its backward
+    gave, the gradients zeroed again for the unfused formula's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer
+        loss = module.training_step(batch, 0)
+    loss.backward()
+    fused = student_grads(module)
+    module.zero_grad()
+    return loss, fused
+
+
 def assert_matches_unfused(module, loss, fused: dict, expected: torch.Tensor) -> None:
     """The fused loss and the student gradients it gave (``fused``) equal the unfused formula's ``expected`` loss
     and the gradients its backward leaves in the student (zeroed before)."""
@@ -189,12 +201,7 @@ def test_loss_and_student_grads_equal_the_unfused_formula_in_float64(options, so
         student=tiny_student(flce_softcap=softcap), teacher=tiny_teacher(flce_softcap=softcap), **options
     ).double()
     batch = make_batch(3, n_ignored=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log without a Trainer
-        loss = module.training_step(batch, 0)
-    loss.backward()
-    fused = student_grads(module)
-    module.zero_grad()
+    loss, fused = fused_loss_and_grads(module, batch)
     expected = reference_loss(module, batch)
     assert_matches_unfused(module, loss, fused, expected)
     assert all(p.grad is None for p in module.teacher.parameters())
@@ -226,12 +233,7 @@ def test_hugging_face_student_and_teacher_with_padding_in_float64():
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, -4:] = 0  # right padding: those positions carry no loss
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": input_ids.clone()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log without a Trainer
-        loss = module.training_step(batch, 0)
-    loss.backward()
-    fused = student_grads(module)
-    module.zero_grad()
+    loss, fused = fused_loss_and_grads(module, batch)
     # the Hugging Face convention: position t predicts token t + 1; padded and last positions are ignored
     target = torch.nn.functional.pad(
         input_ids.masked_fill(attention_mask == 0, -100)[:, 1:], (0, 1), value=-100
@@ -358,12 +360,7 @@ def test_temperature_squared_scales_the_divergence_term_only(hard_weight):
         hard_weight=hard_weight,
     ).double()
     batch = make_batch(4, n_ignored=3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log without a Trainer
-        loss = module.training_step(batch, 0)
-    loss.backward()
-    fused = student_grads(module)
-    module.zero_grad()
+    loss, fused = fused_loss_and_grads(module, batch)
     divergence = reference_loss(module, batch, hard_weight=0.0)
     ce = reference_loss(module, batch, hard_weight=1.0)
     expected = temperature**2 * (1 - hard_weight) * divergence + hard_weight * ce
@@ -667,15 +664,9 @@ def test_vocab_size_distills_heads_padded_to_different_rows_in_float64(tmp_path)
         DistillationModule(student=student, teacher=teacher, vocab_size=VOCAB + 5)
     module = DistillationModule(student=student, teacher=teacher, vocab_size=VOCAB, **options).double()
     batch = make_batch(3, n_ignored=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log without a Trainer
-        loss = module.training_step(batch, 0)
-    loss.backward()
-    fused = student_grads(module)
-    module.zero_grad()
-    head = (
-        "lm_head.weight" if "lm_head.weight" in fused else "tok_emb.weight"
-    )  # (TinyGPT ties them by default)
+    loss, fused = fused_loss_and_grads(module, batch)
+    # (TinyGPT ties the head to the embeddings by default)
+    head = "lm_head.weight" if "lm_head.weight" in fused else "tok_emb.weight"
     assert not fused[head][VOCAB:].any()
     with torch.no_grad():
         teacher_hidden = teacher.hidden_states(batch["input_ids"])
