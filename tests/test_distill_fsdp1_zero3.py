@@ -51,7 +51,7 @@ from test_fsdp2_cpu import (
 )
 
 TIMEOUT_S = 240
-WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")  # FSDP1's names of wrapped modules
 SUITES = {
     # suite: (device, processes, checkpoint state dict)
     "fsdp1_cpu": ("cpu", 2, "sharded"),
