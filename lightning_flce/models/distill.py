@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
@@ -101,11 +102,14 @@ def _resolved_head(model: nn.Module) -> ResolvedHead:
     return resolve_head(model, getattr(model, "flce_head", None), getattr(model, "flce_softcap", None))
 
 
+def _weight_holder(head: nn.Module) -> nn.Module:
+    """The module that holds an (unwrapped) LM head's output weight: the head, or a PEFT LoRA head's base layer."""
+    return head.base_layer if is_peft_lora_head(head) else head
+
+
 def _head_rows(model: nn.Module) -> int:
     """The vocabulary of ``model``'s LM head from the module's own sizes (a sharded weight's shape is a shard's)."""
-    module = unwrap_head(_resolved_head(model).module)
-    if is_peft_lora_head(module):
-        module = module.base_layer
+    module = _weight_holder(unwrap_head(_resolved_head(model).module))
     if isinstance(module, nn.Linear):
         return module.out_features
     if isinstance(module, nn.Embedding):
@@ -164,8 +168,6 @@ def _fused_distillation_from_top_k(*args: Any, **kwargs: Any) -> Tensor:
 def _strategy_loads_the_module(trainer: Optional[pl.Trainer]) -> bool:
     """Whether ``trainer``'s strategy loads a checkpoint's weights into the module in its own ``load_checkpoint``
     (FSDP1, FSDP2, DeepSpeed), before the module's ``on_load_checkpoint`` runs."""
-    from lightning.pytorch.strategies import Strategy
-
     strategy = getattr(trainer, "strategy", None)
     return strategy is not None and type(strategy).load_checkpoint is not Strategy.load_checkpoint
 
@@ -433,8 +435,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                 continue
             register_fsdp_method(model, "hidden_states")
             head = unwrap_head(_resolved_head(model).module)
-            weight = (head.base_layer if is_peft_lora_head(head) else head).weight
-            unit = fsdp2_unit_of(self, weight)
+            unit = fsdp2_unit_of(self, _weight_holder(head).weight)
             if unit is None or unit is self or unit is head:  # the root: unsharded for the whole step
                 continue
             if not hasattr(unit, "set_reshard_after_forward"):
