@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from lightning_flce.distill.op import flce_distill, flce_distill_per_token
+from lightning_flce.distill.op import OP_ARG_NAMES, flce_distill, flce_distill_per_token
 from lightning_flce.functional import checked_call
 from lightning_flce.kernels import LOW_PRECISION, softmax_dtype
 from lightning_flce.losses.distillation import DIVERGENCES, Divergence
@@ -219,7 +219,16 @@ def fused_linear_distillation_from_top_k(
     )
 
 
-def _distillation(
+def _distillation(*args: Any, **kwargs: Any) -> Tensor:
+    """The two front ends' shared body: the options checked, the per-token scale built (:func:`distillation_op_args`),
+    the op called."""
+    op_args = distillation_op_args(*args, **kwargs)
+    if kwargs["reduction"] == "none":
+        return flce_distill_per_token(*op_args)[0].view(op_args[OP_ARG_NAMES.index("target")].shape)
+    return flce_distill(*op_args)[0]
+
+
+def distillation_op_args(
     student_input: Tensor,
     student_weight: Tensor,
     target: Optional[Tensor],
@@ -244,7 +253,8 @@ def _distillation(
     chunk_size: Optional[int],
     impl: str,
 ) -> Tensor:
-    """The two front ends' shared body: the options checked, the per-token scale built, the op called. The
+    """The distillation op's arguments (by :data:`~lightning_flce.distill.op.OP_ARG_NAMES`) of a call: the options
+    checked and resolved, the per-token scale built (the vocab-parallel op builds its own call from them too). The
     teacher is ``teacher_head`` (input, weight, bias) or ``teacher_top_k`` (indices, logits), checked by the
     caller."""
     _check_options(divergence, beta, hard_weight, target, top_k, student_weight)
@@ -331,9 +341,7 @@ def _distillation(
         grad_enabled and student_weight.requires_grad,
         grad_enabled and student_bias is not None and student_bias.requires_grad,
     )
-    if reduction == "none":
-        return flce_distill_per_token(*args)[0].view(target.shape)
-    return flce_distill(*args)[0]
+    return args
 
 
 def _positive_float(name: str, value: Any) -> float:

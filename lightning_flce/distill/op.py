@@ -16,7 +16,7 @@ with one host sync per call (the fp16 bounds read in it), before any kernel runs
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -46,6 +46,8 @@ _ARGS = (
     " ScalarType? accum_dtype, int chunk_size, str backend, bool need_grad_input, bool need_grad_weight, bool need_grad_bias"
 )
 _NAMES = [part.split()[-1] for part in _ARGS.split(",")]
+#: the op's argument names, in order (:func:`~lightning_flce.distill.functional.distillation_op_args` builds them)
+OP_ARG_NAMES: Tuple[str, ...] = tuple(_NAMES)
 _N_TENSORS = 11  # x ... inv_temperature: saved for the recompute of "none"'s backward
 
 
@@ -93,19 +95,18 @@ def top_k_error(indices: Tensor, logits: Tensor, vocab: int, valid: Tensor) -> V
     )
 
 
-def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
-    """Validate targets and temperatures (one host sync), drop ignored rows, run the chunks. Returns the
-    per-token (loss, divergence, ce) and (dX, dW, d bias, :class:`~lightning_flce.engine.GradScales`); with
-    ``keep_scaled`` the saved gradients' dtypes of "mean"/"sum" (dW in its accumulator's dtype, fp16 ones scaled),
-    else the inputs' dtypes."""
-    x, weight, compute_dtype = a["x"], a["weight"], a["compute_dtype"]
-    vocab, hidden = weight.shape
+def distillation_chunk_loss(
+    a, kernels: Any, vocab: int
+) -> Tuple[DistillationChunkLoss, List[Tuple[Tensor, Callable[[], Exception]]]]:
+    """The op's chunk loss from its arguments ``a`` (by :data:`_NAMES`) over a ``vocab``-column vocabulary, its
+    per-chunk math ``kernels.distill_chunk`` (a backend's module, or the vocab-parallel op's), and the checks of
+    its inputs to read in the call's host sync (a 0-d count of bad values, the error to raise when it is not 0):
+    the temperatures, and a cached top k's indices and logits."""
+    x, compute_dtype = a["x"], a["compute_dtype"]
     target = a["target"].reshape(-1)
     valid = target != a["ignore_index"]
-    needs = _needs(a)
     dtype = softmax_dtype(compute_dtype)
     inv_t = a["inv_temperature"].to(dtype)
-    backend = BACKENDS[a["backend"]]
     checks = [(bad_temperatures(inv_t, valid).sum(), lambda: temperature_error(inv_t, valid))]
     teacher = teacher_top_k = None
     if a["teacher_x"] is not None:
@@ -124,7 +125,7 @@ def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
             )
         )
     loss = DistillationChunkLoss(
-        backend.kernels(),
+        kernels,
         teacher=teacher,
         teacher_top_k=teacher_top_k,
         divergence=a["divergence"],
@@ -139,6 +140,20 @@ def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
         teacher_inv_temperature=inv_t * a["teacher_logit_scale"],
         ce_inv_temperature=torch.full((1,), a["student_logit_scale"], dtype=dtype, device=x.device),
     )
+    return loss, checks
+
+
+def _run(a, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
+    """Validate targets and temperatures (one host sync), drop ignored rows, run the chunks. Returns the
+    per-token (loss, divergence, ce) and (dX, dW, d bias, :class:`~lightning_flce.engine.GradScales`); with
+    ``keep_scaled`` the saved gradients' dtypes of "mean"/"sum" (dW in its accumulator's dtype, fp16 ones scaled),
+    else the inputs' dtypes."""
+    x, weight, compute_dtype = a["x"], a["weight"], a["compute_dtype"]
+    target = a["target"].reshape(-1)
+    valid = target != a["ignore_index"]
+    needs = _needs(a)
+    backend = BACKENDS[a["backend"]]
+    loss, checks = distillation_chunk_loss(a, backend.kernels(), weight.shape[0])
     grad_input_dtype, grad_weight_dtype = _saved_dtypes(a) if keep_scaled else (x.dtype, None)
     return run_valid_rows(
         x,
