@@ -119,7 +119,7 @@ def fused_linear_distillation(
     inputs' dtype (a bf16 teacher beside an fp32 student is fine). "mean"/"sum" compute the student's gradients in
     forward (backward scales them once); "none" recomputes the chunks in backward (about twice the GEMMs).
     """
-    _check_teacher(student_input, student_weight, teacher_input, teacher_weight, teacher_bias, vocab_size)
+    check_teacher(student_input, student_weight, teacher_input, teacher_weight, teacher_bias, vocab_size)
     student_weight, student_bias = vocab_rows(student_weight, student_bias, vocab_size)
     teacher_weight, teacher_bias = vocab_rows(teacher_weight, teacher_bias, vocab_size)
     return _distillation(
@@ -397,7 +397,7 @@ def _check_vocab_size(vocab_size: Optional[int], *weights: Tensor) -> None:
         )
 
 
-def _check_teacher(
+def check_teacher(
     student_input: Tensor,
     student_weight: Tensor,
     teacher_input: Tensor,

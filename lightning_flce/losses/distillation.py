@@ -23,8 +23,7 @@ entries): it is left out of both distributions, whatever its index.
 from __future__ import annotations
 
 import math
-import types
-from typing import Dict, Literal, Optional, Tuple, get_args
+from typing import Any, Dict, Literal, Optional, Tuple, get_args
 
 import torch
 from torch import Tensor
@@ -75,7 +74,8 @@ class DistillationChunkLoss(ChunkLoss):
     weights, or "none"'s per-token grad_output), ``student_inv_temperature`` and ``teacher_inv_temperature``
     (``logit_scale / T`` of each side), ``ce_inv_temperature`` (the student's logit scale, [1]).
 
-    ``kernels``: a backend's module (its ``distill_chunk``); ``teacher``: the teacher head (its logits arrive in
+    ``kernels``: what runs the per-chunk math, its ``distill_chunk``: a backend's module, or the vocab-parallel op's
+    twin on a shard (:class:`lightning_flce.parallel.distill.ShardKernels`); ``teacher``: the teacher head (its logits arrive in
     ``side[teacher.name]``, :data:`TEACHER_LOGITS` by convention), or None with ``teacher_top_k`` (a cached
     teacher's ``(indices, logits)``, [N, k] each: int64 columns, logits in the softmax dtype); ``student_softcap``
     and ``teacher_softcap``: ``softcap / logit_scale`` of each side (0.0: none).
@@ -86,7 +86,7 @@ class DistillationChunkLoss(ChunkLoss):
 
     def __init__(
         self,
-        kernels: types.ModuleType,
+        kernels: Any,
         *,
         teacher: Optional[AuxiliaryHead],
         teacher_top_k: Optional[Tuple[Tensor, Tensor]] = None,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_flce._compat import dtensor_api
+from lightning_flce.chunk_loss import DEFAULT_WORKSPACE_COPIES
 from lightning_flce.engine import chunk_rows
 from lightning_flce.options import LOGITS_PRECISIONS, FLCEOptions
 from lightning_flce.per_token import CROSS_ENTROPY_INPUTS, PER_TOKEN_INPUTS
@@ -117,9 +118,12 @@ def agreement_row(
     compute_stats: bool,
     sequence_parallel: bool,
     has_bias: bool = False,
+    loss_code: int = 0,
 ) -> Tensor:
     """This rank's int64 row of the agreement table (see :func:`layout`): its shard, its tokens' count and
-    target statistics, and codes of what must agree."""
+    target statistics, and codes of what must agree. ``loss_code``: a hash of a loss's own options (the
+    distillation op's: divergence, temperature, the teacher's head), agreed with the others; ints and floats only
+    (Python hashes those alike in every process)."""
     device = input.device
     ignore_index, reduction, chunk_size = options.ignore_index, options.reduction, options.chunk_size
     loss_options = (
@@ -152,7 +156,7 @@ def agreement_row(
     # Python's hash of ints and floats is the same in every process (no hash randomization for numbers).
     # The target's shape too (the shape of "none"'s losses), where every rank holds the same tokens.
     shape = () if sequence_parallel else tuple(target.shape)
-    options_code = hash((ignore_index, *loss_options, shape)) & ((1 << 62) - 1)
+    options_code = hash((ignore_index, *loss_options, shape, loss_code)) & ((1 << 62) - 1)
     zero = flat_target.new_tensor(0)
     return torch.stack(
         [
@@ -254,11 +258,15 @@ def layout(
     chunk_size: Optional[int],
     compute_dtype: torch.dtype,
     on_gpu: bool,
+    workspace_copies: int = DEFAULT_WORKSPACE_COPIES,
+    auxiliary_dtype: Optional[torch.dtype] = None,
 ) -> Layout:
     """The shard layout and chunk size from every rank's agreement row (:func:`agreement_row`); raises the
     same error on every rank where the ranks disagree. Without sequence parallelism every rank holds the same
     tokens, so their counts and target fingerprints must be equal; with it each holds its own (as many on
-    every rank): the counts of non-ignored targets add up, the target bounds combine by min / max."""
+    every rank): the counts of non-ignored targets add up, the target bounds combine by min / max.
+    ``workspace_copies`` and ``auxiliary_dtype``: the chunk loss's, for the default chunk size
+    (:func:`~lightning_flce.engine.chunk_rows`)."""
 
     def column(index: int) -> list:
         return [r[index] for r in rows]
@@ -279,7 +287,8 @@ def layout(
         (_C_FLAGS, f"reduction, stats, bias or {_PER_TOKEN_NAMES} (given or not) or input.requires_grad"),
         (
             _C_OPTIONS,
-            "ignore_index, label_smoothing, lse_square_scale, logits_precision, softcap or target shape",
+            "ignore_index, label_smoothing, lse_square_scale, logits_precision, softcap, target shape or the"
+            " loss's own options",
         ),
         (_C_PER_TOKEN, _PER_TOKEN_NAMES),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
@@ -329,6 +338,14 @@ def layout(
         # writes the whole dW accumulator, and the CPU rule's 128 MiB of fp32 temporaries meant ~128-row
         # chunks at 64K local columns. The softmax's temporaries are bounded by row slices instead.
         chunk_size = chunk_rows(
-            None, n_tokens, n_valid, max(sizes), rows[0][_C_HIDDEN], compute_dtype, on_gpu
+            None,
+            n_tokens,
+            n_valid,
+            max(sizes),
+            rows[0][_C_HIDDEN],
+            compute_dtype,
+            on_gpu,
+            workspace_copies,
+            auxiliary_dtype=auxiliary_dtype,
         )
     return Layout(start, vocab, n_valid, int(chunk_size), in_range)

@@ -1,0 +1,403 @@
+"""Vocab-parallel logit distillation: the student's and the teacher's LM heads both sharded over V across a process
+group, row for row alike (Megatron-style tensor parallelism of two models that share a tokenizer).
+
+Rank ``r`` of ``group`` holds the rows ``[vocab_start_r, vocab_start_r + V_r)`` of the student's ``[V, H_s]`` head
+and of the teacher's ``[V, H_t]`` head (and of their biases); the hidden states of both models, the targets and
+the options are the same on every rank. No rank holds either side's ``[N, V]`` logits or a full head.
+
+It is the single-device op's chunk loss (:class:`~lightning_flce.losses.distillation.DistillationChunkLoss`, the
+teacher its auxiliary head) on the one chunk engine (:func:`lightning_flce.engine.run_chunks`), with a different
+``distill_chunk``: the distillation twin (:func:`lightning_flce.kernels.distill_torch.distill_chunk`, the same
+formulas) on this rank's columns, whose row reductions (:class:`ShardRowReductions`) are all-reduced over the
+group. Per block of rows (on GPUs the engine's teacher blocks, :data:`lightning_flce.engine.AUXILIARY_BLOCK_ROWS`;
+on the CPU the chunk):
+
+- both sides' log-sum-exps: one max and one sum all-reduce on ``[2, C]`` rows;
+- the divergence's row sums (``KL``, or JSD's two terms): one sum all-reduce on ``[1 or 2, C]``;
+- with ``hard_weight``: the student's cross-entropy log-sum-exp (max, sum) and its target logit (from the rank
+  that owns the target; the others add 0): three more on ``[C]``.
+
+dW and d bias stay on their rank; dX's partial sums (fp32 at least, so that 16-bit partials are not rounded before
+the sum) are all-reduced once per call. As the single-device op, "mean"/"sum" compute the gradients in forward and
+"none" recomputes the chunks in backward with the per-token ``grad_output`` (its collectives then run in backward,
+on every rank in the same order).
+
+The shard layout, the token counts and targets and the options are agreed first, in one small int64 all-reduce
+(:mod:`lightning_flce.parallel.agreement`): a bad argument on one rank raises on all, never a hang.
+
+Not supported: ``top_k`` (the teacher's top k is a global selection across shards) and a cached teacher (use the
+single-device :func:`~lightning_flce.fused_linear_distillation_from_top_k`: its teacher needs no head), ``vocab_size``
+(shard the rows the heads share), sequence parallelism. The per-chunk math is the PyTorch twin on every device (the
+GEMMs are cuBLAS on GPUs); the op is a plain ``autograd.Function`` with collectives, so ``torch.compile`` graph-breaks
+around it, and the FLOP counter does not see it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_flce.distill.functional import check_teacher, distillation_op_args
+from lightning_flce.distill.op import OP_ARG_NAMES, distillation_chunk_loss
+from lightning_flce.engine import (
+    accumulator_dtype,
+    auxiliary_block_rows,
+    check_single_backward,
+    finish_saved_grads,
+    inverse_scales,
+    run_chunks,
+    saved_gradients,
+    target_range_error,
+    valid_rows,
+)
+from lightning_flce.kernels import distill_torch, softmax_dtype
+from lightning_flce.kernels.distill_torch import RowReductions
+from lightning_flce.losses.distillation import DIVERGENCES, DistillationChunkLoss, Divergence
+from lightning_flce.options import AccumDtype, FLCEOptions, LogitsPrecision, Reduction
+from lightning_flce.parallel.agreement import (
+    agree,
+    agreement_device,
+    agreement_row,
+    call_group,
+    layout,
+    local_tensors,
+)
+
+__all__ = ["ShardKernels", "ShardRowReductions", "vocab_parallel_fused_linear_distillation"]
+
+
+def vocab_parallel_fused_linear_distillation(
+    student_input: Tensor,
+    student_weight_shard: Tensor,
+    teacher_input: Tensor,
+    teacher_weight_shard: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    student_bias_shard: Optional[Tensor] = None,
+    teacher_bias_shard: Optional[Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    vocab_start: Optional[int] = None,
+    divergence: Divergence = "jsd",
+    beta: float = 0.5,
+    temperature: Union[float, Tensor] = 1.0,
+    hard_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    token_weight: Optional[Tensor] = None,
+    student_softcap: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    student_logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
+    logits_precision: LogitsPrecision = "input",
+    accum_dtype: AccumDtype = None,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    """:func:`~lightning_flce.fused_linear_distillation` with both heads' weights sharded over V across ``group``.
+
+    Call it on every rank of ``group`` with the same hidden states, ``target`` and options; each rank passes its
+    rows of the student's and the teacher's head (the same rows of both). The loss and the gradient w.r.t.
+    ``student_input`` are the same on every rank and equal the single-device op's on the full heads;
+    ``student_weight_shard.grad`` (and the bias's) get the rows of the full gradient that the rank holds. The
+    teacher gets no gradient (teacher tensors that require grad are refused).
+
+    Args:
+        student_input, teacher_input: [..., H_s] and [..., H_t] hidden states, identical on every rank.
+        student_weight_shard, teacher_weight_shard: [V_r, H_s] and [V_r, H_t], this rank's rows of each head (V_r >=
+            1, the same for both). ``Shard(0)`` DTensors on one 1-D mesh are accepted too (their local rows and the
+            mesh's group are used).
+        target: [...] global token indices in ``[0, V)`` or ``ignore_index``; None: every token carries the
+            divergence (no ``hard_weight``).
+        student_bias_shard, teacher_bias_shard: optional [V_r] rows of each head's bias.
+        group: the process group the vocabulary is sharded over (default: the world).
+        vocab_start: first global row of this rank's shard. None: the shards are contiguous in rank order (their
+            sizes are exchanged, so uneven shards work); if given, on every rank, and the shards must tile
+            ``[0, V)``.
+        divergence, beta, temperature, hard_weight, ignore_index, reduction, token_weight, student_softcap,
+        teacher_softcap, student_logit_scale, teacher_logit_scale, logits_precision, accum_dtype, chunk_size: as in
+            :func:`~lightning_flce.fused_linear_distillation` (a per-token ``temperature`` tensor must be the same
+            on every rank, as the hidden states; ``chunk_size=None`` picks the same size on every rank, from the
+            largest shard).
+
+    Returns:
+        The loss (a scalar, or one per token in the target's shape for ``reduction="none"``) in fp32 (fp64 for fp64
+        inputs), replicated on every rank. Backpropagate the same ``grad_output`` on every rank.
+    """
+    # Raised on this rank only: without a process group there is no collective to tell the others through.
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("vocab_parallel_fused_linear_distillation needs an initialized torch.distributed")
+    group = call_group(student_weight_shard, group)
+    # This rank's argument checks: an error is raised after the agreement all-reduce, which every rank must join.
+    failure = row = None
+    a: Dict[str, Any] = {}
+    try:
+        if call_group(teacher_weight_shard, group) is not group:
+            raise ValueError("the teacher's head is sharded over another process group than the student's")
+        student_input, student_weight_shard, student_bias_shard = local_tensors(
+            student_input, student_weight_shard, student_bias_shard
+        )
+        teacher_input, teacher_weight_shard, teacher_bias_shard = local_tensors(
+            teacher_input, teacher_weight_shard, teacher_bias_shard
+        )
+        _check_shards(student_weight_shard, teacher_weight_shard)
+        check_teacher(
+            student_input, student_weight_shard, teacher_input, teacher_weight_shard, teacher_bias_shard, None
+        )
+        args = distillation_op_args(
+            student_input,
+            student_weight_shard,
+            target,
+            student_bias=student_bias_shard,
+            teacher_head=(teacher_input, teacher_weight_shard, teacher_bias_shard),
+            teacher_top_k=None,
+            divergence=divergence,
+            beta=beta,
+            temperature=temperature,
+            hard_weight=hard_weight,
+            top_k=None,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            token_weight=token_weight,
+            student_softcap=student_softcap,
+            teacher_softcap=teacher_softcap,
+            student_logit_scale=student_logit_scale,
+            teacher_logit_scale=teacher_logit_scale,
+            logits_precision=logits_precision,
+            accum_dtype=accum_dtype,
+            chunk_size=chunk_size,
+            impl="torch",
+        )
+        a = dict(zip(OP_ARG_NAMES, args))
+        row = agreement_row(
+            student_input,
+            student_weight_shard,
+            a["target"],
+            vocab_start=vocab_start,
+            options=FLCEOptions.of(
+                ignore_index=a["ignore_index"],
+                reduction=reduction,
+                token_weight=token_weight,
+                logits_precision=a["logits_precision"],
+                chunk_size=chunk_size,
+            ),
+            compute_dtype=a["compute_dtype"],
+            need_grad_input=a["need_grad_input"],
+            compute_stats=False,
+            sequence_parallel=False,
+            has_bias=student_bias_shard is not None,
+            loss_code=_loss_code(a, temperature),
+        )
+    except Exception as exc:
+        failure = exc
+    rows = agree(row, failure, group, agreement_device(student_input, group))
+    agreed = layout(
+        rows,
+        rank=dist.get_rank(group),
+        chunk_size=chunk_size,
+        compute_dtype=a["compute_dtype"],
+        on_gpu=student_input.device.type == "cuda",
+        workspace_copies=DistillationChunkLoss.workspace_copies,
+        auxiliary_dtype=a["teacher_compute_dtype"],
+    )
+    if not agreed.targets_in_range:  # the same targets on every rank: the same message
+        raise target_range_error(a["target"], agreed.vocab, a["ignore_index"])
+    plan = _Plan(group, agreed.vocab_start, agreed.vocab, agreed.n_valid, agreed.chunk_size, reduction)
+    statics = {name: value for name, value in a.items() if name not in ("x", "weight", "bias")}
+    loss = _VocabParallelDistillation.apply(a["x"], a["weight"], a["bias"], plan, statics)
+    return loss.view(a["target"].shape) if reduction == "none" else loss
+
+
+class ShardRowReductions(RowReductions):
+    """The twin's row reductions on one rank's columns ``[vocab_start, vocab_start + V_r)`` of each row, made global
+    by all-reduces over ``group`` (one per call; every rank calls them in the same order)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], vocab_start: int) -> None:
+        self.group = group
+        self.vocab_start = vocab_start
+
+    def logsumexp(self, *z: Tensor) -> Tuple[Tensor, ...]:
+        row_max = torch.stack([values.amax(dim=1) for values in z])
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)
+        # a row without mass anywhere (-inf everywhere) keeps log 0 = -inf, without inf - inf
+        offset = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        sums = torch.stack(
+            [(values - offset[i].unsqueeze(1)).exp_().sum(dim=1) for i, values in enumerate(z)]
+        )
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.group)
+        lse = offset + sums.log()
+        return tuple(lse[i].unsqueeze(1) for i in range(len(z)))
+
+    def row_sums(self, partial: Tensor) -> Tensor:
+        total = partial.contiguous()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total
+
+    def _local(self, values: Tensor, target: Tensor) -> Tuple[Tensor, Tensor]:
+        """(the target's column on this shard, clamped into it; whether this shard holds it)."""
+        local = target - self.vocab_start
+        owned = (local >= 0) & (local < values.shape[1])
+        return local.clamp(0, values.shape[1] - 1).unsqueeze(1), owned
+
+    def at_target(self, values: Tensor, target: Tensor) -> Tensor:
+        column, owned = self._local(values, target)
+        picked = torch.where(owned, values.gather(1, column).squeeze(1), 0.0)
+        dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=self.group)
+        return picked
+
+    def add_at_target_(self, values: Tensor, target: Tensor, value: float) -> None:
+        column, owned = self._local(values, target)
+        added = torch.where(owned, value, 0.0).to(values.dtype).unsqueeze(1)
+        values.scatter_add_(1, column, added)
+
+
+class ShardKernels:
+    """The per-chunk math of the vocab-parallel op for
+    :class:`~lightning_flce.losses.distillation.DistillationChunkLoss`: the distillation twin with
+    :class:`ShardRowReductions`."""
+
+    def __init__(self, reductions: ShardRowReductions) -> None:
+        self.reductions = reductions
+
+    def distill_chunk(self, *args: Any, **kwargs: Any) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        return distill_torch.distill_chunk(*args, reductions=self.reductions, **kwargs)
+
+
+class _Plan(NamedTuple):
+    """What every rank agreed on (:func:`~lightning_flce.parallel.agreement.layout`), and the reduction."""
+
+    group: Optional[dist.ProcessGroup]
+    vocab_start: int
+    vocab: int
+    n_valid: int
+    chunk_size: int
+    reduction: str
+
+
+def _check_shards(student_weight: Tensor, teacher_weight: Tensor) -> None:
+    if (
+        student_weight.dim() == 2
+        and teacher_weight.dim() == 2
+        and student_weight.shape[0] != teacher_weight.shape[0]
+    ):
+        raise ValueError(
+            f"this rank holds {student_weight.shape[0]} rows of the student's head and {teacher_weight.shape[0]} of"
+            " the teacher's: shard both heads alike (the same rows of the shared vocabulary on each rank)"
+        )
+
+
+def _loss_code(a: Dict[str, Any], temperature: Union[float, Tensor]) -> int:
+    """A hash of the distillation's own options, for the ranks' agreement (ints and floats only)."""
+    codes = (
+        DIVERGENCES.index(a["divergence"]),
+        a["beta"],
+        a["hard_weight"],
+        a["student_softcap"],
+        a["teacher_softcap"],
+        a["student_logit_scale"],
+        a["teacher_logit_scale"],
+        a["teacher_weight"].shape[1],
+        int(a["teacher_bias"] is not None),
+        _DTYPE_ORDER.index(a["teacher_compute_dtype"]),
+        float(temperature) if isinstance(temperature, (int, float)) else -float(temperature.numel()),
+    )
+    return hash(codes)
+
+
+_DTYPE_ORDER = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _run(a: Dict[str, Any], plan: _Plan, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
+    """The chunks on this rank's shard: per-token (loss, divergence, ce), then dX (all-reduced over the group, fp32
+    for 16-bit inputs), dW, d bias (this rank's rows) and their :class:`~lightning_flce.engine.GradScales`."""
+    x, weight, compute_dtype = a["x"], a["weight"], a["compute_dtype"]
+    kernels = ShardKernels(ShardRowReductions(plan.group, plan.vocab_start))
+    loss, checks = distillation_chunk_loss(a, kernels, plan.vocab)
+    counts = torch.stack([count for count, _ in checks]).tolist()  # one host sync; the same on every rank
+    for count, (_, error) in zip(counts, checks):
+        if count:
+            raise error()
+    target = a["target"].reshape(-1)
+    valid = target != a["ignore_index"]
+    grad_weight_dtype = None
+    if keep_scaled:
+        n_chunks = max(1, math.ceil(plan.n_valid / plan.chunk_size))
+        grad_weight_dtype = accumulator_dtype(a["accum_dtype"], weight, compute_dtype, n_chunks)
+    # Each rank's partial dX is summed over the group in fp32 at least: 16-bit partials are not rounded first.
+    reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    *per_token, grad_input, grad_weight, grad_bias, scales = run_chunks(
+        x,
+        weight,
+        target,
+        a["bias"],
+        loss,
+        rows=valid_rows(valid, plan.n_valid),
+        n_valid=plan.n_valid,
+        chunk_size=plan.chunk_size,
+        compute_dtype=compute_dtype,
+        need_grad_input=a["need_grad_input"],
+        need_grad_weight=a["need_grad_weight"],
+        need_grad_bias=a["need_grad_bias"],
+        accum_dtype=a["accum_dtype"],
+        logits_precision=a["logits_precision"],
+        grad_input_dtype=reduce_dtype,
+        keep_scaled=keep_scaled,
+        grad_weight_dtype=grad_weight_dtype,
+        auxiliary_block_rows=auxiliary_block_rows(x.device.type == "cuda"),
+    )
+    if grad_input is not None:
+        dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
+    return (*per_token, grad_input, grad_weight, grad_bias, scales)
+
+
+class _VocabParallelDistillation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: _Plan, statics: Dict[str, Any]):
+        a = {**statics, "x": x, "weight": weight, "bias": bias}
+        needs = (a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"])
+        ctx.needs, ctx.plan, ctx.input_shape = needs, plan, x.shape
+        ctx.set_materialize_grads(False)
+        with torch.autocast(x.device.type, enabled=False):
+            if plan.reduction == "none":  # gradients in backward, with the per-token grad_output
+                per_token_loss, *_ = _run(
+                    {**a, "need_grad_input": False, "need_grad_weight": False, "need_grad_bias": False},
+                    plan,
+                    keep_scaled=False,
+                )
+                ctx.statics = statics
+                ctx.save_for_backward(x, weight, bias)
+                return per_token_loss
+            per_token_loss, _, _, gx, gw, gb, scales = _run(a, plan, keep_scaled=True)
+        if gx is not None:
+            gx = gx.view(x.shape)
+        ctx.final_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        saved = saved_gradients(x, gx, gw, gb)
+        ctx.save_for_backward(*saved, inverse_scales(scales, a["compute_dtype"], x.device))
+        return per_token_loss.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        need_gx, need_gw, need_gb = ctx.needs
+        if grad_loss is None:
+            return None, None, None, None, None
+        if ctx.plan.reduction == "none":
+            x, weight, bias = ctx.saved_tensors
+            statics = ctx.statics
+            dtype = softmax_dtype(statics["compute_dtype"])
+            scale = grad_loss.reshape(-1).to(dtype) * statics["token_scale"].to(dtype)
+            a = {**statics, "x": x, "weight": weight, "bias": bias, "token_scale": scale}
+            with torch.autocast(x.device.type, enabled=False):
+                *_, gx, gw, gb, _ = _run(a, ctx.plan, keep_scaled=False)
+            if gx is not None:
+                gx = gx.view(ctx.input_shape).to(x.dtype)
+        else:
+            check_single_backward(
+                ctx,
+                "vocab_parallel_fused_linear_distillation",
+                "Use reduction='none' (it recomputes in backward) for retain_graph or repeated autograd.grad",
+            )
+            *saved, inverse = ctx.saved_tensors
+            gx, gw, gb = finish_saved_grads(saved, ctx.final_dtypes, grad_loss, inverse)
+        return (gx if need_gx else None, gw if need_gw else None, gb if need_gb else None, None, None)
