@@ -1,0 +1,417 @@
+"""vocab_parallel_fused_linear_distillation on 2 and 3 CPU processes (gloo) against the float64 formula
+(``test_distill.reference_loss``: TRL's ``generalized_jsd_loss`` written with ``F.kl_div``) and the single-device
+op on the full heads.
+
+Each world size runs once (a module-scoped fixture): ``world`` copies of this file join a gloo group through a file
+store, run every case of :func:`cases` in the same order and save their loss, dX and dW / d bias shards per case.
+The tests compare every rank's loss and dX, and dW / d bias put together from the shards at their rows, with the
+float64 formula and with ``fused_linear_distillation`` on the full heads.
+
+Tolerances as in ``test_distill.py``: fp64 inputs within 1e-10 relative (L2) of float64, fp32 within 2e-5 (two fp32
+softmaxes over 40 columns, fp32 GEMMs; a missing or wrong term moves a result by more than 1e-3). bf16 against the
+single-device bf16 op within 8e-3: both round the same fp32 gradients to bf16 (a relative step of 2^-8 = 3.9e-3 per
+element), their fp32 values differing only in the order of the sums. Errors must raise on every rank and leave the
+group usable (a later case still runs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+from ranks import error_in_step, run_ranks
+from reference import relative_error
+from test_distill import make_problem, reference_loss
+
+from lightning_flce import fused_linear_distillation
+from lightning_flce.parallel import vocab_parallel_fused_linear_distillation, vocab_shard_range
+
+FP64_TOL = 1e-10
+FP32_TOL = 2e-5
+BF16_TOL = 8e-3
+VOCAB = {2: 41, 3: 40}  # uneven shards: 21 + 20 and 14 + 13 + 13 rows
+SHAPE = (3, 7)
+EXPLICIT = {0: (25, 40), 1: (0, 6), 2: (6, 25)}  # world 3, vocab_start given: not in rank order, uneven
+DIVERGENCES = {
+    "forward_kl": {"divergence": "forward_kl"},
+    "reverse_kl": {"divergence": "reverse_kl"},
+    "jsd_0.5": {"divergence": "jsd", "beta": 0.5},
+    "jsd_0.2": {"divergence": "jsd", "beta": 0.2},
+}
+# name -> options (True: the problem's tensor of that name)
+FEATURES = {
+    "plain": {},
+    "all": {
+        "bias": True,
+        "temperature": True,
+        "token_weight": True,
+        "hard_weight": 0.3,
+        "student_softcap": 4.0,
+        "teacher_softcap": 6.0,
+        "student_logit_scale": 0.8,
+        "teacher_logit_scale": 1.3,
+    },
+}
+REDUCTIONS = ("mean", "sum", "none")
+TIMEOUT_S = 180
+
+
+def cases(world: int) -> dict[str, dict]:
+    """The cases every rank runs, in this order (the collectives of all ranks must line up)."""
+    out = {}
+    for divergence in DIVERGENCES:
+        for feature in FEATURES:
+            for reduction in REDUCTIONS:
+                out[f"{divergence}-{feature}-{reduction}"] = {
+                    "divergence": divergence,
+                    "feature": feature,
+                    "reduction": reduction,
+                }
+    for reduction in REDUCTIONS:
+        out[f"fp64-jsd_0.5-all-{reduction}"] = {
+            "divergence": "jsd_0.5",
+            "feature": "all",
+            "reduction": reduction,
+            "dtype": torch.float64,
+        }
+    out["no_target-jsd_0.5-plain-mean"] = {"divergence": "jsd_0.5", "reduction": "mean", "target": False}
+    out["default_chunk-forward_kl-all-mean"] = {
+        "divergence": "forward_kl",
+        "feature": "all",
+        "reduction": "mean",
+        "chunk_size": None,
+    }
+    for reduction in ("mean", "none"):
+        out[f"all_ignored-jsd_0.5-all-{reduction}"] = {
+            "divergence": "jsd_0.5",
+            "feature": "all",
+            "reduction": reduction,
+            "ignore": "all",
+        }
+    out["empty-reverse_kl-plain-mean"] = {"divergence": "reverse_kl", "reduction": "mean", "shape": (0,)}
+    out["bf16-jsd_0.5-all-mean"] = {
+        "divergence": "jsd_0.5",
+        "feature": "all",
+        "reduction": "mean",
+        "dtype": torch.bfloat16,
+    }
+    out["dtensor-forward_kl-all-sum"] = {
+        "divergence": "forward_kl",
+        "feature": "all",
+        "reduction": "sum",
+        "kind": "dtensor",
+    }
+    if world == 3:
+        for reduction in REDUCTIONS:
+            out[f"explicit_start-jsd_0.2-all-{reduction}"] = {
+                "divergence": "jsd_0.2",
+                "feature": "all",
+                "reduction": reduction,
+                "layout": "explicit",
+            }
+    for error in ERRORS:
+        out[f"error-{error}"] = {"kind": "error", "error": error}
+    out["after_errors-jsd_0.5-all-mean"] = {"divergence": "jsd_0.5", "feature": "all", "reduction": "mean"}
+    return out
+
+
+# name: (what the ranks do, the error type and message every rank raises; None: a peer error on the good ranks)
+ERRORS = {
+    "teacher_rows_differ_on_rank1": ("ValueError", "rows of the student's head and"),
+    "divergence_differs": ("ValueError", "the loss's own options"),
+    "temperature_differs": ("ValueError", "the loss's own options"),
+    "target_out_of_range": ("ValueError", "target(s) outside [0, "),
+    "teacher_requires_grad": ("ValueError", "teacher_weight requires grad"),
+    "bad_temperature": ("ValueError", "temperature"),
+    "vocab_start_overlap": ("ValueError", "do not tile"),
+}
+
+
+def problem(spec: dict, world: int):
+    """(student [xs, ws, bs], teacher [xt, wt, bt], target, extras) of a case, the same on every rank."""
+    dtype = spec.get("dtype", torch.float32)
+    (xs, ws, bs), (xt, wt, bt), target, extras = make_problem(
+        shape=spec.get("shape", SHAPE), v=VOCAB[world], dtype=torch.float64, seed=3
+    )
+    if spec.get("ignore") == "all":
+        target = torch.full_like(target, -100)
+    student = [t.detach().to(dtype) for t in (xs, ws, bs)]
+    teacher = [t.to(dtype) for t in (xt, wt, bt)]
+    return student, teacher, target, extras
+
+
+def op_kwargs(spec: dict, extras: dict) -> dict:
+    kwargs = dict(DIVERGENCES[spec["divergence"]])
+    for name, value in FEATURES[spec.get("feature", "plain")].items():
+        if name != "bias":
+            kwargs[name] = extras[name] if value is True else value
+    kwargs["reduction"] = spec["reduction"]
+    return kwargs
+
+
+def shard_rows(spec: dict, world: int, rank: int) -> tuple[int, int]:
+    if spec.get("layout") == "explicit":
+        return EXPLICIT[rank]
+    return vocab_shard_range(VOCAB[world], world, rank)
+
+
+def _backward(loss: torch.Tensor, spec: dict, extras: dict) -> None:
+    grad_output = extras["grad_output"] if spec["reduction"] == "none" else torch.tensor(0.75)
+    (loss * grad_output.to(loss.dtype)).sum().backward()
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker (this file run as a script, one process per rank)
+# ----------------------------------------------------------------------------------------------
+
+
+def run_case(spec: dict, world: int, rank: int) -> dict:
+    if spec.get("kind") == "error":
+        return {"error": run_error(spec["error"], world, rank)}
+    (xs, ws, bs), (xt, wt, bt), target, extras = problem(spec, world)
+    start, end = shard_rows(spec, world, rank)
+    use_bias = FEATURES[spec.get("feature", "plain")].get("bias", False)
+    x = xs.clone().requires_grad_()
+    w = ws[start:end].clone().requires_grad_()
+    b = bs[start:end].clone().requires_grad_() if use_bias else None
+    teacher_w, teacher_b = wt[start:end], bt[start:end] if use_bias else None
+    kwargs = op_kwargs(spec, extras)
+    kwargs["chunk_size"] = spec.get("chunk_size", 8)
+    if spec.get("layout") == "explicit":
+        kwargs["vocab_start"] = start
+    if spec.get("kind") == "dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from lightning_flce._compat import dtensor_api
+
+        api = dtensor_api()
+        mesh = init_device_mesh("cpu", (world,))
+        w = api.distribute_tensor(ws, mesh, [api.Shard(0)]).requires_grad_()
+        b = api.distribute_tensor(bs, mesh, [api.Shard(0)]).requires_grad_()
+        teacher_w = api.distribute_tensor(wt, mesh, [api.Shard(0)])
+        teacher_b = api.distribute_tensor(bt, mesh, [api.Shard(0)])
+    loss = vocab_parallel_fused_linear_distillation(
+        x,
+        w,
+        xt,
+        teacher_w,
+        target if spec.get("target", True) else None,
+        student_bias_shard=b,
+        teacher_bias_shard=teacher_b,
+        **kwargs,
+    )
+    _backward(loss, spec, extras)
+    dw, db = w.grad, None if b is None else b.grad
+    if spec.get("kind") == "dtensor":
+        dw, db = dw.to_local(), db.to_local()
+        start = (
+            -(-VOCAB[world] // world) * rank
+        )  # torch's Shard(0): torch.chunk's rows, not vocab_shard_range's
+        end = start + dw.shape[0]
+    return {"rows": (start, end), "loss": loss.detach(), "dx": x.grad, "dw": dw, "db": db}
+
+
+def run_error(error: str, world: int, rank: int) -> str:
+    spec = {"divergence": "jsd_0.5", "feature": "all", "reduction": "mean"}
+    (xs, ws, bs), (xt, wt, bt), target, extras = problem(spec, world)
+    start, end = shard_rows(spec, world, rank)
+    x, w, teacher_w = xs.clone().requires_grad_(), ws[start:end].clone().requires_grad_(), wt[start:end]
+    kwargs = op_kwargs(spec, extras)
+    kwargs["chunk_size"] = 8
+    if error == "teacher_rows_differ_on_rank1" and rank == 1:
+        teacher_w = teacher_w[1:]
+    elif error == "divergence_differs":
+        kwargs["divergence"] = "forward_kl" if rank == 1 else "jsd"
+    elif error == "temperature_differs":
+        kwargs["temperature"] = 1.0 + rank
+    elif error == "target_out_of_range":
+        target = target.clone()
+        target[0, 0] = VOCAB[world] + 2
+    elif error == "teacher_requires_grad":
+        teacher_w = teacher_w.clone().requires_grad_()
+    elif error == "bad_temperature":
+        kwargs["temperature"] = extras["temperature"].clone()
+        kwargs["temperature"][0, 0] = 0.0
+    elif error == "vocab_start_overlap":
+        kwargs["vocab_start"] = 0  # every rank claims row 0
+    return error_in_step(
+        lambda: vocab_parallel_fused_linear_distillation(x, w, xt, teacher_w, target, **kwargs)
+    )
+
+
+def worker(out_dir: str, world: int, rank: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world
+    )
+    results = {}
+    start = time.perf_counter()
+    for name, spec in cases(world).items():
+        print(f"[rank {rank}] {name}", flush=True)  # the harness shows these tails on a timeout
+        results[name] = run_case(spec, world, rank)
+    results["_seconds"] = time.perf_counter() - start
+    dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    # No destroy_process_group(): see test_vocab_parallel.py's worker (torch 2.4's gloo teardown can hang).
+
+
+# ----------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    cache = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            out_dir = tmp_path_factory.mktemp(f"vpd{world}")
+            cache[world] = run_ranks(
+                world,
+                lambda rank: [__file__, out_dir, world, rank],
+                out_dir,
+                TIMEOUT_S,
+                label="vocab-parallel distillation",
+            )
+        return cache[world]
+
+    return get
+
+
+def _case_ids():
+    return [(world, name) for world in (2, 3) for name in cases(world)]
+
+
+def _full_from_shards(shards, vocab: int) -> torch.Tensor:
+    first = shards[0][1]
+    full = torch.full((vocab, *first.shape[1:]), float("nan"), dtype=first.dtype)
+    for (start, end), part in shards:
+        assert part.shape[0] == end - start
+        full[start:end] = part
+    assert not full.isnan().any(), "the shards do not cover the vocabulary"
+    return full
+
+
+def _expected(spec: dict, world: int):
+    """((loss, dx, dw, db) of the float64 formula, the same of the single-device op on the full heads)."""
+    (xs, ws, bs), (xt, wt, bt), target, extras = problem(spec, world)
+    use_bias = FEATURES[spec.get("feature", "plain")].get("bias", False)
+    kwargs = op_kwargs(spec, extras)
+    given_target = target if spec.get("target", True) else None
+
+    def run(fn, dtype):
+        # fresh leaves for each run (.to of the same dtype would return the problem's own tensors)
+        x, w = xs.to(dtype).clone().requires_grad_(), ws.to(dtype).clone().requires_grad_()
+        b = bs.to(dtype).clone().requires_grad_() if use_bias else None
+        teacher = (xt.to(dtype), wt.to(dtype), bt.to(dtype) if use_bias else None)
+        loss = fn(x, w, b, teacher)
+        _backward(loss, spec, extras)
+        return loss.detach(), x.grad, w.grad, None if b is None else b.grad
+
+    reference = run(
+        lambda x, w, b, t: reference_loss(
+            x, w, t[0], t[1], given_target, student_bias=b, teacher_bias=t[2], **kwargs
+        ),
+        torch.float64,
+    )
+    single = run(
+        lambda x, w, b, t: fused_linear_distillation(
+            x, w, t[0], t[1], given_target, student_bias=b, teacher_bias=t[2], chunk_size=8, **kwargs
+        ),
+        xs.dtype,
+    )
+    return reference, single
+
+
+@pytest.mark.parametrize(("world", "name"), _case_ids(), ids=[f"w{w}-{n}" for w, n in _case_ids()])
+def test_vocab_parallel_distillation(results, world, name):
+    spec = cases(world)[name]
+    ranks = [r[name] for r in results(world)]
+    if spec.get("kind") == "error":
+        kind, message = ERRORS[spec["error"]]
+        for rank, r in enumerate(ranks):
+            assert r["error"] is not None, f"rank {rank} raised nothing"
+            assert r["error"].startswith(kind), r["error"]
+            # the ranks whose own arguments passed name the failing ones; the others raise the message itself
+            assert message in r["error"] or "failed their argument checks" in r["error"], r["error"]
+        assert any(message in r["error"] for r in ranks)
+        return
+    if spec.get("layout") == "explicit":
+        assert [r["rows"] for r in ranks] == [EXPLICIT[rank] for rank in range(world)]
+    reference, single = _expected(spec, world)
+    dtype = spec.get("dtype", torch.float32)
+    vocab = VOCAB[world]
+    dw = _full_from_shards([(r["rows"], r["dw"]) for r in ranks], vocab)
+    db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], vocab) if single[3] is not None else None
+    if spec.get("ignore") == "all" or spec.get("shape") == (0,):
+        for r in ranks:
+            assert torch.count_nonzero(r["loss"]) == 0 and torch.count_nonzero(r["dx"]) == 0
+            assert r["loss"].shape == single[0].shape and r["dx"].shape == single[1].shape
+        assert torch.count_nonzero(dw) == 0 and (db is None or torch.count_nonzero(db) == 0)
+        return
+    for r in ranks:
+        assert r["loss"].dtype == single[0].dtype and r["loss"].shape == single[0].shape
+        assert r["dx"].dtype == single[1].dtype == dtype
+    assert dw.dtype == dtype
+    if dtype == torch.bfloat16:  # against the single-device bf16 op (see the module docstring)
+        pairs = [(r["loss"], single[0]) for r in ranks] + [(r["dx"], single[1]) for r in ranks]
+        pairs += [(dw, single[2]), (db, single[3])]
+        for got, want in pairs:
+            assert relative_error(got, want) < BF16_TOL
+        return
+    tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
+    for rank, r in enumerate(ranks):
+        for what, want in (("reference", reference), ("single-device op", single)):
+            assert relative_error(r["loss"], want[0]) < tol, f"rank {rank} loss vs the {what}"
+            assert relative_error(r["dx"], want[1]) < tol, f"rank {rank} dx vs the {what}"
+    for what, want in (("reference", reference), ("single-device op", single)):
+        assert relative_error(dw, want[2]) < tol, f"dw vs the {what}"
+        if want[3] is not None:
+            assert relative_error(db, want[3]) < tol, f"d bias vs the {what}"
+    assert (db is None) == (single[3] is None)
+
+
+def test_needs_an_initialized_process_group():
+    (xs, ws, _), (xt, wt, _), target, _ = make_problem()
+    with pytest.raises(RuntimeError, match="initialized torch.distributed"):
+        vocab_parallel_fused_linear_distillation(xs, ws, xt, wt, target)
+
+
+def test_group_of_one_is_the_single_device_op_and_refuses_a_second_backward(tmp_path):
+    """One process (a group of 1): the same loss and gradients as the single-device op; a second backward
+    through a "mean" call is refused as the single-device op refuses it."""
+    import torch.distributed as dist
+
+    (xs, ws, bs), (xt, wt, bt), target, extras = make_problem(dtype=torch.float32)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        got = vocab_parallel_fused_linear_distillation(
+            xs, ws, xt, wt, target, student_bias_shard=bs, teacher_bias_shard=bt, hard_weight=0.2
+        )
+        got.backward(retain_graph=True)
+        got_grads = [t.grad.clone() for t in (xs, ws, bs)]
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            got.backward()
+    finally:
+        dist.destroy_process_group()
+    for t in (xs, ws, bs):
+        t.grad = None
+    want = fused_linear_distillation(
+        xs, ws, xt, wt, target, student_bias=bs, teacher_bias=bt, hard_weight=0.2
+    )
+    want.backward()
+    assert relative_error(got.detach(), want.detach()) < FP32_TOL
+    for g, t in zip(got_grads, (xs, ws, bs)):
+        assert relative_error(g, t.grad) < FP32_TOL
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    sys.stdout.flush()
+    os._exit(0)  # skip the process group's and the interpreter's teardown (see worker)
