@@ -118,6 +118,36 @@ def cases(world: int) -> dict[str, dict]:
     return out
 
 
+def cuda_cases(world: int) -> dict[str, dict]:
+    """The GPU cases: the engine's GPU path (the teacher in blocks of 256 rows of each chunk, cuBLAS GEMMs) on 600
+    tokens over 1001 columns; each rank on its own GPU through NCCL where there are as many, else all on the
+    first one through gloo (its collectives take CUDA tensors)."""
+    out = {}
+    base = {"device": "cuda", "feature": "all", "shape": (2, 300), "vocab": 1001, "hidden": (64, 96)}
+    for dtype in (torch.float32, torch.bfloat16):
+        for divergence in ("jsd_0.5", "forward_kl", "reverse_kl"):
+            for reduction in ("mean", "none"):
+                name = f"cuda-{str(dtype).removeprefix('torch.')}-{divergence}-all-{reduction}"
+                out[name] = {
+                    **base,
+                    "dtype": dtype,
+                    "divergence": divergence,
+                    "reduction": reduction,
+                    "chunk_size": 384,
+                }
+    out["cuda-bfloat16-default_chunk-jsd_0.5-all-mean"] = {
+        **base,
+        "dtype": torch.bfloat16,
+        "divergence": "jsd_0.5",
+        "reduction": "mean",
+        "chunk_size": None,
+    }
+    return out
+
+
+SUITES = {"main": cases, "cuda": cuda_cases}
+
+
 # name: (what the ranks do, the error type and message every rank raises; None: a peer error on the good ranks)
 ERRORS = {
     "teacher_rows_differ_on_rank1": ("ValueError", "rows of the student's head and"),
@@ -130,16 +160,30 @@ ERRORS = {
 }
 
 
+def vocab_of(spec: dict, world: int) -> int:
+    return spec.get("vocab", VOCAB[world])
+
+
 def problem(spec: dict, world: int):
-    """(student [xs, ws, bs], teacher [xt, wt, bt], target, extras) of a case, the same on every rank."""
+    """(student [xs, ws, bs], teacher [xt, wt, bt], target, extras) of a case, the same on every rank, on the
+    case's device."""
     dtype = spec.get("dtype", torch.float32)
+    hidden = spec.get("hidden", (8, 12))
     (xs, ws, bs), (xt, wt, bt), target, extras = make_problem(
-        shape=spec.get("shape", SHAPE), v=VOCAB[world], dtype=torch.float64, seed=3
+        shape=spec.get("shape", SHAPE),
+        hs=hidden[0],
+        ht=hidden[1],
+        v=vocab_of(spec, world),
+        dtype=torch.float64,
+        seed=3,
     )
+    device = spec.get("device", "cpu")
+    target = target.to(device)
+    extras = {name: value.to(device) for name, value in extras.items()}
     if spec.get("ignore") == "all":
         target = torch.full_like(target, -100)
-    student = [t.detach().to(dtype) for t in (xs, ws, bs)]
-    teacher = [t.to(dtype) for t in (xt, wt, bt)]
+    student = [t.detach().to(device, dtype) for t in (xs, ws, bs)]
+    teacher = [t.to(device, dtype) for t in (xt, wt, bt)]
     return student, teacher, target, extras
 
 
@@ -155,11 +199,13 @@ def op_kwargs(spec: dict, extras: dict) -> dict:
 def shard_rows(spec: dict, world: int, rank: int) -> tuple[int, int]:
     if spec.get("layout") == "explicit":
         return EXPLICIT[rank]
-    return vocab_shard_range(VOCAB[world], world, rank)
+    return vocab_shard_range(vocab_of(spec, world), world, rank)
 
 
 def _backward(loss: torch.Tensor, spec: dict, extras: dict) -> None:
-    grad_output = extras["grad_output"] if spec["reduction"] == "none" else torch.tensor(0.75)
+    grad_output = (
+        extras["grad_output"] if spec["reduction"] == "none" else torch.tensor(0.75, device=loss.device)
+    )
     (loss * grad_output.to(loss.dtype)).sum().backward()
 
 
@@ -208,7 +254,7 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
     if spec.get("kind") == "dtensor":
         dw, db = dw.to_local(), db.to_local()
         start = (
-            -(-VOCAB[world] // world) * rank
+            -(-vocab_of(spec, world) // world) * rank
         )  # torch's Shard(0): torch.chunk's rows, not vocab_shard_range's
         end = start + dw.shape[0]
     return {"rows": (start, end), "loss": loss.detach(), "dx": x.grad, "dw": dw, "db": db}
@@ -242,22 +288,31 @@ def run_error(error: str, world: int, rank: int) -> str:
     )
 
 
-def worker(out_dir: str, world: int, rank: int) -> None:
+def worker(out_dir: str, world: int, rank: int, suite: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    backend = "gloo"
+    if suite == "cuda":
+        gpus = torch.cuda.device_count()
+        backend = "nccl" if gpus >= world else "gloo"
+        torch.cuda.set_device(rank if backend == "nccl" else 0)
     dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world
+        backend, init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world
     )
-    results = {}
+    results: dict = {"_backend": backend}
     start = time.perf_counter()
-    for name, spec in cases(world).items():
+    for name, spec in SUITES[suite](world).items():
         print(f"[rank {rank}] {name}", flush=True)  # the harness shows these tails on a timeout
-        results[name] = run_case(spec, world, rank)
+        results[name] = _on_cpu(run_case(spec, world, rank))
     results["_seconds"] = time.perf_counter() - start
     dist.barrier()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     # No destroy_process_group(): see test_vocab_parallel.py's worker (torch 2.4's gloo teardown can hang).
+
+
+def _on_cpu(result: dict) -> dict:
+    return {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in result.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,17 +324,17 @@ def worker(out_dir: str, world: int, rank: int) -> None:
 def results(tmp_path_factory):
     cache = {}
 
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            out_dir = tmp_path_factory.mktemp(f"vpd{world}")
-            cache[world] = run_ranks(
+    def get(world: int, suite: str = "main") -> list[dict]:
+        if (world, suite) not in cache:
+            out_dir = tmp_path_factory.mktemp(f"vpd{world}_{suite}")
+            cache[world, suite] = run_ranks(
                 world,
-                lambda rank: [__file__, out_dir, world, rank],
+                lambda rank: [__file__, out_dir, world, rank, suite],
                 out_dir,
                 TIMEOUT_S,
-                label="vocab-parallel distillation",
+                label=f"vocab-parallel distillation ({suite})",
             )
-        return cache[world]
+        return cache[world, suite]
 
     return get
 
@@ -312,7 +367,10 @@ def _expected(spec: dict, world: int):
         teacher = (xt.to(dtype), wt.to(dtype), bt.to(dtype) if use_bias else None)
         loss = fn(x, w, b, teacher)
         _backward(loss, spec, extras)
-        return loss.detach(), x.grad, w.grad, None if b is None else b.grad
+        return tuple(
+            None if t is None else t.cpu()
+            for t in (loss.detach(), x.grad, w.grad, None if b is None else b.grad)
+        )
 
     reference = run(
         lambda x, w, b, t: reference_loss(
@@ -322,7 +380,15 @@ def _expected(spec: dict, world: int):
     )
     single = run(
         lambda x, w, b, t: fused_linear_distillation(
-            x, w, t[0], t[1], given_target, student_bias=b, teacher_bias=t[2], chunk_size=8, **kwargs
+            x,
+            w,
+            t[0],
+            t[1],
+            given_target,
+            student_bias=b,
+            teacher_bias=t[2],
+            chunk_size=spec.get("chunk_size", 8),
+            **kwargs,
         ),
         xs.dtype,
     )
@@ -331,8 +397,17 @@ def _expected(spec: dict, world: int):
 
 @pytest.mark.parametrize(("world", "name"), _case_ids(), ids=[f"w{w}-{n}" for w, n in _case_ids()])
 def test_vocab_parallel_distillation(results, world, name):
-    spec = cases(world)[name]
-    ranks = [r[name] for r in results(world)]
+    _check_case(cases(world)[name], world, [r[name] for r in results(world)])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", list(cuda_cases(2)))
+def test_vocab_parallel_distillation_cuda(results, name):
+    _check_case(cuda_cases(2)[name], 2, [r[name] for r in results(2, "cuda")])
+
+
+def _check_case(spec: dict, world: int, ranks: list[dict]) -> None:
     if spec.get("kind") == "error":
         kind, message = ERRORS[spec["error"]]
         for rank, r in enumerate(ranks):
@@ -346,7 +421,7 @@ def test_vocab_parallel_distillation(results, world, name):
         assert [r["rows"] for r in ranks] == [EXPLICIT[rank] for rank in range(world)]
     reference, single = _expected(spec, world)
     dtype = spec.get("dtype", torch.float32)
-    vocab = VOCAB[world]
+    vocab = vocab_of(spec, world)
     dw = _full_from_shards([(r["rows"], r["dw"]) for r in ranks], vocab)
     db = _full_from_shards([(r["rows"], r["db"]) for r in ranks], vocab) if single[3] is not None else None
     if spec.get("ignore") == "all" or spec.get("shape") == (0,):
@@ -412,6 +487,6 @@ def test_group_of_one_is_the_single_device_op_and_refuses_a_second_backward(tmp_
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     sys.stdout.flush()
     os._exit(0)  # skip the process group's and the interpreter's teardown (see worker)
