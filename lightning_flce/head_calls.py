@@ -32,24 +32,30 @@ def run_in_head(
     loss_of: Callable[[Tensor, Tensor, Optional[Tensor]], Any],
     *,
     caller: str,
+    vocab_parallel: bool = False,
 ) -> Any:
     """``loss_of(hidden, weight, bias)`` inside the head's call, the head's logit scale applied to ``hidden`` and
     ``bias``. A tuple result comes back as a plain tuple (hooks that rebuild their outputs may not handle
     NamedTuples): the caller rebuilds its own type. ``caller`` names the feature in the errors, as their plural
-    subject ("the RL calls ...", "DistillationModule's heads").
+    subject ("the RL calls ...", "DistillationModule's heads"). ``vocab_parallel``: the caller runs a vocab-parallel
+    op for a :class:`~lightning_flce.parallel.VocabParallelHead` (its ``loss_of`` gets this rank's rows of the weight
+    and bias; the head's group and ``vocab_start`` are the caller's to pass).
 
     Raises:
-        NotImplementedError: for a :class:`~lightning_flce.parallel.VocabParallelHead` (no vocab-parallel op here).
+        NotImplementedError: for a :class:`~lightning_flce.parallel.VocabParallelHead` without ``vocab_parallel``.
         TypeError: for a head that does not compute ``F.linear(hidden, weight, bias)`` (nor a PEFT LoRA head).
         RuntimeError: when calling the head did not reach the module that holds the weight.
     """
     head = resolved.module
     module = unwrap_head(head)
-    if isinstance(module, VocabParallelHead):
+    sharded = isinstance(module, VocabParallelHead)
+    if sharded and not vocab_parallel:
         raise NotImplementedError(f"{caller} do not support a VocabParallelHead yet; use a replicated head")
-    lora = is_peft_lora_head(module)  # (raises for the PEFT layers the fused ops cannot compute)
+    lora = not sharded and is_peft_lora_head(
+        module
+    )  # (raises for the PEFT layers the fused ops cannot compute)
     is_linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-    if not (lora or is_linear or isinstance(module, nn.Embedding)):
+    if not (lora or is_linear or sharded or isinstance(module, nn.Embedding)):
         raise TypeError(
             "The LM head must compute F.linear(hidden, head.weight, head.bias): an nn.Linear that keeps"
             f" nn.Linear.forward or an nn.Embedding used as the tied output matrix; got {type(module).__name__}"

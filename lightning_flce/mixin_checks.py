@@ -98,6 +98,12 @@ def check_vocab_parallel_layout(module: Any, trainer: Any) -> None:
     """Checks the head of ``module`` (an ``FLCEMixin``; its errors raise at fit start, after ``configure_model``)
     and raises for the strategies that cannot train a vocab-parallel head (see ``FLCEMixin``'s docstring)."""
     head = unwrap_head(resolve_head(module, module.flce_head, module.flce_softcap).module)
+    check_vocab_parallel_strategy(head, trainer, "FLCEMixin")
+
+
+def check_vocab_parallel_strategy(head: Any, trainer: Any, owner: str) -> None:
+    """Raises for the strategies that cannot train ``head`` when it is a :class:`VocabParallelHead` sharded over
+    more than one rank (``owner`` names who trains it in the errors)."""
     if not isinstance(head, VocabParallelHead):
         return
     import torch.distributed as dist
@@ -110,7 +116,7 @@ def check_vocab_parallel_layout(module: Any, trainer: Any) -> None:
     found = world_reducing.intersection(cls.__name__ for cls in type(strategy).__mro__)
     if found:
         raise ValueError(
-            f"FLCEMixin: the head is a VocabParallelHead sharded over {tp_size} ranks, but {type(strategy).__name__}"
+            f"{owner}: the head is a VocabParallelHead sharded over {tp_size} ranks, but {type(strategy).__name__}"
             f" ({sorted(found)[0]}) reduces every gradient over the whole world, which would average head shards"
             " of different vocabulary rows. Run one single-device Trainer per TP rank (data replicated), or a"
             " strategy that reduces gradients over the data-parallel ranks only (ModelParallelStrategy)"
@@ -118,6 +124,6 @@ def check_vocab_parallel_layout(module: Any, trainer: Any) -> None:
     world_size = trainer.world_size
     if world_size > 1 and world_size % tp_size:
         raise ValueError(
-            f"FLCEMixin: the trainer's world size {world_size} is not a multiple of the VocabParallelHead's"
+            f"{owner}: the trainer's world size {world_size} is not a multiple of the VocabParallelHead's"
             f" group size {tp_size}; the head's group must be a tensor-parallel group inside the world"
         )

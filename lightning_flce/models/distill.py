@@ -61,6 +61,7 @@ from lightning_flce.head_calls import run_in_head
 from lightning_flce.head_discovery import ResolvedHead, is_hf_model, resolve_head
 from lightning_flce.losses.distillation import DIVERGENCES, Divergence
 from lightning_flce.mixin import NARROW_INT_DTYPES
+from lightning_flce.mixin_checks import check_vocab_parallel_strategy
 from lightning_flce.mixin_step import StepNormalization
 from lightning_flce.models.gpt import adamw_with_warmup_cosine
 from lightning_flce.models.hf import HFCausalLM
@@ -68,6 +69,11 @@ from lightning_flce.module_calls import forward_bound_to, has_call_hooks
 from lightning_flce.normalization import StepNormalizer, UnweightedTermWatch
 from lightning_flce.options import NORMALIZE_MODES, AccumDtype, FLCEOptions, LogitsPrecision, NormalizeMode
 from lightning_flce.outputs import FLCEOutput
+from lightning_flce.parallel import (
+    VocabParallelHead,
+    vocab_parallel_fused_linear_cross_entropy_with_stats,
+    vocab_parallel_fused_linear_distillation,
+)
 
 __all__ = [
     "TEACHER_TOP_K_KEYS",
@@ -110,6 +116,8 @@ def _weight_holder(head: nn.Module) -> nn.Module:
 def _head_rows(model: nn.Module) -> int:
     """The vocabulary of ``model``'s LM head from the module's own sizes (a sharded weight's shape is a shard's)."""
     module = _weight_holder(unwrap_head(_resolved_head(model).module))
+    if isinstance(module, VocabParallelHead):
+        return module.vocab_size
     if isinstance(module, nn.Linear):
         return module.out_features
     if isinstance(module, nn.Embedding):
@@ -177,6 +185,39 @@ def _frozen(tensor: Tensor) -> Tensor:
     view that does (FSDP1's unsharded views of a flat parameter that also holds trainable ones, with
     ``use_orig_params``), which the op would refuse as a teacher that needs a gradient."""
     return tensor.detach() if tensor.requires_grad else tensor
+
+
+def _vocab_parallel_head(student: nn.Module, teacher: Optional[nn.Module]) -> Optional[VocabParallelHead]:
+    """The student's LM head when it is a :class:`~lightning_flce.parallel.VocabParallelHead` (the teacher's must
+    then be one with the same group and rows), else None (and the teacher's must not be one); a clear error
+    otherwise."""
+    head = unwrap_head(_resolved_head(student).module)
+    teacher_head = None if teacher is None else unwrap_head(_resolved_head(teacher).module)
+    sharded = isinstance(head, VocabParallelHead)
+    if teacher is None and sharded:
+        raise NotImplementedError(
+            "a cached teacher (cached_teacher=True) with a VocabParallelHead student: the teacher's top k is a"
+            " selection over the whole vocabulary; use a replicated student head"
+        )
+    if teacher_head is not None and isinstance(teacher_head, VocabParallelHead) != sharded:
+        which = "student's" if sharded else "teacher's"
+        raise ValueError(
+            f"only the {which} LM head is a VocabParallelHead: shard both heads over the vocabulary alike (the same"
+            " rows of the shared tokenizer on each rank, e.g. VocabParallelHead.from_linear(head, group=tp_group)"
+            " on both models) or neither"
+        )
+    if not sharded:
+        return None
+    assert isinstance(head, VocabParallelHead) and isinstance(teacher_head, VocabParallelHead)
+    layout = (head.vocab_size, head.vocab_start, head.weight.shape[0])
+    teacher_layout = (teacher_head.vocab_size, teacher_head.vocab_start, teacher_head.weight.shape[0])
+    if teacher_head.group is not head.group or layout != teacher_layout:
+        raise ValueError(
+            "the student's and the teacher's VocabParallelHeads must be sharded alike: the same group and, on each"
+            f" rank, the same rows; got (vocabulary, first row, rows) {layout} for the student and {teacher_layout}"
+            " for the teacher"
+        )
+    return head
 
 
 def _cached_top_k(batch: dict[str, Tensor], positions: tuple[int, ...]) -> TeacherTopK:
@@ -459,6 +500,10 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     def on_fit_start(self) -> None:
         self._prepare_fsdp2()
         self._keep_teacher_dtype()
+        if self._trainer is not None:
+            check_vocab_parallel_strategy(
+                unwrap_head(_resolved_head(self.student).module), self._trainer, "DistillationModule"
+            )
         if self._trainer is not None:  # (the hook may be called alone, to cast the teacher back)
             self._flce_start_fit_normalization()
             self._flce_add_normalize_callback()
@@ -660,6 +705,12 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         states and bias."""
         hp = self.hparams
         student_head = _resolved_head(self.student)
+        sharded = _vocab_parallel_head(self.student, self.teacher)
+        if sharded is not None and (hp.top_k is not None or hp.vocab_size not in (None, sharded.vocab_size)):
+            raise NotImplementedError(
+                "VocabParallelHeads distill over their whole vocabulary: top_k (a selection over every shard) and a"
+                f" vocab_size below the heads' {sharded.vocab_size} rows are not supported with them"
+            )
         # the options both front ends of the op take: the student's softcap and the module's loss options
         shared: dict[str, Any] = dict(
             divergence=hp.divergence,
@@ -703,6 +754,25 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                 # the teacher head's GEMM dtype: the autocast dtype under mixed precision (the op's rule), else its own
                 precision = getattr(self._trainer, "precision", None)
                 self.flce_teacher_compute_dtype = head_compute_dtype(precision, teacher_weight.dtype)
+                teacher_bias = None if teacher_bias is None else _frozen(teacher_bias)
+                if sharded is not None:  # both heads' rows of this rank: the vocab-parallel op
+                    options = {key: value for key, value in shared.items() if key != "vocab_size"}
+                    losses.append(
+                        vocab_parallel_fused_linear_distillation(
+                            hidden,
+                            weight,
+                            teacher_hidden,
+                            _frozen(teacher_weight),
+                            target,
+                            student_bias_shard=bias,
+                            teacher_bias_shard=teacher_bias,
+                            group=sharded.group,
+                            vocab_start=sharded.vocab_start,
+                            teacher_softcap=teacher_head.softcap,
+                            **options,
+                        )
+                    )
+                    return losses[-1].detach()
                 losses.append(
                     _fused_distillation(
                         hidden,
@@ -711,7 +781,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                         _frozen(teacher_weight),
                         target,
                         student_bias=bias,
-                        teacher_bias=None if teacher_bias is None else _frozen(teacher_bias),
+                        teacher_bias=teacher_bias,
                         top_k=hp.top_k,
                         teacher_softcap=teacher_head.softcap,
                         **shared,
@@ -721,10 +791,10 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                 # needs a gradient (FSDP2 would gather the frozen teacher head again in backward for it).
                 return losses[-1].detach()
 
-            run_in_head(teacher_head, teacher_side, teacher_loss, caller=_HEADS)
+            run_in_head(teacher_head, teacher_side, teacher_loss, caller=_HEADS, vocab_parallel=True)
             return losses[-1]
 
-        loss = run_in_head(student_head, student_hidden, student_loss, caller=_HEADS)
+        loss = run_in_head(student_head, student_hidden, student_loss, caller=_HEADS, vocab_parallel=True)
         self._reshard_head_units(teacher_only=True)
         return loss
 
@@ -750,22 +820,24 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         from lightning_flce.functional import fused_linear_cross_entropy_with_stats
 
         head = _resolved_head(self.student)
+        sharded = _vocab_parallel_head(self.student, self.teacher)
+        options: dict[str, Any] = dict(
+            ignore_index=self.ignore_index,
+            reduction="sum",
+            softcap=head.softcap,
+            logits_precision=self.hparams.logits_precision,
+            chunk_size=self.hparams.chunk_size,
+        )
 
         def cross_entropy(h: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Any:
+            if sharded is not None:  # this rank's rows
+                return vocab_parallel_fused_linear_cross_entropy_with_stats(
+                    h, weight, target, bias, group=sharded.group, vocab_start=sharded.vocab_start, **options
+                )
             weight, bias = vocab_rows(weight, bias, self.hparams.vocab_size)  # the loss's rows
-            return fused_linear_cross_entropy_with_stats(
-                h,
-                weight,
-                target,
-                bias,
-                ignore_index=self.ignore_index,
-                reduction="sum",
-                softcap=head.softcap,
-                logits_precision=self.hparams.logits_precision,
-                chunk_size=self.hparams.chunk_size,
-            )
+            return fused_linear_cross_entropy_with_stats(h, weight, target, bias, **options)
 
-        output = FLCEOutput(*run_in_head(head, hidden, cross_entropy, caller=_HEADS))
+        output = FLCEOutput(*run_in_head(head, hidden, cross_entropy, caller=_HEADS, vocab_parallel=True))
         return output.loss, output.correct.sum()
 
     def _check_vocabularies(self, vocab_size: Optional[int]) -> None:
