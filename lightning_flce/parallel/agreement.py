@@ -287,8 +287,8 @@ def layout(
         (_C_FLAGS, f"reduction, stats, bias or {_PER_TOKEN_NAMES} (given or not) or input.requires_grad"),
         (
             _C_OPTIONS,
-            "ignore_index, label_smoothing, lse_square_scale, logits_precision, softcap, target shape or the"
-            " loss's own options",
+            "ignore_index, label_smoothing, lse_square_scale, logits_precision, softcap or target shape (or the"
+            " loss's own options: the distillation's)",
         ),
         (_C_PER_TOKEN, _PER_TOKEN_NAMES),
         (_C_START_GIVEN, "use of vocab_start (give it on every rank or on none)"),
