@@ -45,6 +45,7 @@ from lightning_flce import (
 from lightning_flce.flops import batch_size, batch_tokens
 from lightning_flce.models import HFCausalLM, LitGPTCausalLM, TinyGPT
 from lightning_flce.options import ImplName, LogitsPrecision, Reduction
+from lightning_flce.parallel import vocab_parallel_fused_linear_distillation
 
 # --- the op (README "Quick start")
 B, T, H, V = 2, 16, 32, 64
@@ -253,6 +254,12 @@ cached_loss = fused_linear_distillation_from_top_k(
 assert_type(cached_loss, Tensor)
 fused_linear_distillation_from_top_k(hidden, lm_head, cached_indices, cached_logits, top_k=5)  # type: ignore[call-arg]
 assert_type(distill_module, FusedLinearDistillationLoss)
+# both heads sharded over the vocabulary alike (tensor parallelism): this rank's rows of each
+vp_distill_loss = vocab_parallel_fused_linear_distillation(
+    hidden, lm_head[:32], teacher_hidden, teacher_head[:32], labels, vocab_start=0, divergence="reverse_kl"
+)
+assert_type(vp_distill_loss, Tensor)
+vocab_parallel_fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, top_k=8)  # type: ignore[call-arg]
 # the LightningModule: a smaller TinyGPT trained on a frozen one (docs/distill.md)
 distill_lm = DistillationModule(
     student=TinyGPT(vocab_size=8192, d_model=64, n_layers=1),
