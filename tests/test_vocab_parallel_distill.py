@@ -25,6 +25,7 @@ import torch
 from ranks import error_in_step, run_ranks
 from reference import relative_error
 from test_distill import make_problem, reference_loss
+from test_vocab_parallel import _full_from_shards
 
 from lightning_flce import fused_linear_distillation
 from lightning_flce.parallel import vocab_parallel_fused_linear_distillation, vocab_shard_range
@@ -341,16 +342,6 @@ def results(tmp_path_factory):
 
 def _case_ids():
     return [(world, name) for world in (2, 3) for name in cases(world)]
-
-
-def _full_from_shards(shards, vocab: int) -> torch.Tensor:
-    first = shards[0][1]
-    full = torch.full((vocab, *first.shape[1:]), float("nan"), dtype=first.dtype)
-    for (start, end), part in shards:
-        assert part.shape[0] == end - start
-        full[start:end] = part
-    assert not full.isnan().any(), "the shards do not cover the vocabulary"
-    return full
 
 
 def _expected(spec: dict, world: int):

@@ -28,6 +28,7 @@ says when to use which divergence.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -757,34 +758,30 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                 teacher_bias = None if teacher_bias is None else _frozen(teacher_bias)
                 if sharded is not None:  # both heads' rows of this rank: the vocab-parallel op
                     options = {key: value for key, value in shared.items() if key != "vocab_size"}
-                    losses.append(
-                        vocab_parallel_fused_linear_distillation(
-                            hidden,
-                            weight,
-                            teacher_hidden,
-                            _frozen(teacher_weight),
-                            target,
-                            student_bias_shard=bias,
-                            teacher_bias_shard=teacher_bias,
-                            group=sharded.group,
-                            vocab_start=sharded.vocab_start,
-                            teacher_softcap=teacher_head.softcap,
-                            **options,
-                        )
+                    loss_of_heads = functools.partial(
+                        vocab_parallel_fused_linear_distillation,
+                        student_bias_shard=bias,
+                        teacher_bias_shard=teacher_bias,
+                        group=sharded.group,
+                        vocab_start=sharded.vocab_start,
+                        **options,
                     )
-                    return losses[-1].detach()
+                else:
+                    loss_of_heads = functools.partial(
+                        _fused_distillation,
+                        student_bias=bias,
+                        teacher_bias=teacher_bias,
+                        top_k=hp.top_k,
+                        **shared,
+                    )
                 losses.append(
-                    _fused_distillation(
+                    loss_of_heads(
                         hidden,
                         weight,
                         teacher_hidden,
                         _frozen(teacher_weight),
                         target,
-                        student_bias=bias,
-                        teacher_bias=teacher_bias,
-                        top_k=hp.top_k,
                         teacher_softcap=teacher_head.softcap,
-                        **shared,
                     )
                 )
                 # The loss leaves through the student head's call: the teacher head's hooks get no tensor that

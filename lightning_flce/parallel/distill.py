@@ -59,6 +59,7 @@ from lightning_flce.kernels.distill_torch import RowReductions
 from lightning_flce.losses.distillation import DIVERGENCES, DistillationChunkLoss, Divergence
 from lightning_flce.options import AccumDtype, FLCEOptions, LogitsPrecision, Reduction
 from lightning_flce.parallel.agreement import (
+    Layout,
     agree,
     agreement_device,
     agreement_row,
@@ -204,7 +205,7 @@ def vocab_parallel_fused_linear_distillation(
     )
     if not agreed.targets_in_range:  # the same targets on every rank: the same message
         raise target_range_error(a["target"], agreed.vocab, a["ignore_index"])
-    plan = _Plan(group, agreed.vocab_start, agreed.vocab, agreed.n_valid, agreed.chunk_size, reduction)
+    plan = _Plan(group, agreed, reduction)
     statics = {name: value for name, value in a.items() if name not in ("x", "weight", "bias")}
     loss = _VocabParallelDistillation.apply(a["x"], a["weight"], a["bias"], plan, statics)
     return loss.view(a["target"].shape) if reduction == "none" else loss
@@ -266,13 +267,10 @@ class ShardKernels:
 
 
 class _Plan(NamedTuple):
-    """What every rank agreed on (:func:`~lightning_flce.parallel.agreement.layout`), and the reduction."""
+    """The call's group, what every rank agreed on, and the reduction."""
 
     group: Optional[dist.ProcessGroup]
-    vocab_start: int
-    vocab: int
-    n_valid: int
-    chunk_size: int
+    layout: Layout
     reduction: str
 
 
@@ -313,8 +311,9 @@ def _run(a: Dict[str, Any], plan: _Plan, *, keep_scaled: bool) -> Tuple[Optional
     """The chunks on this rank's shard: per-token (loss, divergence, ce), then dX (all-reduced over the group, fp32
     for 16-bit inputs), dW, d bias (this rank's rows) and their :class:`~lightning_flce.engine.GradScales`."""
     x, weight, compute_dtype = a["x"], a["weight"], a["compute_dtype"]
-    kernels = ShardKernels(ShardRowReductions(plan.group, plan.vocab_start))
-    loss, checks = distillation_chunk_loss(a, kernels, plan.vocab)
+    layout = plan.layout
+    kernels = ShardKernels(ShardRowReductions(plan.group, layout.vocab_start))
+    loss, checks = distillation_chunk_loss(a, kernels, layout.vocab)
     counts = torch.stack([count for count, _ in checks]).tolist()  # one host sync; the same on every rank
     for count, (_, error) in zip(counts, checks):
         if count:
@@ -323,7 +322,7 @@ def _run(a: Dict[str, Any], plan: _Plan, *, keep_scaled: bool) -> Tuple[Optional
     valid = target != a["ignore_index"]
     grad_weight_dtype = None
     if keep_scaled:
-        n_chunks = max(1, math.ceil(plan.n_valid / plan.chunk_size))
+        n_chunks = max(1, math.ceil(layout.n_valid / layout.chunk_size))
         grad_weight_dtype = accumulator_dtype(a["accum_dtype"], weight, compute_dtype, n_chunks)
     # Each rank's partial dX is summed over the group in fp32 at least: 16-bit partials are not rounded first.
     reduce_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
@@ -333,9 +332,9 @@ def _run(a: Dict[str, Any], plan: _Plan, *, keep_scaled: bool) -> Tuple[Optional
         target,
         a["bias"],
         loss,
-        rows=valid_rows(valid, plan.n_valid),
-        n_valid=plan.n_valid,
-        chunk_size=plan.chunk_size,
+        rows=valid_rows(valid, layout.n_valid),
+        n_valid=layout.n_valid,
+        chunk_size=layout.chunk_size,
         compute_dtype=compute_dtype,
         need_grad_input=a["need_grad_input"],
         need_grad_weight=a["need_grad_weight"],
