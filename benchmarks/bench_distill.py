@@ -243,6 +243,32 @@ def launch_override(max_block_v: int, programs_per_sm: int) -> Iterator[None]:
         ) = saved
 
 
+def _build_flce_vocab_parallel(
+    device: torch.device, divergence: str, beta: float, temperature: float
+) -> LossFn:
+    """``vocab_parallel_fused_linear_distillation`` in a process group of one (NCCL on CUDA, gloo on the CPU; the
+    whole heads are the one shard): the sharded path's own cost on one device (the PyTorch twin per block of rows,
+    collectives of one rank) beside the single-device op's Triton kernel."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from lightning_flce.parallel import vocab_parallel_fused_linear_distillation
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        store = f"file://{tempfile.mkdtemp()}/store"
+        dist.init_process_group(backend, init_method=store, rank=0, world_size=1)
+    options = dict(divergence=divergence, temperature=temperature, hard_weight=0.0)
+    if divergence == "jsd":
+        options["beta"] = beta
+
+    def fn(xs, ws, xt, wt, target):
+        return vocab_parallel_fused_linear_distillation(xs, ws, xt, wt, target, **options)
+
+    return fn
+
+
 def _kernel_launch(
     max_block_v: int, block_rows: Optional[int], programs_per_sm: int
 ) -> Callable[..., LossFn]:
@@ -315,6 +341,12 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         _build_flce_accum_bf16,
         False,
     ),
+    "flce_vocab_parallel_1": (
+        "lightning_flce.parallel.vocab_parallel_fused_linear_distillation(divergence, beta, temperature, "
+        "hard_weight=0.0) in a process group of one (the whole heads as the one shard)",
+        _build_flce_vocab_parallel,
+        False,
+    ),
     "flce_base": (
         "lightning_flce_base.fused_linear_distillation(divergence, beta, temperature, hard_weight=0.0): the default of"
         " the commit in .baseline/ (benchmarks/make_baseline.py REV)",
@@ -374,7 +406,7 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
     },
 }
 # Providers that run only when named in --providers: flce_base needs the copy benchmarks/make_baseline.py writes.
-NAMED_ONLY = ("flce_base",)
+NAMED_ONLY = ("flce_base", "flce_vocab_parallel_1")
 LIGER_BASELINE = "liger_jsd_loss"  # the issue's goal: >= 1.5x its speed, at a peak no higher
 # "Within the unfused loss's errors": two results of the same precision differ in their rounding, so an error
 # ratio a few percent over 1 is a tie, not a miss.
@@ -778,7 +810,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     parser.add_argument(
         "--providers",
         default=",".join(name for name in PROVIDERS if name not in NAMED_ONLY),
-        help=f"comma-separated; {', '.join(NAMED_ONLY)} only when named (they need .baseline/)",
+        help=f"comma-separated; {', '.join(NAMED_ONLY)} only when named (flce_base needs .baseline/)",
     )
     parser.add_argument(
         "--repeats", type=int, default=10, help="timed rounds (one call of each provider each)"
