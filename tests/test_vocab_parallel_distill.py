@@ -136,6 +136,33 @@ def cuda_cases(world: int) -> dict[str, dict]:
                     "reduction": reduction,
                     "chunk_size": 384,
                 }
+    # the Triton launch's merge of several slices a rank (two of 4096 columns or fewer on each of the two ranks)
+    for divergence in ("jsd_0.5", "forward_kl"):
+        out[f"cuda-bfloat16-slices-{divergence}-all-mean"] = {
+            **base,
+            "vocab": 9001,
+            "dtype": torch.bfloat16,
+            "divergence": divergence,
+            "reduction": "mean",
+            "chunk_size": 384,
+        }
+    # the PyTorch twin on the GPU: asked for, and for the 16-bit gradient in fp32 rows that the split launch cannot take
+    out["cuda-bfloat16-twin-jsd_0.5-all-mean"] = {
+        **base,
+        "dtype": torch.bfloat16,
+        "divergence": "jsd_0.5",
+        "reduction": "mean",
+        "chunk_size": 384,
+        "impl": "torch",
+    }
+    out["cuda-bfloat16-fp32_logits-jsd_0.5-all-mean"] = {
+        **base,
+        "dtype": torch.bfloat16,
+        "divergence": "jsd_0.5",
+        "reduction": "mean",
+        "chunk_size": 384,
+        "logits_precision": "fp32",
+    }
     out["cuda-bfloat16-default_chunk-jsd_0.5-all-mean"] = {
         **base,
         "dtype": torch.bfloat16,
@@ -146,7 +173,39 @@ def cuda_cases(world: int) -> dict[str, dict]:
     return out
 
 
-SUITES = {"main": cases, "cuda": cuda_cases}
+def interpret_cases(world: int) -> dict[str, dict]:
+    """The Triton kernel's shard launch (``impl="triton"``) in the interpreter, on the CPU (the workers inherit
+    ``TRITON_INTERPRET=1`` from the interpreter's pytest run): its statistics, JSD's sums and the CE's target logit
+    all-reduced between the steps."""
+    out = {}
+    for divergence in ("jsd_0.5", "forward_kl", "reverse_kl"):
+        for reduction in ("mean", "none"):
+            out[f"interpret-{divergence}-all-{reduction}"] = {
+                "divergence": divergence,
+                "feature": "all",
+                "reduction": reduction,
+                "impl": "triton",
+            }
+    out["interpret-jsd_0.2-plain-sum"] = {"divergence": "jsd_0.2", "reduction": "sum", "impl": "triton"}
+    out["interpret-bf16-jsd_0.5-all-mean"] = {
+        "divergence": "jsd_0.5",
+        "feature": "all",
+        "reduction": "mean",
+        "dtype": torch.bfloat16,
+        "impl": "triton",
+    }
+    if world == 3:
+        out["interpret-explicit_start-jsd_0.5-all-mean"] = {
+            "divergence": "jsd_0.5",
+            "feature": "all",
+            "reduction": "mean",
+            "layout": "explicit",
+            "impl": "triton",
+        }
+    return out
+
+
+SUITES = {"main": cases, "cuda": cuda_cases, "interpret": interpret_cases}
 
 
 # name: (what the ranks do, the error type and message every rank raises; None: a peer error on the good ranks)
@@ -194,6 +253,8 @@ def op_kwargs(spec: dict, extras: dict) -> dict:
         if name != "bias":
             kwargs[name] = extras[name] if value is True else value
     kwargs["reduction"] = spec["reduction"]
+    if "logits_precision" in spec:
+        kwargs["logits_precision"] = spec["logits_precision"]
     return kwargs
 
 
@@ -227,6 +288,8 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
     teacher_w, teacher_b = wt[start:end], bt[start:end] if use_bias else None
     kwargs = op_kwargs(spec, extras)
     kwargs["chunk_size"] = spec.get("chunk_size", 8)
+    if "impl" in spec:
+        kwargs["impl"] = spec["impl"]
     if spec.get("layout") == "explicit":
         kwargs["vocab_start"] = start
     if spec.get("kind") == "dtensor":
@@ -389,6 +452,12 @@ def _expected(spec: dict, world: int):
 @pytest.mark.parametrize(("world", "name"), _case_ids(), ids=[f"w{w}-{n}" for w, n in _case_ids()])
 def test_vocab_parallel_distillation(results, world, name):
     _check_case(cases(world)[name], world, [r[name] for r in results(world)])
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(("world", "name"), [(w, n) for w in (2, 3) for n in interpret_cases(w)])
+def test_vocab_parallel_distillation_triton_in_the_interpreter(results, world, name):
+    _check_case(interpret_cases(world)[name], world, [r[name] for r in results(world, "interpret")])
 
 
 @pytest.mark.cuda

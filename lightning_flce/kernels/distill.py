@@ -57,7 +57,7 @@ under ``where(prob > 0)``, never as 0 * -inf, and JSD clamps its log-probabiliti
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
@@ -125,6 +125,28 @@ def default_distill_launch_config(
     if split:
         splits = min(triton.cdiv(programs, rows), triton.cdiv(vocab, block_v))
     return DistillLaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)), None, splits)
+
+
+class ShardSlots(NamedTuple):
+    """The vocab-parallel op's split launch over ranks (``distill_chunk``'s ``shard``; the kernel's SHARDED): each
+    rank's columns are cut into :func:`shard_slices` slices, each row's scratch slots hold every rank's slices in
+    rank order, this rank's from ``offset`` on, ``total`` in all; ``all_reduce`` sums a scratch buffer over the
+    ranks in place (each slot is written by one rank, 0 on the others)."""
+
+    offset: int
+    total: int
+    all_reduce: Callable[[torch.Tensor], None]
+
+
+def shard_block_v(columns: int) -> int:
+    """The blocks of a shard's launch: the split launch's 4096 columns, fewer for a shard narrower than that."""
+    return min(_SPLIT_MAX_BLOCK_V, max(16, triton.next_power_of_2(columns)))
+
+
+def shard_slices(columns: int) -> int:
+    """The slices (a program each per row) of a shard of ``columns`` columns: one per block; every rank computes
+    every rank's from the shard sizes, for :class:`ShardSlots`."""
+    return triton.cdiv(columns, shard_block_v(columns))
 
 
 @functools.cache
@@ -515,6 +537,7 @@ def _distill_kernel(
     hard_weight,  # w
     student_softcap,
     teacher_softcap,
+    slot_offset,  # this launch's first slice among the MERGED slots of a row (0 unless SHARDED)
     V: tl.constexpr,
     DIVERGENCE: tl.constexpr,  # DIVERGENCES' value
     DIVERGENCE_GRAD: tl.constexpr,  # the divergence's gradient term (a divergence and w < 1)
@@ -532,12 +555,18 @@ def _distill_kernel(
     SPLITS: tl.constexpr,  # programs per row (program_id(1) is the slice)
     SPLITS_POW2: tl.constexpr,
     STEP: tl.constexpr,  # WHOLE_ROW, or the split launch's SLICE_STATISTICS, SLICE_MIXTURE, SLICE_FINISH
+    MERGED: tl.constexpr = 0,  # slots per row in the scratch buffers (SPLITS unless SHARDED: every rank's slices)
+    MERGED_POW2: tl.constexpr = 0,
+    SHARDED: tl.constexpr = False,  # the row's columns are one rank's; target is a local index, maybe elsewhere
 ):
     """WHOLE_ROW: one program per row runs every pass. The split launch, a program per slice of a row: pass 1
     into ``statistics_ptr`` (SLICE_STATISTICS; the first slice's program also keeps the target's CE logit, which
     the last step overwrites); JSD's pass 2 into ``mixture_ptr`` (SLICE_MIXTURE, "jsd" only); the row's loss
     (stored by the first slice's program) and the gradient pass (SLICE_FINISH, grid [C, 1] without
-    COMPUTE_GRAD). The later steps merge every slice's statistics first."""
+    COMPUTE_GRAD). The later steps merge every slice's statistics first. SHARDED (the vocab-parallel op): the
+    row holds one rank's columns, the scratch buffers every rank's slices (MERGED slots a row, this launch's from
+    ``slot_offset``; the caller all-reduces them between the steps), and the target's CE logit is stored only by
+    the rank whose columns hold it (0 elsewhere, for the sum)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if STEP == _SLICE_MIXTURE or (STEP == _SLICE_FINISH and DIVERGENCE != 3):
@@ -593,19 +622,24 @@ def _distill_kernel(
         # the target's CE logit, read before any gradient overwrites the row (the split launch keeps it for its
         # last step)
         if HAS_CE:
+            owned = True
+            if SHARDED:
+                owned = (target >= 0) & (target < V)
             z_target, _ = load_transformed(
-                student_row, target, True, student_softcap, ce_inv_t, STUDENT_SOFTCAP
+                student_row, target, owned, student_softcap, ce_inv_t, STUDENT_SOFTCAP
             )
+            if SHARDED:
+                z_target = tl.where(owned, z_target, 0.0)
     else:
         m_s, d_s, m_t, d_t, m_c, d_c, kl_sum = _row_statistics(
-            statistics_ptr, row, DIVERGENCE, PRECISE, SPLITS, SPLITS_POW2
+            statistics_ptr, row, DIVERGENCE, PRECISE, MERGED, MERGED_POW2
         )
         z_target = tl.zeros((), tl.float32)
         if HAS_CE:
             z_target = tl.load(target_logit_ptr + row)
 
     if STEP == _SLICE_STATISTICS:
-        out = statistics_ptr + (row * SPLITS + split) * _STATISTICS
+        out = statistics_ptr + (row * MERGED + slot_offset + split) * _STATISTICS
         tl.store(out, m_s)
         tl.store(out + 1, d_s)
         tl.store(out + 2, m_t)
@@ -645,13 +679,13 @@ def _distill_kernel(
                 BLOCK_V,
             )
         if DIVERGENCE == 3 and STEP == _SLICE_FINISH:
-            parts = tl.arange(0, SPLITS_POW2)
-            present = parts < SPLITS
-            sums = mixture_ptr + (row * SPLITS + parts) * 2
+            parts = tl.arange(0, MERGED_POW2)
+            present = parts < MERGED
+            sums = mixture_ptr + (row * MERGED + parts) * 2
             kl_q_m = tl.sum(tl.load(sums, mask=present, other=0.0), 0)
             kl_p_m = tl.sum(tl.load(sums + 1, mask=present, other=0.0), 0)
         if STEP == _SLICE_MIXTURE:
-            out = mixture_ptr + (row * SPLITS + split) * 2
+            out = mixture_ptr + (row * MERGED + slot_offset + split) * 2
             tl.store(out, kl_q_m)
             tl.store(out + 1, kl_p_m)
         else:
@@ -726,10 +760,6 @@ def _distill_kernel(
                 )
 
 
-def _scratch(numel: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(numel, dtype=torch.float32, device=device)
-
-
 def _per_row(values: torch.Tensor, n_rows: int, device: torch.device, name: str) -> Tuple[torch.Tensor, int]:
     """``values`` as fp32 and its row stride (0 shared, 1 per row); raises unless [1] or [C] on ``device``."""
     if values.dim() != 1 or values.numel() not in (1, n_rows):
@@ -757,6 +787,7 @@ def distill_chunk(
     grad_out: Optional[torch.Tensor] = None,
     config: Optional[Union[DistillLaunchConfig, LaunchConfig]] = None,
     teacher_scratch: bool = False,
+    shard: Optional[ShardSlots] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The distillation loss of one [C, V] chunk (the module's docstring; the PyTorch twin of this contract
     is ``kernels/distill_torch.py``): returns fp32 ``(loss_rows, divergence_rows, ce_rows)`` (``ce_rows`` None when ``hard_weight`` is 0) and,
@@ -766,7 +797,11 @@ def distill_chunk(
     :func:`default_distill_launch_config`. ``teacher_scratch``: the caller lets the kernel overwrite the teacher
     logits (the engine's per-block buffer): JSD's gradient pass then reads ``log p - log M`` where pass 2 stored it
     over the teacher row (fp16 in a 16-bit row, fp32 in an fp32 one) instead of recomputing it from both rows, one
-    exp, one log and the teacher's read-and-transform an element fewer; otherwise the teacher is read only."""
+    exp, one log and the teacher's read-and-transform an element fewer; otherwise the teacher is read only.
+    ``shard``: the logits are one rank's columns of the vocabulary and ``target`` local indices (``target -
+    vocab_start``, outside ``[0, V)`` where another rank holds the column): the split launch on
+    :func:`shard_slices` slices, the scratch statistics (and JSD's sums) all-reduced between its steps
+    (:class:`ShardSlots`); every rank must call it with the same rows. Not with a 16-bit gradient in fp32 rows."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {list(DIVERGENCES)}, got {divergence!r}")
     if divergence == "jsd" and not 0.0 < beta < 1.0:
@@ -804,6 +839,8 @@ def distill_chunk(
     if compute_grad and (grad.shape != student_logits.shape or grad.stride(1) != 1):
         raise ValueError(f"grad_out must be [C, V] with unit column stride, got {tuple(grad.shape)}")
     grad_in_row = compute_grad and is_gradient_in_logits_rows(student_logits, grad)
+    if shard is not None and grad_in_row:
+        raise ValueError("a shard's launch is split, which a 16-bit gradient in fp32 rows cannot take")
 
     loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     divergence_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -812,13 +849,19 @@ def distill_chunk(
         # the split launch for JSD's kernel (SPLIT_DIVERGENCES); a 16-bit gradient in fp32 rows runs whole rows
         # (below), so it asks for none and keeps the whole-row blocks
         programs = target_programs(device) if divergence in SPLIT_DIVERGENCES and not grad_in_row else 0
+        if shard is not None:  # a slice per block, the same rule on every rank (ShardSlots)
+            block_v = shard_block_v(vocab)
+            config = DistillLaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)), None)
         config = config or default_distill_launch_config(vocab, rows=n_rows, programs=programs)
         block_v = config.block_v
         # 1 for a LaunchConfig; the 16-bit gradient in fp32 rows lands past its own slice: whole rows
         splits = 1 if grad_in_row else max(1, getattr(config, "row_splits", 1))
+        if shard is not None:
+            splits = shard_slices(vocab)
         slice_v = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
         splits = triton.cdiv(vocab, slice_v)
-        split = splits > 1
+        split = splits > 1 or shard is not None
+        merged = splits if shard is None else shard.total
         jsd = divergence == "jsd"
         divergence_grad = divergence is not None and hard_weight < 1.0
         ratio_in_teacher = (
@@ -831,6 +874,22 @@ def distill_chunk(
             ratio = teacher_logits.view(torch.float16)
         precise = exp_precision(student_logits.dtype, None)[0] or exp_precision(teacher_logits.dtype, None)[0]
         scratch = loss  # a dummy pointer where a scratch buffer is not used
+        jsd_scratch = split and jsd
+        statistics = target_logit = mixture = scratch
+        if split:
+            # one buffer for pass 1's statistics and the target's CE logit: one all-reduce for a shard (its slots
+            # and logits not this rank's are 0 for the sum)
+            pass_one = (torch.zeros if shard is not None else torch.empty)(
+                n_rows * (merged * STATISTICS + 1), dtype=torch.float32, device=device
+            )
+            statistics, target_logit = (
+                pass_one[: n_rows * merged * STATISTICS],
+                pass_one[n_rows * merged * STATISTICS :],
+            )
+            if jsd_scratch:
+                mixture = (torch.zeros if shard is not None else torch.empty)(
+                    n_rows * merged * 2, dtype=torch.float32, device=device
+                )
         args = (
             student_logits,
             student_logits.stride(0),
@@ -851,13 +910,14 @@ def distill_chunk(
             loss,
             divergence_rows,
             ce if has_ce else loss,
-            _scratch(n_rows * splits * STATISTICS, device) if split else scratch,
-            _scratch(n_rows * splits * 2, device) if split and jsd else scratch,
-            _scratch(n_rows, device) if split and has_ce else scratch,
+            statistics,
+            mixture,
+            target_logit if has_ce else scratch,
             float(beta),
             float(hard_weight),
             float(student_softcap),
             float(teacher_softcap),
+            0 if shard is None else shard.offset,
             vocab,
         )
         constants = dict(
@@ -876,6 +936,9 @@ def distill_chunk(
             SLICE_V=slice_v,
             SPLITS=splits,
             SPLITS_POW2=max(2, triton.next_power_of_2(splits)),
+            MERGED=merged,
+            MERGED_POW2=max(2, triton.next_power_of_2(merged)),
+            SHARDED=shard is not None,
             num_warps=config.num_warps,
             **({} if config.num_stages is None else {"num_stages": config.num_stages}),
         )
@@ -883,8 +946,12 @@ def distill_chunk(
             _distill_kernel[(n_rows, 1)](*args, STEP=WHOLE_ROW, **constants)
         else:
             _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_STATISTICS, **constants)
+            if shard is not None:
+                shard.all_reduce(pass_one)
             if jsd:
                 _distill_kernel[(n_rows, splits)](*args, STEP=SLICE_MIXTURE, **constants)
+                if shard is not None:
+                    shard.all_reduce(mixture)
             _distill_kernel[(n_rows, splits if compute_grad else 1)](*args, STEP=SLICE_FINISH, **constants)
     return loss, divergence_rows, ce if has_ce else None
 
@@ -894,7 +961,10 @@ __all__ = [
     "PROGRAMS_PER_SM",
     "SPLIT_DIVERGENCES",
     "DistillLaunchConfig",
+    "ShardSlots",
     "default_distill_launch_config",
     "distill_chunk",
+    "shard_block_v",
+    "shard_slices",
     "target_programs",
 ]

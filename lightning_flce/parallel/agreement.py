@@ -249,6 +249,7 @@ class Layout(NamedTuple):
     n_valid: int  # over all ranks' tokens with sequence parallelism
     chunk_size: int
     targets_in_range: bool  # the caller raises otherwise, once it holds every token
+    shard_rows: Tuple[int, ...] = ()  # every rank's rows, in rank order
 
 
 def layout(
@@ -348,4 +349,4 @@ def layout(
             workspace_copies,
             auxiliary_dtype=auxiliary_dtype,
         )
-    return Layout(start, vocab, n_valid, int(chunk_size), in_range)
+    return Layout(start, vocab, n_valid, int(chunk_size), in_range, tuple(sizes))

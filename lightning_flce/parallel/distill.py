@@ -7,29 +7,31 @@ the options are the same on every rank. No rank holds either side's ``[N, V]`` l
 
 It is the single-device op's chunk loss (:class:`~lightning_flce.losses.distillation.DistillationChunkLoss`, the
 teacher its auxiliary head) on the one chunk engine (:func:`lightning_flce.engine.run_chunks`), with a different
-``distill_chunk``: the distillation twin (:func:`lightning_flce.kernels.distill_torch.distill_chunk`, the same
-formulas) on this rank's columns, whose row reductions (:class:`ShardRowReductions`) are all-reduced over the
-group. Per block of rows (on GPUs the engine's teacher blocks, :data:`lightning_flce.engine.AUXILIARY_BLOCK_ROWS`;
-on the CPU the chunk):
+``distill_chunk`` (:class:`ShardKernels`) on this rank's columns:
 
-- both sides' log-sum-exps: one max and one sum all-reduce on ``[2, C]`` rows;
-- the divergence's row sums (``KL``, or JSD's two terms): one sum all-reduce on ``[1 or 2, C]``;
-- with ``hard_weight``: the student's cross-entropy log-sum-exp (max, sum) and its target logit (from the rank
-  that owns the target; the others add 0): three more on ``[C]``.
+- on CUDA (``impl="auto"``), the Triton kernel's split launch (:func:`lightning_flce.kernels.distill.distill_chunk`
+  with ``shard``): a program per slice of 4096 columns, its per-slice statistics (both sides' log-sum-exps, the
+  KLs' sums, the CE's) and JSD's per-slice sums all-reduced over the group between its steps, so every rank merges
+  every rank's slices as one device merges its own; two all-reduces per block of rows for JSD, one for the KLs;
+- elsewhere (and for fp64, and the 16-bit gradient in fp32 rows of ``logits_precision="fp32"``, which the split
+  launch cannot take), the distillation twin (:func:`lightning_flce.kernels.distill_torch.distill_chunk`, the same
+  formulas) whose row reductions (:class:`ShardRowReductions`) are all-reduced over the group: both sides'
+  log-sum-exps (a max and a sum), the divergence's row sums, and with ``hard_weight`` the student's CE log-sum-exp
+  and its target logit.
 
-dW and d bias stay on their rank; dX's partial sums (fp32 at least, so that 16-bit partials are not rounded before
-the sum) are all-reduced once per call. As the single-device op, "mean"/"sum" compute the gradients in forward and
-"none" recomputes the chunks in backward with the per-token ``grad_output`` (its collectives then run in backward,
-on every rank in the same order).
+The blocks are the engine's: on GPUs the teacher's 256-row blocks of each chunk
+(:data:`lightning_flce.engine.AUXILIARY_BLOCK_ROWS`), on the CPU the chunk. dW and d bias stay on their rank; dX's
+partial sums (fp32 at least, so that 16-bit partials are not rounded before the sum) are all-reduced once per call.
+As the single-device op, "mean"/"sum" compute the gradients in forward and "none" recomputes the chunks in backward
+with the per-token ``grad_output`` (its collectives then run in backward, on every rank in the same order).
 
 The shard layout, the token counts and targets and the options are agreed first, in one small int64 all-reduce
 (:mod:`lightning_flce.parallel.agreement`): a bad argument on one rank raises on all, never a hang.
 
 Not supported: ``top_k`` (the teacher's top k is a global selection across shards) and a cached teacher (use the
 single-device :func:`~lightning_flce.fused_linear_distillation_from_top_k`: its teacher needs no head), ``vocab_size``
-(shard the rows the heads share), sequence parallelism. The per-chunk math is the PyTorch twin on every device (the
-GEMMs are cuBLAS on GPUs); the op is a plain ``autograd.Function`` with collectives, so ``torch.compile`` graph-breaks
-around it, and the FLOP counter does not see it.
+(shard the rows the heads share), sequence parallelism. The op is a plain ``autograd.Function`` with collectives,
+so ``torch.compile`` graph-breaks around it, and the FLOP counter does not see it.
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ from lightning_flce.engine import (
     target_range_error,
     valid_rows,
 )
-from lightning_flce.kernels import distill_torch, softmax_dtype
+from lightning_flce.kernels import distill_torch, is_gradient_in_logits_rows, softmax_dtype
 from lightning_flce.kernels.distill_torch import RowReductions
 from lightning_flce.losses.distillation import DIVERGENCES, DistillationChunkLoss, Divergence
-from lightning_flce.options import AccumDtype, FLCEOptions, LogitsPrecision, Reduction
+from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision, Reduction
 from lightning_flce.parallel.agreement import (
     Layout,
     agree,
@@ -96,6 +98,7 @@ def vocab_parallel_fused_linear_distillation(
     logits_precision: LogitsPrecision = "input",
     accum_dtype: AccumDtype = None,
     chunk_size: Optional[int] = None,
+    impl: ImplName = "auto",
 ) -> Tensor:
     """:func:`~lightning_flce.fused_linear_distillation` with both heads' weights sharded over V across ``group``.
 
@@ -122,6 +125,9 @@ def vocab_parallel_fused_linear_distillation(
             :func:`~lightning_flce.fused_linear_distillation` (a per-token ``temperature`` tensor must be the same
             on every rank, as the hidden states; ``chunk_size=None`` picks the same size on every rank, from the
             largest shard).
+        impl: the per-chunk math: ``"auto"`` (the Triton kernel on CUDA, the PyTorch twin elsewhere), ``"triton"``
+            (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) or ``"torch"``; fp64 and the wide logits of
+            ``logits_precision="fp32"`` with 16-bit inputs always run the twin. The GEMMs are cuBLAS either way.
 
     Returns:
         The loss (a scalar, or one per token in the target's shape for ``reduction="none"``) in fp32 (fp64 for fp64
@@ -169,7 +175,7 @@ def vocab_parallel_fused_linear_distillation(
             logits_precision=logits_precision,
             accum_dtype=accum_dtype,
             chunk_size=chunk_size,
-            impl="torch",
+            impl=impl,
         )
         a = dict(zip(OP_ARG_NAMES, args))
         row = agreement_row(
@@ -256,14 +262,32 @@ class ShardRowReductions(RowReductions):
 
 class ShardKernels:
     """The per-chunk math of the vocab-parallel op for
-    :class:`~lightning_flce.losses.distillation.DistillationChunkLoss`: the distillation twin with
-    :class:`ShardRowReductions`."""
+    :class:`~lightning_flce.losses.distillation.DistillationChunkLoss`: the Triton kernel's split launch with its
+    statistics all-reduced between the steps (``slots``: :class:`~lightning_flce.kernels.distill.ShardSlots`), or
+    the distillation twin with :class:`ShardRowReductions` (``slots`` None, and for a 16-bit gradient in fp32
+    rows, which the split launch cannot take: the same choice on every rank, which sees the same dtypes)."""
 
-    def __init__(self, reductions: ShardRowReductions) -> None:
+    def __init__(self, reductions: ShardRowReductions, slots: Any = None) -> None:
         self.reductions = reductions
+        self.slots = slots
 
-    def distill_chunk(self, *args: Any, **kwargs: Any) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        return distill_torch.distill_chunk(*args, reductions=self.reductions, **kwargs)
+    def distill_chunk(
+        self, student_logits: Tensor, teacher_logits: Tensor, target: Tensor, **kwargs: Any
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        grad_out = kwargs.get("grad_out")
+        grad_in_row = kwargs["compute_grad"] and is_gradient_in_logits_rows(
+            student_logits, student_logits if grad_out is None else grad_out
+        )
+        if self.slots is None or grad_in_row:
+            return distill_torch.distill_chunk(
+                student_logits, teacher_logits, target, reductions=self.reductions, **kwargs
+            )
+        from lightning_flce.kernels import distill as triton_distill
+
+        local_target = target - self.reductions.vocab_start  # outside [0, V_r) where another rank holds it
+        return triton_distill.distill_chunk(
+            student_logits, teacher_logits, local_target, shard=self.slots, **kwargs
+        )
 
 
 class _Plan(NamedTuple):
@@ -312,7 +336,18 @@ def _run(a: Dict[str, Any], plan: _Plan, *, keep_scaled: bool) -> Tuple[Optional
     for 16-bit inputs), dW, d bias (this rank's rows) and their :class:`~lightning_flce.engine.GradScales`."""
     x, weight, compute_dtype = a["x"], a["weight"], a["compute_dtype"]
     layout = plan.layout
-    kernels = ShardKernels(ShardRowReductions(plan.group, layout.vocab_start))
+    slots = None
+    if a["backend"] == "triton":
+        from lightning_flce.kernels.distill import ShardSlots, shard_slices
+
+        slices = [shard_slices(rows) for rows in layout.shard_rows]
+        rank = dist.get_rank(plan.group)
+        slots = ShardSlots(
+            sum(slices[:rank]),
+            sum(slices),
+            lambda scratch: dist.all_reduce(scratch, op=dist.ReduceOp.SUM, group=plan.group),
+        )
+    kernels = ShardKernels(ShardRowReductions(plan.group, layout.vocab_start), slots)
     loss, checks = distillation_chunk_loss(a, kernels, layout.vocab)
     counts = torch.stack([count for count, _ in checks]).tolist()  # one host sync; the same on every rank
     for count, (_, error) in zip(counts, checks):
