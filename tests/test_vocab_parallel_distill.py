@@ -114,7 +114,8 @@ def cases(world: int) -> dict[str, dict]:
                 "layout": "explicit",
             }
     for error in ERRORS:
-        out[f"error-{error}"] = {"kind": "error", "error": error}
+        if error not in INTERPRET_ERRORS:
+            out[f"error-{error}"] = {"kind": "error", "error": error}
     out["after_errors-jsd_0.5-all-mean"] = {"divergence": "jsd_0.5", "feature": "all", "reduction": "mean"}
     return out
 
@@ -186,6 +187,8 @@ def interpret_cases(world: int) -> dict[str, dict]:
                 "reduction": reduction,
                 "impl": "triton",
             }
+    for error in INTERPRET_ERRORS:
+        out[f"interpret-error-{error}"] = {"kind": "error", "error": error}
     out["interpret-jsd_0.2-plain-sum"] = {"divergence": "jsd_0.2", "reduction": "sum", "impl": "triton"}
     out["interpret-bf16-jsd_0.5-all-mean"] = {
         "divergence": "jsd_0.5",
@@ -208,11 +211,15 @@ def interpret_cases(world: int) -> dict[str, dict]:
 SUITES = {"main": cases, "cuda": cuda_cases, "interpret": interpret_cases}
 
 
+# errors that need the Triton launch on a rank: the interpreter's suite
+INTERPRET_ERRORS = ("impl_differs",)
+
 # name: (what the ranks do, the error type and message every rank raises; None: a peer error on the good ranks)
 ERRORS = {
     "teacher_rows_differ_on_rank1": ("ValueError", "rows of the student's head and"),
     "divergence_differs": ("ValueError", "the loss's own options"),
     "temperature_differs": ("ValueError", "the loss's own options"),
+    "impl_differs": ("ValueError", "the loss's own options"),
     "target_out_of_range": ("ValueError", "target(s) outside [0, "),
     "teacher_requires_grad": ("ValueError", "teacher_weight requires grad"),
     "bad_temperature": ("ValueError", "temperature"),
@@ -337,6 +344,8 @@ def run_error(error: str, world: int, rank: int) -> str:
         kwargs["divergence"] = "forward_kl" if rank == 1 else "jsd"
     elif error == "temperature_differs":
         kwargs["temperature"] = 1.0 + rank
+    elif error == "impl_differs":  # the Triton launch (in the interpreter) on rank 0, the twin on the others
+        kwargs["impl"] = "triton" if rank == 0 else "torch"
     elif error == "target_out_of_range":
         target = target.clone()
         target[0, 0] = VOCAB[world] + 2

@@ -324,6 +324,8 @@ def _loss_code(a: Dict[str, Any], temperature: Union[float, Tensor]) -> int:
         int(a["teacher_bias"] is not None),
         _DTYPE_ORDER.index(a["teacher_compute_dtype"]),
         float(temperature) if isinstance(temperature, (int, float)) else -float(temperature.numel()),
+        # the per-block math: the Triton launch and the twin run different collectives, which must line up
+        int(a["backend"] == "triton"),
     )
     return hash(codes)
 
