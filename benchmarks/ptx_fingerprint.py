@@ -183,7 +183,7 @@ def _run_distillation(torch, flce, tensors, generator, n) -> None:
 def _run_distillation_split_launch(torch, generator) -> None:
     """The distillation kernel's split launch (the op's launch for JSD on a GPU; whole rows for the others):
     each divergence and the CE alone, with and without the gradient, on bf16 rows cut into three slices."""
-    from lightning_flce.kernels.distill import DistillLaunchConfig, distill_chunk
+    from lightning_flce.kernels.distill import DistillLaunchConfig, ShardSlots, distill_chunk, shard_slices
 
     rows, columns = 4, 300
     per_row = {
@@ -211,6 +211,17 @@ def _run_distillation_split_launch(torch, generator) -> None:
                 teacher_softcap=0.0, hard_weight=hard_weight, compute_grad=compute_grad,
                 config=DistillLaunchConfig(64, 4, None, 3), **per_row,
             )  # fmt: skip
+    # the vocab-parallel op's launch on a shard (SHARDED: its slots after other ranks', local targets that may lie
+    # outside the shard); the sum over the ranks is a no-op here
+    for divergence, hard_weight in (("jsd", 0.3), ("forward_kl", 0.3), ("reverse_kl", 0.0)):
+        student = torch.randn(rows, columns, generator=generator).bfloat16()
+        teacher = torch.randn(rows, columns, generator=generator).bfloat16()
+        target = torch.randint(-columns, 2 * columns, (rows,), generator=generator)
+        distill_chunk(
+            student, teacher, target, divergence=divergence, beta=0.5, student_softcap=0.0,
+            teacher_softcap=0.0, hard_weight=hard_weight, compute_grad=True,
+            shard=ShardSlots(2, 2 + shard_slices(columns) + 1, lambda scratch: None), **per_row,
+        )  # fmt: skip
 
 
 def _run_shard_kernels(torch, generator) -> None:

@@ -51,9 +51,8 @@ def run_in_head(
     sharded = isinstance(module, VocabParallelHead)
     if sharded and not vocab_parallel:
         raise NotImplementedError(f"{caller} do not support a VocabParallelHead yet; use a replicated head")
-    lora = not sharded and is_peft_lora_head(
-        module
-    )  # (raises for the PEFT layers the fused ops cannot compute)
+    # (is_peft_lora_head raises for the PEFT layers the fused ops cannot compute)
+    lora = not sharded and is_peft_lora_head(module)
     is_linear = isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
     if not (lora or is_linear or sharded or isinstance(module, nn.Embedding)):
         raise TypeError(

@@ -66,6 +66,7 @@ def signature(student, teacher, grad):
     types.update({name: "*fp32" for name in POINTERS if name not in types})
     names = distill._distill_kernel.arg_names
     ints = {"student_row_stride", "teacher_row_stride", "grad_row_stride"}
+    types["slot_offset"] = "i32"  # (0: not a shard's launch)
     floats = {"beta", "hard_weight", "student_softcap", "teacher_softcap"}
     out = {}
     for name in names:
@@ -115,6 +116,9 @@ def compile_variant(
         "SLICE_V": triton.cdiv(triton.cdiv(VOCAB, splits), block_v) * block_v,
         "SPLITS": splits,
         "SPLITS_POW2": max(2, triton.next_power_of_2(splits)),
+        "MERGED": splits,
+        "MERGED_POW2": max(2, triton.next_power_of_2(splits)),
+        "SHARDED": False,
         "STEP": STEPS[kernel],
     }
     constants = {name: value for name, value in constants.items() if name in names_known}  # older revisions

@@ -138,15 +138,16 @@ class ShardSlots(NamedTuple):
     all_reduce: Callable[[torch.Tensor], None]
 
 
-def shard_block_v(columns: int) -> int:
-    """The blocks of a shard's launch: the split launch's 4096 columns, fewer for a shard narrower than that."""
-    return min(_SPLIT_MAX_BLOCK_V, max(16, triton.next_power_of_2(columns)))
+def shard_launch_config(columns: int) -> DistillLaunchConfig:
+    """A shard's launch: the split launch's blocks (at most 4096 columns), a slice per block."""
+    config = default_distill_launch_config(columns, _SPLIT_MAX_BLOCK_V)
+    return config._replace(row_splits=triton.cdiv(columns, config.block_v))
 
 
 def shard_slices(columns: int) -> int:
-    """The slices (a program each per row) of a shard of ``columns`` columns: one per block; every rank computes
-    every rank's from the shard sizes, for :class:`ShardSlots`."""
-    return triton.cdiv(columns, shard_block_v(columns))
+    """The slices (a program each per row) of a shard of ``columns`` columns; every rank computes every rank's from
+    the shard sizes, for :class:`ShardSlots`."""
+    return shard_launch_config(columns).row_splits
 
 
 @functools.cache
@@ -510,6 +511,14 @@ def _row_statistics(
 
 
 @triton.jit
+def _slot(split, slot_offset, SHARDED: tl.constexpr):
+    """A slice's slot among its row's scratch slots: its own index, after the earlier ranks' slices when SHARDED."""
+    if SHARDED:
+        return slot_offset + split
+    return split
+
+
+@triton.jit
 def _distill_kernel(
     student_ptr,  # [C, V] student logits r_s (compute dtype, or fp32 wide logits)
     student_row_stride,
@@ -555,9 +564,9 @@ def _distill_kernel(
     SPLITS: tl.constexpr,  # programs per row (program_id(1) is the slice)
     SPLITS_POW2: tl.constexpr,
     STEP: tl.constexpr,  # WHOLE_ROW, or the split launch's SLICE_STATISTICS, SLICE_MIXTURE, SLICE_FINISH
-    MERGED: tl.constexpr = 0,  # slots per row in the scratch buffers (SPLITS unless SHARDED: every rank's slices)
-    MERGED_POW2: tl.constexpr = 0,
-    SHARDED: tl.constexpr = False,  # the row's columns are one rank's; target is a local index, maybe elsewhere
+    MERGED: tl.constexpr,  # slots per row in the scratch buffers (SPLITS unless SHARDED: every rank's slices)
+    MERGED_POW2: tl.constexpr,
+    SHARDED: tl.constexpr,  # the row's columns are one rank's; target is a local index, maybe elsewhere
 ):
     """WHOLE_ROW: one program per row runs every pass. The split launch, a program per slice of a row: pass 1
     into ``statistics_ptr`` (SLICE_STATISTICS; the first slice's program also keeps the target's CE logit, which
@@ -639,7 +648,7 @@ def _distill_kernel(
             z_target = tl.load(target_logit_ptr + row)
 
     if STEP == _SLICE_STATISTICS:
-        out = statistics_ptr + (row * MERGED + slot_offset + split) * _STATISTICS
+        out = statistics_ptr + (row * MERGED + _slot(split, slot_offset, SHARDED)) * _STATISTICS
         tl.store(out, m_s)
         tl.store(out + 1, d_s)
         tl.store(out + 2, m_t)
@@ -685,7 +694,7 @@ def _distill_kernel(
             kl_q_m = tl.sum(tl.load(sums, mask=present, other=0.0), 0)
             kl_p_m = tl.sum(tl.load(sums + 1, mask=present, other=0.0), 0)
         if STEP == _SLICE_MIXTURE:
-            out = mixture_ptr + (row * MERGED + slot_offset + split) * 2
+            out = mixture_ptr + (row * MERGED + _slot(split, slot_offset, SHARDED)) * 2
             tl.store(out, kl_q_m)
             tl.store(out + 1, kl_p_m)
         else:
@@ -850,14 +859,11 @@ def distill_chunk(
         # (below), so it asks for none and keeps the whole-row blocks
         programs = target_programs(device) if divergence in SPLIT_DIVERGENCES and not grad_in_row else 0
         if shard is not None:  # a slice per block, the same rule on every rank (ShardSlots)
-            block_v = shard_block_v(vocab)
-            config = DistillLaunchConfig(block_v, max(4, min(16, block_v // _ELEMENTS_PER_WARP)), None)
+            config = shard_launch_config(vocab)
         config = config or default_distill_launch_config(vocab, rows=n_rows, programs=programs)
         block_v = config.block_v
         # 1 for a LaunchConfig; the 16-bit gradient in fp32 rows lands past its own slice: whole rows
         splits = 1 if grad_in_row else max(1, getattr(config, "row_splits", 1))
-        if shard is not None:
-            splits = shard_slices(vocab)
         slice_v = triton.cdiv(triton.cdiv(vocab, splits), block_v) * block_v
         splits = triton.cdiv(vocab, slice_v)
         split = splits > 1 or shard is not None
@@ -874,22 +880,18 @@ def distill_chunk(
             ratio = teacher_logits.view(torch.float16)
         precise = exp_precision(student_logits.dtype, None)[0] or exp_precision(teacher_logits.dtype, None)[0]
         scratch = loss  # a dummy pointer where a scratch buffer is not used
-        jsd_scratch = split and jsd
         statistics = target_logit = mixture = scratch
         if split:
-            # one buffer for pass 1's statistics and the target's CE logit: one all-reduce for a shard (its slots
-            # and logits not this rank's are 0 for the sum)
-            pass_one = (torch.zeros if shard is not None else torch.empty)(
-                n_rows * (merged * STATISTICS + 1), dtype=torch.float32, device=device
-            )
+            # a shard's slots and target logits that are not this rank's stay 0, for the sum over the ranks
+            new_scratch = torch.empty if shard is None else torch.zeros
+            # one buffer for pass 1's statistics and the target's CE logit: one all-reduce for a shard
+            pass_one = new_scratch(n_rows * (merged * STATISTICS + 1), dtype=torch.float32, device=device)
             statistics, target_logit = (
                 pass_one[: n_rows * merged * STATISTICS],
                 pass_one[n_rows * merged * STATISTICS :],
             )
-            if jsd_scratch:
-                mixture = (torch.zeros if shard is not None else torch.empty)(
-                    n_rows * merged * 2, dtype=torch.float32, device=device
-                )
+            if jsd:
+                mixture = new_scratch(n_rows * merged * 2, dtype=torch.float32, device=device)
         args = (
             student_logits,
             student_logits.stride(0),
@@ -964,7 +966,7 @@ __all__ = [
     "ShardSlots",
     "default_distill_launch_config",
     "distill_chunk",
-    "shard_block_v",
+    "shard_launch_config",
     "shard_slices",
     "target_programs",
 ]

@@ -47,7 +47,8 @@ _N_COLUMNS = 16
 # The ranks whose checks passed raise the failed rank's error type: the first listed that it is, else RuntimeError
 _PEER_ERROR_TYPES = (ValueError, TypeError, NotImplementedError, RuntimeError)
 _FINGERPRINT_PRIME = 2**31 - 1  # the targets fingerprint (see _agreement_row)
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+#: a float dtype as an int the ranks can compare (Python's hash of a dtype's name differs per process)
+DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _PER_TOKEN_NAMES = " or ".join(CROSS_ENTROPY_INPUTS)  # in the errors
 
 
@@ -152,7 +153,7 @@ def agreement_row(
     for bit, value in enumerate(per_token.values(), start=5):  # each per-token input given or not
         flags |= int(value is not None) << bit
     # fp16 and bf16 have one itemsize: compare the dtypes themselves (input's and the GEMMs')
-    dtypes = _DTYPE_CODES.get(input.dtype, 0) * 16 + _DTYPE_CODES.get(compute_dtype, 0)
+    dtypes = DTYPE_CODES.get(input.dtype, 0) * 16 + DTYPE_CODES.get(compute_dtype, 0)
     # Python's hash of ints and floats is the same in every process (no hash randomization for numbers).
     # The target's shape too (the shape of "none"'s losses), where every rank holds the same tokens.
     shape = () if sequence_parallel else tuple(target.shape)

@@ -61,6 +61,7 @@ from lightning_flce.kernels.distill_torch import RowReductions
 from lightning_flce.losses.distillation import DIVERGENCES, DistillationChunkLoss, Divergence
 from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision, Reduction
 from lightning_flce.parallel.agreement import (
+    DTYPE_CODES,
     Layout,
     agree,
     agreement_device,
@@ -270,6 +271,11 @@ class ShardKernels:
     def __init__(self, reductions: ShardRowReductions, slots: Any = None) -> None:
         self.reductions = reductions
         self.slots = slots
+        self.kernel = None
+        if slots is not None:  # (Triton is an optional dependency: imported only where it runs)
+            from lightning_flce.kernels import distill as kernel
+
+            self.kernel = kernel
 
     def distill_chunk(
         self, student_logits: Tensor, teacher_logits: Tensor, target: Tensor, **kwargs: Any
@@ -278,14 +284,12 @@ class ShardKernels:
         grad_in_row = kwargs["compute_grad"] and is_gradient_in_logits_rows(
             student_logits, student_logits if grad_out is None else grad_out
         )
-        if self.slots is None or grad_in_row:
+        if self.kernel is None or grad_in_row:
             return distill_torch.distill_chunk(
                 student_logits, teacher_logits, target, reductions=self.reductions, **kwargs
             )
-        from lightning_flce.kernels import distill as triton_distill
-
         local_target = target - self.reductions.vocab_start  # outside [0, V_r) where another rank holds it
-        return triton_distill.distill_chunk(
+        return self.kernel.distill_chunk(
             student_logits, teacher_logits, local_target, shard=self.slots, **kwargs
         )
 
@@ -322,15 +326,12 @@ def _loss_code(a: Dict[str, Any], temperature: Union[float, Tensor]) -> int:
         a["teacher_logit_scale"],
         a["teacher_weight"].shape[1],
         int(a["teacher_bias"] is not None),
-        _DTYPE_ORDER.index(a["teacher_compute_dtype"]),
+        DTYPE_CODES[a["teacher_compute_dtype"]],
         float(temperature) if isinstance(temperature, (int, float)) else -float(temperature.numel()),
         # the per-block math: the Triton launch and the twin run different collectives, which must line up
         int(a["backend"] == "triton"),
     )
     return hash(codes)
-
-
-_DTYPE_ORDER = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _run(a: Dict[str, Any], plan: _Plan, *, keep_scaled: bool) -> Tuple[Optional[Tensor], ...]:
