@@ -113,11 +113,59 @@ def cases(world: int) -> dict[str, dict]:
                 "reduction": reduction,
                 "layout": "explicit",
             }
+    out.update(sequence_parallel_cases())
     for error in ERRORS:
         if error not in INTERPRET_ERRORS:
             out[f"error-{error}"] = {"kind": "error", "error": error}
     out["after_errors-jsd_0.5-all-mean"] = {"divergence": "jsd_0.5", "feature": "all", "reduction": "mean"}
     return out
+
+
+SP_SHAPE = (6, 4)  # 24 tokens: a block of 12 or 8 on each of 2 or 3 ranks
+
+
+def sequence_parallel_cases() -> dict[str, dict]:
+    """``sequence_parallel=True``: each rank holds its block of the tokens (hidden states of both sides, targets,
+    token weights, temperatures, "none"'s grad_output); every option, so a per-token value gathered in the wrong
+    order or a "mean" over one rank's tokens shows."""
+    base = {"kind": "sequence_parallel", "feature": "all", "shape": SP_SHAPE}
+    out = {}
+    for divergence in ("jsd_0.5", "forward_kl", "reverse_kl"):
+        for reduction in REDUCTIONS:
+            out[f"sp-{divergence}-all-{reduction}"] = {
+                **base,
+                "divergence": divergence,
+                "reduction": reduction,
+            }
+    # rank 0's tokens all ignored: "mean" divides by the group's counted tokens, not a rank's
+    out["sp-first_block_ignored-jsd_0.2-all-mean"] = {
+        **base,
+        "divergence": "jsd_0.2",
+        "reduction": "mean",
+        "ignore": "first_block",
+    }
+    out["sp-no_target-jsd_0.5-plain-mean"] = {
+        **base,
+        "feature": "plain",
+        "divergence": "jsd_0.5",
+        "reduction": "mean",
+        "target": False,
+    }
+    out["sp-fp64-jsd_0.5-all-none"] = {
+        **base,
+        "divergence": "jsd_0.5",
+        "reduction": "none",
+        "dtype": torch.float64,
+    }
+    return out
+
+
+def token_block(values: torch.Tensor, world: int, rank: int, n_dims: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s block of the tokens of ``values`` ([*tokens, *trailing] with ``n_dims`` trailing dims),
+    flattened: the rows sequence parallelism gives it."""
+    flat = values.reshape(-1, *values.shape[values.dim() - n_dims :])
+    rows = flat.shape[0] // world
+    return flat[rank * rows : (rank + 1) * rows]
 
 
 def cuda_cases(world: int) -> dict[str, dict]:
@@ -164,6 +212,15 @@ def cuda_cases(world: int) -> dict[str, dict]:
         "chunk_size": 384,
         "logits_precision": "fp32",
     }
+    for dtype in (torch.float32, torch.bfloat16):
+        out[f"cuda-{str(dtype).removeprefix('torch.')}-sp-jsd_0.5-all-none"] = {
+            **base,
+            "kind": "sequence_parallel",
+            "dtype": dtype,
+            "divergence": "jsd_0.5",
+            "reduction": "none",
+            "chunk_size": 384,
+        }
     out["cuda-bfloat16-default_chunk-jsd_0.5-all-mean"] = {
         **base,
         "dtype": torch.bfloat16,
@@ -189,6 +246,11 @@ def interpret_cases(world: int) -> dict[str, dict]:
             }
     for error in INTERPRET_ERRORS:
         out[f"interpret-error-{error}"] = {"kind": "error", "error": error}
+    for reduction in ("mean", "none"):
+        out[f"interpret-sp-jsd_0.5-all-{reduction}"] = {
+            **sequence_parallel_cases()[f"sp-jsd_0.5-all-{reduction}"],
+            "impl": "triton",
+        }
     out["interpret-jsd_0.2-plain-sum"] = {"divergence": "jsd_0.2", "reduction": "sum", "impl": "triton"}
     out["interpret-bf16-jsd_0.5-all-mean"] = {
         "divergence": "jsd_0.5",
@@ -224,6 +286,8 @@ ERRORS = {
     "teacher_requires_grad": ("ValueError", "teacher_weight requires grad"),
     "bad_temperature": ("ValueError", "temperature"),
     "vocab_start_overlap": ("ValueError", "do not tile"),
+    "sequence_parallel_rank0_only": ("ValueError", "disagree on sequence_parallel"),
+    "sequence_parallel_uneven_tokens": ("ValueError", "the same number of tokens on every rank"),
 }
 
 
@@ -249,6 +313,9 @@ def problem(spec: dict, world: int):
     extras = {name: value.to(device) for name, value in extras.items()}
     if spec.get("ignore") == "all":
         target = torch.full_like(target, -100)
+    elif spec.get("ignore") == "first_block":
+        target = target.clone()
+        target.view(-1)[: target.numel() // world] = -100
     student = [t.detach().to(device, dtype) for t in (xs, ws, bs)]
     teacher = [t.to(device, dtype) for t in (xt, wt, bt)]
     return student, teacher, target, extras
@@ -289,6 +356,11 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
     (xs, ws, bs), (xt, wt, bt), target, extras = problem(spec, world)
     start, end = shard_rows(spec, world, rank)
     use_bias = FEATURES[spec.get("feature", "plain")].get("bias", False)
+    sequence_parallel = spec.get("kind") == "sequence_parallel"
+    if sequence_parallel:  # this rank's tokens only
+        xs, xt = token_block(xs, world, rank, 1), token_block(xt, world, rank, 1)
+        target = token_block(target, world, rank)
+        extras = {name: token_block(value, world, rank) for name, value in extras.items()}
     x = xs.clone().requires_grad_()
     w = ws[start:end].clone().requires_grad_()
     b = bs[start:end].clone().requires_grad_() if use_bias else None
@@ -299,6 +371,8 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         kwargs["impl"] = spec["impl"]
     if spec.get("layout") == "explicit":
         kwargs["vocab_start"] = start
+    if sequence_parallel:
+        kwargs["sequence_parallel"] = True
     if spec.get("kind") == "dtensor":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -356,6 +430,13 @@ def run_error(error: str, world: int, rank: int) -> str:
         kwargs["temperature"][0, 0] = 0.0
     elif error == "vocab_start_overlap":
         kwargs["vocab_start"] = 0  # every rank claims row 0
+    elif error == "sequence_parallel_rank0_only":
+        kwargs["sequence_parallel"] = rank == 0
+    elif error == "sequence_parallel_uneven_tokens":  # rank 1 holds 2 rows of tokens, the others 3
+        kwargs["sequence_parallel"] = True
+        if rank == 1:
+            x, xt, target = x[:2].detach().requires_grad_(), xt[:2], target[:2]
+            kwargs.update({name: kwargs[name][:2] for name in ("temperature", "token_weight")})
     return error_in_step(
         lambda: vocab_parallel_fused_linear_distillation(x, w, xt, teacher_w, target, **kwargs)
     )
@@ -476,6 +557,22 @@ def test_vocab_parallel_distillation_cuda(results, name):
     _check_case(cuda_cases(2)[name], 2, [r[name] for r in results(2, "cuda")])
 
 
+def _group_tokens(spec: dict, world: int, ranks: list[dict]) -> list[dict]:
+    """Sequence parallelism: each rank's results with the group's tokens put together from every rank's block ("none"'s
+    losses and dX, in rank order, in the problem's shape), after checking that each rank returned its block only."""
+    shape = spec["shape"]
+    block = shape[0] * shape[1] // world
+    losses, grads = [r["loss"] for r in ranks], [r["dx"] for r in ranks]
+    for loss, dx in zip(losses, grads):
+        assert dx.shape[0] == block, dx.shape
+        assert loss.shape == ((block,) if spec["reduction"] == "none" else ()), loss.shape
+    dx = torch.cat(grads).view(*shape, -1)
+    return [
+        {**r, "dx": dx, "loss": torch.cat(losses).view(shape) if spec["reduction"] == "none" else r["loss"]}
+        for r in ranks
+    ]
+
+
 def _check_case(spec: dict, world: int, ranks: list[dict]) -> None:
     if spec.get("kind") == "error":
         kind, message = ERRORS[spec["error"]]
@@ -486,6 +583,8 @@ def _check_case(spec: dict, world: int, ranks: list[dict]) -> None:
             assert message in r["error"] or "failed their argument checks" in r["error"], r["error"]
         assert any(message in r["error"] for r in ranks)
         return
+    if spec.get("kind") == "sequence_parallel":
+        ranks = _group_tokens(spec, world, ranks)
     if spec.get("layout") == "explicit":
         assert [r["rows"] for r in ranks] == [EXPLICIT[rank] for rank in range(world)]
     reference, single = _expected(spec, world)

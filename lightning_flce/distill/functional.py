@@ -272,7 +272,6 @@ def distillation_op_args(
     for name, value in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
         softcaps[name] = 0.0 if value is None else _positive_float(name, value)
 
-    given_target = target is not None
     if target is None:
         target = torch.zeros(student_input.shape[:-1], dtype=torch.int64, device=student_input.device)
         ignore_index = -1  # no token is ignored
@@ -298,15 +297,7 @@ def distillation_op_args(
     target = class_indices(target)
     inv_temperature = inverse_temperature(temperature, target, dtype)
 
-    if reduction == "mean" and given_target:  # 1 / the tokens that carry a loss, on the device (no sync)
-        counted = (target != ignore_index).sum().to(dtype)
-        token_scale = (1.0 / counted.clamp(min=1.0)).reshape(1)
-    elif reduction == "mean":
-        token_scale = torch.full((1,), 1.0 / max(target.numel(), 1), dtype=dtype, device=target.device)
-    else:
-        token_scale = torch.ones(1, dtype=dtype, device=target.device)
-    if token_weight is not None:
-        token_scale = token_scale * token_weight.detach().reshape(-1).to(dtype)
+    token_scale = loss_token_scale(target, ignore_index, reduction, token_weight, dtype)
 
     top_k_indices, top_k_logits = teacher_top_k or (None, None)
     grad_enabled = torch.is_grad_enabled()
@@ -342,6 +333,22 @@ def distillation_op_args(
         grad_enabled and student_bias is not None and student_bias.requires_grad,
     )
     return args
+
+
+def loss_token_scale(
+    target: Tensor, ignore_index: int, reduction: str, token_weight: Optional[Tensor], dtype: torch.dtype
+) -> Tensor:
+    """Each token's factor on its loss, [1] or [N] (with ``token_weight``) in ``dtype``: for "mean" 1 / the tokens
+    that carry a loss (counted on the device: no host sync; without a target ``ignore_index`` is -1 and every token
+    counts), times ``token_weight``. The vocab-parallel op calls it again on the sequence-parallel group's tokens."""
+    if reduction == "mean":
+        counted = (target != ignore_index).sum().to(dtype)
+        token_scale = (1.0 / counted.clamp(min=1.0)).reshape(1)
+    else:
+        token_scale = torch.ones(1, dtype=dtype, device=target.device)
+    if token_weight is not None:
+        token_scale = token_scale * token_weight.detach().reshape(-1).to(dtype)
+    return token_scale
 
 
 def _positive_float(name: str, value: Any) -> float:

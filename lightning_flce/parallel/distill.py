@@ -3,7 +3,9 @@ group, row for row alike (Megatron-style tensor parallelism of two models that s
 
 Rank ``r`` of ``group`` holds the rows ``[vocab_start_r, vocab_start_r + V_r)`` of the student's ``[V, H_s]`` head
 and of the teacher's ``[V, H_t]`` head (and of their biases); the hidden states of both models, the targets and
-the options are the same on every rank. No rank holds either side's ``[N, V]`` logits or a full head.
+the options are the same on every rank, or with ``sequence_parallel`` each rank holds its own block of the tokens
+(all-gathered in, dX reduce-scattered out: :mod:`lightning_flce.parallel.sequence`). No rank holds either side's
+``[N, V]`` logits or a full head.
 
 It is the single-device op's chunk loss (:class:`~lightning_flce.losses.distillation.DistillationChunkLoss`, the
 teacher its auxiliary head) on the one chunk engine (:func:`lightning_flce.engine.run_chunks`), with a different
@@ -30,7 +32,7 @@ The shard layout, the token counts and targets and the options are agreed first,
 
 Not supported: ``top_k`` (the teacher's top k is a global selection across shards) and a cached teacher (use the
 single-device :func:`~lightning_flce.fused_linear_distillation_from_top_k`: its teacher needs no head), ``vocab_size``
-(shard the rows the heads share), sequence parallelism. The op is a plain ``autograd.Function`` with collectives,
+(shard the rows the heads share). The op is a plain ``autograd.Function`` with collectives,
 so ``torch.compile`` graph-breaks around it, and the FLOP counter does not see it.
 """
 
@@ -43,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_flce.distill.functional import check_teacher, distillation_op_args
+from lightning_flce.distill.functional import check_teacher, distillation_op_args, loss_token_scale
 from lightning_flce.distill.op import OP_ARG_NAMES, distillation_chunk_loss
 from lightning_flce.engine import (
     accumulator_dtype,
@@ -70,6 +72,7 @@ from lightning_flce.parallel.agreement import (
     layout,
     local_tensors,
 )
+from lightning_flce.parallel.sequence import gather_rows, local_rows, reduce_scatter_rows
 
 __all__ = ["ShardKernels", "ShardRowReductions", "vocab_parallel_fused_linear_distillation"]
 
@@ -85,6 +88,7 @@ def vocab_parallel_fused_linear_distillation(
     teacher_bias_shard: Optional[Tensor] = None,
     group: Optional[dist.ProcessGroup] = None,
     vocab_start: Optional[int] = None,
+    sequence_parallel: bool = False,
     divergence: Divergence = "jsd",
     beta: float = 0.5,
     temperature: Union[float, Tensor] = 1.0,
@@ -121,6 +125,11 @@ def vocab_parallel_fused_linear_distillation(
         vocab_start: first global row of this rank's shard. None: the shards are contiguous in rank order (their
             sizes are exchanged, so uneven shards work); if given, on every rank, and the shards must tile
             ``[0, V)``.
+        sequence_parallel: the hidden states, ``target``, ``token_weight`` and a per-token ``temperature`` hold
+            this rank's tokens only (as many on every rank; the group's tokens are the ranks' blocks in rank order),
+            as after a sequence-parallel block of Megatron-style tensor parallelism. They are all-gathered in, dX is
+            reduce-scattered back to this rank's tokens, "none" returns this rank's tokens' losses and "mean"
+            averages over the group's tokens (:mod:`lightning_flce.parallel.sequence`).
         divergence, beta, temperature, hard_weight, ignore_index, reduction, token_weight, student_softcap,
         teacher_softcap, student_logit_scale, teacher_logit_scale, logits_precision, accum_dtype, chunk_size: as in
             :func:`~lightning_flce.fused_linear_distillation` (a per-token ``temperature`` tensor must be the same
@@ -132,12 +141,15 @@ def vocab_parallel_fused_linear_distillation(
 
     Returns:
         The loss (a scalar, or one per token in the target's shape for ``reduction="none"``) in fp32 (fp64 for fp64
-        inputs), replicated on every rank. Backpropagate the same ``grad_output`` on every rank.
+        inputs), replicated on every rank (with ``sequence_parallel``, "none" gives this rank's tokens' losses and
+        the scalar is the group's). Backpropagate the same ``grad_output`` on every rank (for "none" with
+        ``sequence_parallel``: each rank its tokens').
     """
     # Raised on this rank only: without a process group there is no collective to tell the others through.
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("vocab_parallel_fused_linear_distillation needs an initialized torch.distributed")
     group = call_group(student_weight_shard, group)
+    sequence_parallel = bool(sequence_parallel)
     # This rank's argument checks: an error is raised after the agreement all-reduce, which every rank must join.
     failure = row = None
     a: Dict[str, Any] = {}
@@ -194,7 +206,7 @@ def vocab_parallel_fused_linear_distillation(
             compute_dtype=a["compute_dtype"],
             need_grad_input=a["need_grad_input"],
             compute_stats=False,
-            sequence_parallel=False,
+            sequence_parallel=sequence_parallel,
             has_bias=student_bias_shard is not None,
             loss_code=_loss_code(a, temperature),
         )
@@ -210,12 +222,16 @@ def vocab_parallel_fused_linear_distillation(
         workspace_copies=DistillationChunkLoss.workspace_copies,
         auxiliary_dtype=a["teacher_compute_dtype"],
     )
+    token_shape = a["target"].shape  # this rank's tokens: the shape of "none"'s losses
+    # after the agreement: with sequence parallelism every rank holds as many tokens, of one hidden size and dtype
+    if sequence_parallel:
+        a = _gather_tokens(a, reduction, temperature, token_weight, group)
     if not agreed.targets_in_range:  # the same targets on every rank: the same message
         raise target_range_error(a["target"], agreed.vocab, a["ignore_index"])
-    plan = _Plan(group, agreed, reduction)
+    plan = _Plan(group, agreed, reduction, sequence_parallel)
     statics = {name: value for name, value in a.items() if name not in ("x", "weight", "bias")}
     loss = _VocabParallelDistillation.apply(a["x"], a["weight"], a["bias"], plan, statics)
-    return loss.view(a["target"].shape) if reduction == "none" else loss
+    return loss.view(token_shape) if reduction == "none" else loss
 
 
 class ShardRowReductions(RowReductions):
@@ -295,11 +311,37 @@ class ShardKernels:
 
 
 class _Plan(NamedTuple):
-    """The call's group, what every rank agreed on, and the reduction."""
+    """The call's group, what every rank agreed on, the reduction, and whether each rank holds its own tokens."""
 
     group: Optional[dist.ProcessGroup]
     layout: Layout
     reduction: str
+    sequence_parallel: bool
+
+
+def _gather_tokens(
+    a: Dict[str, Any],
+    reduction: str,
+    temperature: Union[float, Tensor],
+    token_weight: Optional[Tensor],
+    group: Optional[dist.ProcessGroup],
+) -> Dict[str, Any]:
+    """The op's arguments with every per-token value of the group's tokens (sequence parallelism): both sides'
+    hidden states (the student's detached: autograd sees this rank's, which the chunks read as ``gathered_x``),
+    the targets, a per-token temperature, and the token scale rebuilt from the group's targets and weights ("mean"
+    divides by the group's tokens that carry a loss)."""
+    dtype = softmax_dtype(a["compute_dtype"])
+    target = gather_rows(a["target"].reshape(-1), group)
+    weights = None if token_weight is None else gather_rows(token_weight.detach().reshape(-1), group)
+    gathered = {
+        "gathered_x": gather_rows(a["x"].detach().reshape(-1, a["x"].shape[-1]), group),
+        "teacher_x": gather_rows(a["teacher_x"].detach().reshape(-1, a["teacher_x"].shape[-1]), group),
+        "target": target,
+        "token_scale": loss_token_scale(target, a["ignore_index"], reduction, weights, dtype),
+    }
+    if isinstance(temperature, Tensor):  # [N_r] per token; a float's [1] is the same everywhere
+        gathered["inv_temperature"] = gather_rows(a["inv_temperature"], group)
+    return {**a, **gathered}
 
 
 def _check_shards(student_weight: Tensor, teacher_weight: Tensor) -> None:
@@ -384,15 +426,23 @@ def _run(a: Dict[str, Any], plan: _Plan, *, keep_scaled: bool) -> Tuple[Optional
         grad_weight_dtype=grad_weight_dtype,
         auxiliary_block_rows=auxiliary_block_rows(x.device.type == "cuda"),
     )
-    if grad_input is not None:
+    if grad_input is not None and plan.sequence_parallel:  # this rank's tokens only: sum and scatter at once
+        grad_input = reduce_scatter_rows(grad_input.view(-1, x.shape[-1]), plan.group)
+    elif grad_input is not None:
         dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
     return (*per_token, grad_input, grad_weight, grad_bias, scales)
+
+
+def _chunk_args(statics: Dict[str, Any], x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Dict[str, Any]:
+    """The op's arguments for the chunks: the student's hidden states are ``x`` (what autograd sees), or with
+    sequence parallelism the group's tokens gathered from it (``gathered_x``)."""
+    return {**statics, "x": statics.get("gathered_x", x), "weight": weight, "bias": bias}
 
 
 class _VocabParallelDistillation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: _Plan, statics: Dict[str, Any]):
-        a = {**statics, "x": x, "weight": weight, "bias": bias}
+        a = _chunk_args(statics, x, weight, bias)
         needs = (a["need_grad_input"], a["need_grad_weight"], a["need_grad_bias"])
         ctx.needs, ctx.plan, ctx.input_shape = needs, plan, x.shape
         ctx.set_materialize_grads(False)
@@ -405,7 +455,7 @@ class _VocabParallelDistillation(torch.autograd.Function):
                 )
                 ctx.statics = statics
                 ctx.save_for_backward(x, weight, bias)
-                return per_token_loss
+                return local_rows(per_token_loss, plan.group) if plan.sequence_parallel else per_token_loss
             per_token_loss, _, _, gx, gw, gb, scales = _run(a, plan, keep_scaled=True)
         if gx is not None:
             gx = gx.view(x.shape)
@@ -423,8 +473,11 @@ class _VocabParallelDistillation(torch.autograd.Function):
             x, weight, bias = ctx.saved_tensors
             statics = ctx.statics
             dtype = softmax_dtype(statics["compute_dtype"])
-            scale = grad_loss.reshape(-1).to(dtype) * statics["token_scale"].to(dtype)
-            a = {**statics, "x": x, "weight": weight, "bias": bias, "token_scale": scale}
+            grad = grad_loss.reshape(-1)
+            if ctx.plan.sequence_parallel:  # every rank's chunks need every token's grad_output
+                grad = gather_rows(grad, ctx.plan.group)
+            scale = grad.to(dtype) * statics["token_scale"].to(dtype)
+            a = {**_chunk_args(statics, x, weight, bias), "token_scale": scale}
             with torch.autocast(x.device.type, enabled=False):
                 *_, gx, gw, gb, _ = _run(a, ctx.plan, keep_scaled=False)
             if gx is not None:

@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_flce._compat import all_gather_single, reduce_scatter_single
 from lightning_flce.engine import (
     accumulator_dtype,
     check_single_backward,
@@ -79,6 +78,7 @@ from lightning_flce.parallel.agreement import (
     layout,
     local_tensors,
 )
+from lightning_flce.parallel.sequence import gather_rows, local_rows, reduce_scatter_rows
 from lightning_flce.per_token import CROSS_ENTROPY_INPUTS, PER_TOKEN_INPUTS
 from lightning_flce.validation import check_inputs, class_indices
 
@@ -284,7 +284,7 @@ def _call(
         if value is not None:
             value = value.reshape(-1)
             if sequence_parallel and PER_TOKEN_INPUTS[name].sequence_parallel_gather:
-                value = _gather_rows(value, group)
+                value = gather_rows(value, group)
             per_token[name] = value
     if not agreed.targets_in_range:  # the same targets on every rank now: the same message
         raise target_range_error(target, agreed.vocab, options.ignore_index)
@@ -337,9 +337,9 @@ class _VocabParallelFLCE(torch.autograd.Function):
         if reduction != "none":
             loss = loss.sum()
         elif plan.sequence_parallel:
-            loss = _local_rows(loss, plan.group)
+            loss = local_rows(loss, plan.group)
         if plan.sequence_parallel:
-            lse, correct, entropy = (_local_rows(t, plan.group) for t in (lse, correct, entropy))
+            lse, correct, entropy = (local_rows(t, plan.group) for t in (lse, correct, entropy))
         if gx is not None:
             gx = gx.view(x.shape)
         ctx.plan, ctx.reduction, ctx.needs, ctx.input_shape = plan, reduction, needs, x.shape
@@ -364,7 +364,7 @@ class _VocabParallelFLCE(torch.autograd.Function):
             x_all, weight, target, bias = ctx.saved_tensors
             grad = grad_loss.reshape(-1)
             if plan.sequence_parallel:  # every rank's chunks need every token's grad_output
-                grad = _gather_rows(grad.contiguous(), plan.group)
+                grad = gather_rows(grad.contiguous(), plan.group)
             with torch.autocast(x_all.device.type, enabled=False):
                 weight_scale, _ = _token_scales(plan, target, "sum")  # [1] ones, or the token weights [N]
                 scale = grad.to(weight_scale.dtype) * weight_scale
@@ -398,30 +398,13 @@ def _token_scales(plan: _Plan, target: Tensor, reduction: str) -> Tuple[Tensor, 
     return loss_scales(target, reduction, plan.options.ignore_index, None, plan.options.token_weight, dtype)
 
 
-def _gather_rows(local: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
-    """Every rank's ``local`` rows, concatenated in rank order (same row count on every rank)."""
-    world = dist.get_world_size(group)
-    out = local.new_empty(world * local.shape[0], *local.shape[1:])
-    all_gather_single(out, local.contiguous(), group=group)
-    return out
-
-
-def _local_rows(full: Optional[Tensor], group: Optional[dist.ProcessGroup]) -> Optional[Tensor]:
-    """This rank's block of the rows of ``full`` (rank-major, equal blocks)."""
-    if full is None:
-        return None
-    rows = full.shape[0] // dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    return full[rank * rows : (rank + 1) * rows].clone()  # not a view of a forward temporary
-
-
 def _gather_tokens(
     input: Tensor, target: Tensor, group: Optional[dist.ProcessGroup]
 ) -> Tuple[Tensor, Tensor]:
     """Sequence parallelism: all ranks' tokens, ``[sum N_r, H]`` and ``[sum N_r]`` (the agreement checked that
     every rank holds as many, of one hidden size and dtype)."""
     hidden = input.reshape(-1, input.shape[-1]).detach()
-    return _gather_rows(hidden, group), _gather_rows(target.reshape(-1), group)
+    return gather_rows(hidden, group), gather_rows(target.reshape(-1), group)
 
 
 def _chunk_loop(
@@ -505,9 +488,7 @@ def _chunk_loop(
     if grad_input is not None:
         grad_input = grad_input.view(-1, x.shape[-1])
         if plan.sequence_parallel:  # this rank's tokens only: reduce-scatter instead of all-reduce
-            local = grad_input.new_empty(grad_input.shape[0] // dist.get_world_size(plan.group), x.shape[-1])
-            reduce_scatter_single(local, grad_input, op=dist.ReduceOp.SUM, group=plan.group)
-            grad_input = local
+            grad_input = reduce_scatter_rows(grad_input, plan.group)
         else:
             dist.all_reduce(grad_input, op=dist.ReduceOp.SUM, group=plan.group)
         grad_input = grad_input.to(x.dtype)

@@ -256,7 +256,14 @@ fused_linear_distillation_from_top_k(hidden, lm_head, cached_indices, cached_log
 assert_type(distill_module, FusedLinearDistillationLoss)
 # both heads sharded over the vocabulary alike (tensor parallelism): this rank's rows of each
 vp_distill_loss = vocab_parallel_fused_linear_distillation(
-    hidden, lm_head[:32], teacher_hidden, teacher_head[:32], labels, vocab_start=0, divergence="reverse_kl"
+    hidden,
+    lm_head[:32],
+    teacher_hidden,
+    teacher_head[:32],
+    labels,
+    vocab_start=0,
+    sequence_parallel=True,
+    divergence="reverse_kl",
 )
 assert_type(vp_distill_loss, Tensor)
 vocab_parallel_fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, top_k=8)  # type: ignore[call-arg]
