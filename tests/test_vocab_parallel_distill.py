@@ -620,6 +620,25 @@ def _check_case(spec: dict, world: int, ranks: list[dict]) -> None:
     assert (db is None) == (single[3] is None)
 
 
+def test_takes_the_single_device_options_under_their_names_and_defaults():
+    """One name per option: the single-device op's keywords (same defaults and types), less those it refuses
+    (``top_k``, ``vocab_size``), the biases named ``_shard`` as the weights (as the vocab-parallel CE's), plus the
+    group's layout."""
+    import inspect
+
+    def keywords(function):
+        parameters = inspect.signature(function).parameters.values()
+        return {p.name: (p.default, p.annotation) for p in parameters if p.kind is p.KEYWORD_ONLY}
+
+    single, sharded = keywords(fused_linear_distillation), keywords(vocab_parallel_fused_linear_distillation)
+    for side in ("student", "teacher"):
+        single[f"{side}_bias_shard"] = single.pop(f"{side}_bias")
+    for refused in ("top_k", "vocab_size"):
+        single.pop(refused)
+    layout = {"group": (None, "Optional[dist.ProcessGroup]"), "vocab_start": (None, "Optional[int]")}
+    assert sharded == {**single, **layout, "sequence_parallel": (False, "bool")}
+
+
 def test_needs_an_initialized_process_group():
     (xs, ws, _), (xt, wt, _), target, _ = make_problem()
     with pytest.raises(RuntimeError, match="initialized torch.distributed"):
