@@ -246,20 +246,15 @@ def _run_shard_kernels(torch, generator) -> None:
                 del stats
 
 
-def compile_launches(path: str, arch: int, sass: bool) -> None:
-    """Phase 2 (no interpreter): compile each distinct recorded specialization and print its fingerprint."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
+def compile_launches(path: str, arch: int, sass: bool, jobs: int = 1) -> None:
+    """Phase 2 (no interpreter): compile each distinct recorded specialization and print its fingerprint, in the
+    order recorded; ``jobs`` processes compile at once (each specialization is one ptxas run on one core)."""
     with open(path) as f:
         launches = json.load(f)
+    specializations: List[tuple] = []
     seen = set()
-    target = GPUTarget("cuda", arch, 32)
     for launch in launches:
-        module = importlib.import_module(launch["module"])
-        kernel = getattr(module, launch["name"])
-        while not isinstance(kernel, triton.runtime.JITFunction):
-            kernel = kernel.fn  # Autotuner / Heuristics wrappers
+        kernel = _jit_function(launch["module"], launch["name"])
         signature, constexprs = {}, {}
         for param in kernel.params:
             described = launch["args"].get(param.name)
@@ -288,19 +283,42 @@ def compile_launches(path: str, arch: int, sass: bool) -> None:
             )
             if key not in seen:
                 seen.add(key)
-                _print_fingerprint(launch["name"], kernel, signature, variant, target, sass)
+                specializations.append((launch["module"], launch["name"], signature, variant, arch, sass))
+    if jobs <= 1:
+        lines = map(_fingerprint, specializations)
+    else:  # spawned workers: nothing of this process's state (Triton's caches, threads) is forked
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+        lines = pool.map(_fingerprint, specializations)
+    for line in lines:
+        print(line, flush=True)
 
 
-def _print_fingerprint(name, kernel, signature, constexprs, target, sass: bool) -> None:
+def _jit_function(module_name: str, name: str):
     import triton
+
+    kernel = getattr(importlib.import_module(module_name), name)
+    while not isinstance(kernel, triton.runtime.JITFunction):
+        kernel = kernel.fn  # Autotuner / Heuristics wrappers
+    return kernel
+
+
+def _fingerprint(specialization: tuple) -> str:
+    """One specialization's line: the kernel, a hash of its code, its constexprs and argument types."""
+    import triton
+    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=target)
+    module_name, name, signature, constexprs, arch, sass = specialization
+    kernel = _jit_function(module_name, name)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32))
     code = _sass(compiled.asm["cubin"]) if sass else _strip_debug(compiled.asm["ptx"])
     digest = hashlib.sha256(code.encode()).hexdigest()[:16]
     special = ",".join(f"{k}={v}" for k, v in sorted(constexprs.items()))
     types = ",".join(f"{k}:{v}" for k, v in signature.items() if v != "constexpr")
-    print(f"{name}\t{digest}\t{special}\t{types}", flush=True)
+    return f"{name}\t{digest}\t{special}\t{types}"
 
 
 def _strip_debug(ptx: str) -> str:
@@ -338,6 +356,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100/H200)")
     parser.add_argument("--sass", action="store_true", help="hash the SASS (ptxas) instead of the PTX")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes compiling at once (default: every core)",
+    )
     parser.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.record_only:
@@ -348,7 +372,7 @@ def main() -> None:
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         subprocess.run([sys.executable, __file__, "--record-only", path], check=True, env=env)
         os.environ.pop("TRITON_INTERPRET", None)
-        compile_launches(path, args.arch, args.sass)
+        compile_launches(path, args.arch, args.sass, args.jobs)
 
 
 if __name__ == "__main__":
