@@ -56,6 +56,14 @@ FEATURES = {
         "teacher_logit_scale": 1.3,
     },
 }
+# top_k: the teacher's k largest of each row chosen across the shards (7 < every shard's rows; 17 > world 3's 13-14
+# rows, so a rank's own candidates are padded), with the cross-entropy over the whole vocabulary or without it
+TOP_K_FEATURES = {
+    "top_k": {**FEATURES["all"], "top_k": 7},
+    "top_k_wide": {"top_k": 17},
+    "top_k_no_ce": {"bias": True, "temperature": True, "top_k": 7},
+}
+FEATURES.update(TOP_K_FEATURES)
 REDUCTIONS = ("mean", "sum", "none")
 TIMEOUT_S = 180
 
@@ -113,6 +121,20 @@ def cases(world: int) -> dict[str, dict]:
                 "reduction": reduction,
                 "layout": "explicit",
             }
+    for feature in TOP_K_FEATURES:
+        for divergence in ("jsd_0.5", "forward_kl", "reverse_kl"):
+            for reduction in ("mean", "none") if feature == "top_k" else ("mean",):
+                out[f"{divergence}-{feature}-{reduction}"] = {
+                    "divergence": divergence,
+                    "feature": feature,
+                    "reduction": reduction,
+                }
+    out["fp64-jsd_0.2-top_k-sum"] = {
+        "divergence": "jsd_0.2",
+        "feature": "top_k",
+        "reduction": "sum",
+        "dtype": torch.float64,
+    }
     out.update(sequence_parallel_cases())
     for error in ERRORS:
         if error not in INTERPRET_ERRORS:
@@ -150,6 +172,12 @@ def sequence_parallel_cases() -> dict[str, dict]:
         "divergence": "jsd_0.5",
         "reduction": "mean",
         "target": False,
+    }
+    out["sp-top_k-forward_kl-top_k-mean"] = {
+        **base,
+        "feature": "top_k",
+        "divergence": "forward_kl",
+        "reduction": "mean",
     }
     out["sp-fp64-jsd_0.5-all-none"] = {
         **base,
@@ -221,6 +249,16 @@ def cuda_cases(world: int) -> dict[str, dict]:
             "reduction": "none",
             "chunk_size": 384,
         }
+    # top_k in fp32 (bf16 logits tie often at the k-th largest, where the single-device op may choose another column)
+    for divergence in ("jsd_0.5", "forward_kl"):
+        out[f"cuda-float32-top_k-{divergence}-top_k-mean"] = {
+            **base,
+            "feature": "top_k",
+            "dtype": torch.float32,
+            "divergence": divergence,
+            "reduction": "mean",
+            "chunk_size": 384,
+        }
     out["cuda-bfloat16-default_chunk-jsd_0.5-all-mean"] = {
         **base,
         "dtype": torch.bfloat16,
@@ -249,6 +287,16 @@ def interpret_cases(world: int) -> dict[str, dict]:
     for reduction in ("mean", "none"):
         out[f"interpret-sp-jsd_0.5-all-{reduction}"] = {
             **sequence_parallel_cases()[f"sp-jsd_0.5-all-{reduction}"],
+            "impl": "triton",
+        }
+    for divergence in (
+        "jsd_0.5",
+        "reverse_kl",
+    ):  # the cross-entropy alone in the Triton launch, the top k twin
+        out[f"interpret-{divergence}-top_k-mean"] = {
+            "divergence": divergence,
+            "feature": "top_k",
+            "reduction": "mean",
             "impl": "triton",
         }
     out["interpret-jsd_0.2-plain-sum"] = {"divergence": "jsd_0.2", "reduction": "sum", "impl": "triton"}
@@ -286,6 +334,8 @@ ERRORS = {
     "teacher_requires_grad": ("ValueError", "teacher_weight requires grad"),
     "bad_temperature": ("ValueError", "temperature"),
     "vocab_start_overlap": ("ValueError", "do not tile"),
+    "top_k_differs": ("ValueError", "the loss's own options"),
+    "top_k_above_the_vocabulary": ("ValueError", "top_k must be None or an int in [1, V="),
     "sequence_parallel_rank0_only": ("ValueError", "disagree on sequence_parallel"),
     "sequence_parallel_uneven_tokens": ("ValueError", "the same number of tokens on every rank"),
 }
@@ -430,6 +480,12 @@ def run_error(error: str, world: int, rank: int) -> str:
         kwargs["temperature"][0, 0] = 0.0
     elif error == "vocab_start_overlap":
         kwargs["vocab_start"] = 0  # every rank claims row 0
+    elif error == "top_k_differs":
+        kwargs["top_k"] = 5 + rank
+    elif (
+        error == "top_k_above_the_vocabulary"
+    ):  # fine for each rank's shard check, too many for the vocabulary
+        kwargs["top_k"] = VOCAB[world] + 1
     elif error == "sequence_parallel_rank0_only":
         kwargs["sequence_parallel"] = rank == 0
     elif error == "sequence_parallel_uneven_tokens":  # rank 1 holds 2 rows of tokens, the others 3
@@ -621,8 +677,8 @@ def _check_case(spec: dict, world: int, ranks: list[dict]) -> None:
 
 
 def test_takes_the_single_device_options_under_their_names_and_defaults():
-    """One name per option: the single-device op's keywords (same defaults and types), less those it refuses
-    (``top_k``, ``vocab_size``), the biases named ``_shard`` as the weights (as the vocab-parallel CE's), plus the
+    """One name per option: the single-device op's keywords (same defaults and types), less the one it refuses
+    (``vocab_size``), the biases named ``_shard`` as the weights (as the vocab-parallel CE's), plus the
     group's layout."""
     import inspect
 
@@ -633,8 +689,7 @@ def test_takes_the_single_device_options_under_their_names_and_defaults():
     single, sharded = keywords(fused_linear_distillation), keywords(vocab_parallel_fused_linear_distillation)
     for side in ("student", "teacher"):
         single[f"{side}_bias_shard"] = single.pop(f"{side}_bias")
-    for refused in ("top_k", "vocab_size"):
-        single.pop(refused)
+    single.pop("vocab_size")
     layout = {"group": (None, "Optional[dist.ProcessGroup]"), "vocab_start": (None, "Optional[int]")}
     assert sharded == {**single, **layout, "sequence_parallel": (False, "bool")}
 

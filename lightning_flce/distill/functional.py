@@ -252,12 +252,14 @@ def distillation_op_args(
     accum_dtype: AccumDtype,
     chunk_size: Optional[int],
     impl: str,
+    vocab_sharded: bool = False,
 ) -> Tensor:
     """The distillation op's arguments (by :data:`~lightning_flce.distill.op.OP_ARG_NAMES`) of a call: the options
     checked and resolved, the per-token scale built (the vocab-parallel op builds its own call from them too). The
     teacher is ``teacher_head`` (input, weight, bias) or ``teacher_top_k`` (indices, logits), checked by the
-    caller."""
-    _check_options(divergence, beta, hard_weight, target, top_k, student_weight)
+    caller. ``vocab_sharded``: the weights are one rank's rows, so ``top_k`` is checked against the whole
+    vocabulary by the caller (after the ranks' agreement), not against them."""
+    _check_options(divergence, beta, hard_weight, target, top_k, None if vocab_sharded else student_weight)
     if divergence == "jsd" and beta == 0.0:  # the limits of the generalized JSD, as TRL and Liger map them
         divergence = "forward_kl"
     elif divergence == "jsd" and beta == 1.0:
@@ -367,7 +369,7 @@ def _check_options(
     hard_weight: float,
     target: Optional[Tensor],
     top_k: Optional[int],
-    student_weight: Tensor,
+    student_weight: Optional[Tensor],
 ) -> None:
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
@@ -377,9 +379,10 @@ def _check_options(
     if hard_weight > 0 and target is None:
         raise ValueError(f"hard_weight={hard_weight} mixes in the cross-entropy on target: pass target")
     if top_k is not None:
-        vocab = student_weight.shape[0] if student_weight.dim() == 2 else None
+        vocab = student_weight.shape[0] if student_weight is not None and student_weight.dim() == 2 else None
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (vocab and top_k > vocab):
-            raise ValueError(f"top_k must be None or an int in [1, V={vocab}], got {top_k!r}")
+            bounds = f"[1, V={vocab}]" if vocab else "[1, V]"
+            raise ValueError(f"top_k must be None or an int in {bounds}, got {top_k!r}")
 
 
 def vocab_rows(

@@ -33,7 +33,7 @@ from lightning_flce.engine import (
     token_rows,
 )
 from lightning_flce.kernels import BACKENDS, softmax_dtype
-from lightning_flce.losses.distillation import TEACHER_LOGITS, DistillationChunkLoss
+from lightning_flce.losses.distillation import TEACHER_LOGITS, DistillationChunkLoss, TopKColumns
 from lightning_flce.op_autograd import OpWithAutograd
 from lightning_flce.rl.logprobs_op import bad_temperatures, gemm_flops, register_flops, temperature_error
 
@@ -96,10 +96,11 @@ def top_k_error(indices: Tensor, logits: Tensor, vocab: int, valid: Tensor) -> V
 
 
 def distillation_chunk_loss(
-    a, kernels: Any, vocab: int
+    a, kernels: Any, vocab: int, top_k_columns: Optional[TopKColumns] = None
 ) -> Tuple[DistillationChunkLoss, List[Tuple[Tensor, Callable[[], Exception]]]]:
     """The op's chunk loss from its arguments ``a`` (by :data:`_NAMES`) over a ``vocab``-column vocabulary, its
-    per-chunk math ``kernels.distill_chunk`` (a backend's module, or the vocab-parallel op's), and the checks of
+    per-chunk math ``kernels.distill_chunk`` (a backend's module, or the vocab-parallel op's) and ``top_k_columns``
+    (None: the whole vocabulary's, :class:`~lightning_flce.losses.distillation.TopKColumns`), and the checks of
     its inputs to read in the call's host sync (a 0-d count of bad values, the error to raise when it is not 0):
     the temperatures, and a cached top k's indices and logits."""
     x, compute_dtype = a["x"], a["compute_dtype"]
@@ -139,6 +140,7 @@ def distillation_chunk_loss(
         student_inv_temperature=inv_t * a["student_logit_scale"],
         teacher_inv_temperature=inv_t * a["teacher_logit_scale"],
         ce_inv_temperature=torch.full((1,), a["student_logit_scale"], dtype=dtype, device=x.device),
+        top_k_columns=top_k_columns,
     )
     return loss, checks
 

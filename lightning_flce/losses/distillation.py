@@ -66,6 +66,26 @@ def divergence_grad_bound(divergence: str, beta: float, vocab: int) -> float:
     return 1.0 / math.e + log_vocab
 
 
+class TopKColumns:
+    """Where the top-k divergence's columns are found in a chunk's logits, and how they are read and written: the
+    whole vocabulary in one tensor. The vocab-parallel op's subclass
+    (:class:`lightning_flce.parallel.distill.ShardTopKColumns`) finds them across the ranks' shards."""
+
+    def select(self, teacher: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        """The teacher's ``k`` largest logits of each row: (their columns [C, k] int64, the logits there)."""
+        index = teacher.topk(k, dim=1, sorted=False).indices
+        return index, teacher.gather(1, index)
+
+    def gather(self, logits: Tensor, index: Tensor) -> Tensor:
+        """``logits`` at the columns ``index`` [C, k], in the softmax dtype (the top-k gradient is written over
+        them and added at the columns unrounded)."""
+        return logits.gather(1, index).to(softmax_dtype(logits.dtype))
+
+    def scatter_add_(self, grad: Tensor, index: Tensor, values: Tensor) -> None:
+        """``grad[:, index] += values``."""
+        grad.scatter_add_(1, index, values.to(grad.dtype))
+
+
 class DistillationChunkLoss(ChunkLoss):
     """Outputs (loss, divergence, ce): the rows' ``token_scale``-scaled loss (scaled by the fp16 factor with it),
     their unscaled divergence, and their cross-entropy on the target (``hard_weight > 0`` only).
@@ -78,7 +98,8 @@ class DistillationChunkLoss(ChunkLoss):
     twin on a shard (:class:`lightning_flce.parallel.distill.ShardKernels`); ``teacher``: the teacher head (its logits arrive in
     ``side[teacher.name]``, :data:`TEACHER_LOGITS` by convention), or None with ``teacher_top_k`` (a cached
     teacher's ``(indices, logits)``, [N, k] each: int64 columns, logits in the softmax dtype); ``student_softcap``
-    and ``teacher_softcap``: ``softcap / logit_scale`` of each side (0.0: none).
+    and ``teacher_softcap``: ``softcap / logit_scale`` of each side (0.0: none); ``top_k_columns``: how the top-k
+    divergence finds, reads and writes its columns (:class:`TopKColumns`, or across shards).
     """
 
     linear_inputs = ("token_scale",)
@@ -101,6 +122,7 @@ class DistillationChunkLoss(ChunkLoss):
         student_inv_temperature: Tensor,
         teacher_inv_temperature: Tensor,
         ce_inv_temperature: Tensor,
+        top_k_columns: Optional[TopKColumns] = None,
     ) -> None:
         if divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
@@ -117,6 +139,7 @@ class DistillationChunkLoss(ChunkLoss):
         self.student_softcap = student_softcap
         self.teacher_softcap = teacher_softcap
         self.vocab = vocab
+        self.top_k_columns = top_k_columns or TopKColumns()
         self.inputs: Dict[str, Tensor] = {
             "token_scale": token_scale,
             "student_inv_temperature": student_inv_temperature,
@@ -200,9 +223,9 @@ class DistillationChunkLoss(ChunkLoss):
                 **options,
             )
         # softcap and temperature are increasing: the raw logits' top k are the transformed ones'
-        index = teacher.topk(self.top_k, dim=1, sorted=False).indices  # [C, k]
+        index, teacher_k = self.top_k_columns.select(teacher, self.top_k)  # [C, k] each
         return self._top_k_chunk(
-            logits, index, teacher.gather(1, index), target, options, token_scale, compute_grad, grad_out
+            logits, index, teacher_k, target, options, token_scale, compute_grad, grad_out
         )
 
     def _top_k_chunk(
@@ -223,7 +246,7 @@ class DistillationChunkLoss(ChunkLoss):
         w = self.hard_weight
         # gathered before the kernel writes the gradient over the logits; in the softmax dtype, so the top-k
         # gradient is not rounded before it is added
-        student_k = logits.gather(1, index).to(softmax_dtype(logits.dtype))
+        student_k = self.top_k_columns.gather(logits, index)
         top_k_loss, div_rows, _ = distill_torch.distill_chunk(
             student_k,
             teacher_k,
@@ -254,5 +277,5 @@ class DistillationChunkLoss(ChunkLoss):
             if w == 0.0:
                 grad.zero_()
             if w != 1.0:
-                grad.scatter_add_(1, index, student_k.to(grad.dtype))
+                self.top_k_columns.scatter_add_(grad, index, student_k)
         return top_k_loss, div_rows, ce_rows

@@ -707,10 +707,10 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         hp = self.hparams
         student_head = _resolved_head(self.student)
         sharded = _vocab_parallel_head(self.student, self.teacher)
-        if sharded is not None and (hp.top_k is not None or hp.vocab_size not in (None, sharded.vocab_size)):
+        if sharded is not None and hp.vocab_size not in (None, sharded.vocab_size):
             raise NotImplementedError(
-                "VocabParallelHeads distill over their whole vocabulary: top_k (a selection over every shard) and a"
-                f" vocab_size below the heads' {sharded.vocab_size} rows are not supported with them"
+                "VocabParallelHeads distill over their whole vocabulary: a vocab_size below the heads'"
+                f" {sharded.vocab_size} rows is not supported with them"
             )
         # the options both front ends of the op take: the student's softcap and the module's loss options
         shared: dict[str, Any] = dict(
@@ -764,6 +764,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                         teacher_bias_shard=teacher_bias,
                         group=sharded.group,
                         vocab_start=sharded.vocab_start,
+                        top_k=hp.top_k,
                         **options,
                     )
                 else:

@@ -30,8 +30,13 @@ with the per-token ``grad_output`` (its collectives then run in backward, on eve
 The shard layout, the token counts and targets and the options are agreed first, in one small int64 all-reduce
 (:mod:`lightning_flce.parallel.agreement`): a bad argument on one rank raises on all, never a hang.
 
-Not supported: ``top_k`` (the teacher's top k is a global selection across shards) and a cached teacher (use the
-single-device :func:`~lightning_flce.fused_linear_distillation_from_top_k`: its teacher needs no head), ``vocab_size``
+``top_k``: each rank's k largest teacher logits of a row are all-gathered and the k largest of those chosen
+(:class:`ShardTopKColumns`); the student's logits there are read by the ranks that hold them (one all-reduce of
+``[rows, k]``), the divergence over the k columns is the same small PyTorch computation on every rank, and each
+rank adds its gradient at its own columns.
+
+Not supported: a cached teacher (use the single-device
+:func:`~lightning_flce.fused_linear_distillation_from_top_k`: its teacher needs no head), ``vocab_size``
 (shard the rows the heads share). The op is a plain ``autograd.Function`` with collectives,
 so ``torch.compile`` graph-breaks around it, and the FLOP counter does not see it.
 """
@@ -60,7 +65,7 @@ from lightning_flce.engine import (
 )
 from lightning_flce.kernels import distill_torch, is_gradient_in_logits_rows, softmax_dtype
 from lightning_flce.kernels.distill_torch import RowReductions
-from lightning_flce.losses.distillation import DIVERGENCES, DistillationChunkLoss, Divergence
+from lightning_flce.losses.distillation import DIVERGENCES, DistillationChunkLoss, Divergence, TopKColumns
 from lightning_flce.options import AccumDtype, FLCEOptions, ImplName, LogitsPrecision, Reduction
 from lightning_flce.parallel.agreement import (
     DTYPE_CODES,
@@ -74,7 +79,12 @@ from lightning_flce.parallel.agreement import (
 )
 from lightning_flce.parallel.sequence import gather_rows, local_rows, reduce_scatter_rows
 
-__all__ = ["ShardKernels", "ShardRowReductions", "vocab_parallel_fused_linear_distillation"]
+__all__ = [
+    "ShardKernels",
+    "ShardRowReductions",
+    "ShardTopKColumns",
+    "vocab_parallel_fused_linear_distillation",
+]
 
 
 def vocab_parallel_fused_linear_distillation(
@@ -93,6 +103,7 @@ def vocab_parallel_fused_linear_distillation(
     beta: float = 0.5,
     temperature: Union[float, Tensor] = 1.0,
     hard_weight: float = 0.0,
+    top_k: Optional[int] = None,
     ignore_index: int = -100,
     reduction: Reduction = "mean",
     token_weight: Optional[Tensor] = None,
@@ -130,11 +141,11 @@ def vocab_parallel_fused_linear_distillation(
             as after a sequence-parallel block of Megatron-style tensor parallelism. They are all-gathered in, dX is
             reduce-scattered back to this rank's tokens, "none" returns this rank's tokens' losses and "mean"
             averages over the group's tokens (:mod:`lightning_flce.parallel.sequence`).
-        divergence, beta, temperature, hard_weight, ignore_index, reduction, token_weight, student_softcap,
+        divergence, beta, temperature, hard_weight, top_k, ignore_index, reduction, token_weight, student_softcap,
         teacher_softcap, student_logit_scale, teacher_logit_scale, logits_precision, accum_dtype, chunk_size: as in
             :func:`~lightning_flce.fused_linear_distillation` (a per-token ``temperature`` tensor must be the same
-            on every rank, as the hidden states; ``chunk_size=None`` picks the same size on every rank, from the
-            largest shard).
+            on every rank, as the hidden states; ``top_k`` is over the whole vocabulary, chosen across the shards;
+            ``chunk_size=None`` picks the same size on every rank, from the largest shard).
         impl: the per-chunk math: ``"auto"`` (the Triton kernel on CUDA, the PyTorch twin elsewhere), ``"triton"``
             (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``) or ``"torch"``; fp64 and the wide logits of
             ``logits_precision="fp32"`` with 16-bit inputs always run the twin. The GEMMs are cuBLAS either way.
@@ -177,7 +188,7 @@ def vocab_parallel_fused_linear_distillation(
             beta=beta,
             temperature=temperature,
             hard_weight=hard_weight,
-            top_k=None,
+            top_k=top_k,
             ignore_index=ignore_index,
             reduction=reduction,
             token_weight=token_weight,
@@ -189,6 +200,7 @@ def vocab_parallel_fused_linear_distillation(
             accum_dtype=accum_dtype,
             chunk_size=chunk_size,
             impl=impl,
+            vocab_sharded=True,
         )
         a = dict(zip(OP_ARG_NAMES, args))
         row = agreement_row(
@@ -228,6 +240,8 @@ def vocab_parallel_fused_linear_distillation(
         a = _gather_tokens(a, reduction, temperature, token_weight, group)
     if not agreed.targets_in_range:  # the same targets on every rank: the same message
         raise target_range_error(a["target"], agreed.vocab, a["ignore_index"])
+    if a["top_k"] > agreed.vocab:  # the same top_k on every rank (agreed): the same message
+        raise ValueError(f"top_k must be None or an int in [1, V={agreed.vocab}], got {a['top_k']}")
     plan = _Plan(group, agreed, reduction, sequence_parallel)
     statics = {name: value for name, value in a.items() if name not in ("x", "weight", "bias")}
     loss = _VocabParallelDistillation.apply(a["x"], a["weight"], a["bias"], plan, statics)
@@ -275,6 +289,55 @@ class ShardRowReductions(RowReductions):
         column, owned = self._local(values, target)
         added = torch.where(owned, value, 0.0).to(values.dtype).unsqueeze(1)
         values.scatter_add_(1, column, added)
+
+
+class ShardTopKColumns(TopKColumns):
+    """``top_k`` on one rank's columns ``[vocab_start, vocab_start + V_r)``: each rank's k largest teacher logits of a
+    row are all-gathered and the k largest of those chosen, the same on every rank; the student's logits there are
+    read by the rank that holds each column (all-reduced), and each rank adds the top-k gradient at its own
+    columns only."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], vocab_start: int) -> None:
+        self.group = group
+        self.vocab_start = vocab_start
+
+    def select(self, teacher: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+        rows, columns = teacher.shape
+        local_k = min(k, columns)
+        values, index = teacher.topk(local_k, dim=1, sorted=False)
+        # exact in the softmax dtype; a shard of fewer than k columns pads with -inf (never chosen over a finite
+        # logit: every rank's pads together are fewer than the V - k other columns)
+        values = values.to(softmax_dtype(teacher.dtype))
+        index = index + self.vocab_start
+        if local_k < k:
+            values = torch.cat([values, values.new_full((rows, k - local_k), float("-inf"))], dim=1)
+            index = torch.cat([index, index.new_full((rows, k - local_k), self.vocab_start)], dim=1)
+        values, index = self._every_ranks(values), self._every_ranks(index)
+        chosen = values.topk(k, dim=1, sorted=False).indices
+        return index.gather(1, chosen), values.gather(1, chosen)
+
+    def _every_ranks(self, local: Tensor) -> Tensor:
+        """[C, k] of each rank -> [C, world * k]: every rank's candidates of each row, in rank order."""
+        rows, k = local.shape
+        world = dist.get_world_size(self.group)
+        return gather_rows(local, self.group).view(world, rows, k).transpose(0, 1).reshape(rows, world * k)
+
+    def _local(self, logits: Tensor, index: Tensor) -> Tuple[Tensor, Tensor]:
+        """(the columns ``index`` on this shard, clamped into it; whether this shard holds each)."""
+        local = index - self.vocab_start
+        owned = (local >= 0) & (local < logits.shape[1])
+        return local.clamp(0, logits.shape[1] - 1), owned
+
+    def gather(self, logits: Tensor, index: Tensor) -> Tensor:
+        local, owned = self._local(logits, index)
+        picked = super().gather(logits, local)
+        picked = torch.where(owned, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+        dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=self.group)
+        return picked
+
+    def scatter_add_(self, grad: Tensor, index: Tensor, values: Tensor) -> None:
+        local, owned = self._local(grad, index)
+        super().scatter_add_(grad, local, torch.where(owned, values, torch.zeros_like(values)))
 
 
 class ShardKernels:
@@ -362,6 +425,7 @@ def _loss_code(a: Dict[str, Any], temperature: Union[float, Tensor]) -> int:
         DIVERGENCES.index(a["divergence"]),
         a["beta"],
         a["hard_weight"],
+        a["top_k"],
         a["student_softcap"],
         a["teacher_softcap"],
         a["student_logit_scale"],
@@ -393,7 +457,8 @@ def _run(a: Dict[str, Any], plan: _Plan, *, keep_scaled: bool) -> Tuple[Optional
             lambda scratch: dist.all_reduce(scratch, op=dist.ReduceOp.SUM, group=plan.group),
         )
     kernels = ShardKernels(ShardRowReductions(plan.group, layout.vocab_start), slots)
-    loss, checks = distillation_chunk_loss(a, kernels, layout.vocab)
+    columns = ShardTopKColumns(plan.group, layout.vocab_start)
+    loss, checks = distillation_chunk_loss(a, kernels, layout.vocab, columns)
     counts = torch.stack([count for count, _ in checks]).tolist()  # one host sync; the same on every rank
     for count, (_, error) in zip(counts, checks):
         if count:
