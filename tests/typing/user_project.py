@@ -266,7 +266,10 @@ vp_distill_loss = vocab_parallel_fused_linear_distillation(
     divergence="reverse_kl",
 )
 assert_type(vp_distill_loss, Tensor)
-vocab_parallel_fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, top_k=8)  # type: ignore[call-arg]
+assert_type(
+    vocab_parallel_fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, top_k=8), Tensor
+)
+vocab_parallel_fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, vocab_size=8)  # type: ignore[call-arg]
 # the LightningModule: a smaller TinyGPT trained on a frozen one (docs/distill.md)
 distill_lm = DistillationModule(
     student=TinyGPT(vocab_size=8192, d_model=64, n_layers=1),
