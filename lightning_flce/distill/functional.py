@@ -190,7 +190,7 @@ def fused_linear_distillation_from_top_k(
     that is not padding; bad entries there (an index outside [0, V), a NaN or +inf logit, a column twice) raise a
     ``ValueError`` before any kernel runs (one host sync, with the targets' check).
     """
-    _check_top_k_teacher(student_input, student_weight, teacher_indices, teacher_logits)
+    check_top_k_teacher(student_input, student_weight, teacher_indices, teacher_logits)
     _check_vocab_size(vocab_size, student_weight)
     student_weight, student_bias = vocab_rows(student_weight, student_bias, vocab_size)
     return _distillation(
@@ -460,11 +460,12 @@ def check_teacher(
             raise ValueError(f"{name} is on {tensor.device} but student_input is on {student_input.device}")
 
 
-def _check_top_k_teacher(
-    student_input: Tensor, student_weight: Tensor, indices: Tensor, logits: Tensor
+def check_top_k_teacher(
+    student_input: Tensor, student_weight: Optional[Tensor], indices: Tensor, logits: Tensor
 ) -> None:
     """A cached teacher's top k against the student: shapes, dtypes, devices, no gradient (its values are checked
-    in the op's host sync)."""
+    in the op's host sync); k against the head's rows unless ``student_weight`` is None (a shard's: the
+    vocab-parallel op checks k against the whole vocabulary)."""
     if torch.is_grad_enabled() and logits.requires_grad:
         raise ValueError(
             "teacher_logits requires grad, but the teacher gets no gradient from the distillation loss: pass"
@@ -484,7 +485,7 @@ def _check_top_k_teacher(
         raise TypeError(f"teacher_indices must be an integer tensor, got {indices.dtype}")
     if not logits.dtype.is_floating_point:
         raise TypeError(f"teacher_logits must be a floating-point tensor, got {logits.dtype}")
-    vocab = student_weight.shape[0] if student_weight.dim() == 2 else None
+    vocab = student_weight.shape[0] if student_weight is not None and student_weight.dim() == 2 else None
     if vocab is not None and indices.shape[-1] > vocab:
         raise ValueError(f"teacher_indices has k={indices.shape[-1]} columns per token, more than V={vocab}")
     for name, tensor in (("teacher_indices", indices), ("teacher_logits", logits)):

@@ -35,9 +35,10 @@ The shard layout, the token counts and targets and the options are agreed first,
 ``[rows, k]``), the divergence over the k columns is the same small PyTorch computation on every rank, and each
 rank adds its gradient at its own columns.
 
-Not supported: a cached teacher (use the single-device
-:func:`~lightning_flce.fused_linear_distillation_from_top_k`: its teacher needs no head), ``vocab_size``
-(shard the rows the heads share). The op is a plain ``autograd.Function`` with collectives,
+A cached teacher (its top k per token, no head): :func:`vocab_parallel_fused_linear_distillation_from_top_k`, the
+same top-k path on the teacher's stored columns.
+
+Not supported: ``vocab_size`` (shard the rows the heads share). The op is a plain ``autograd.Function`` with collectives,
 so ``torch.compile`` graph-breaks around it, and the FLOP counter does not see it.
 """
 
@@ -50,7 +51,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_flce.distill.functional import check_teacher, distillation_op_args, loss_token_scale
+from lightning_flce.distill.functional import (
+    check_teacher,
+    check_top_k_teacher,
+    distillation_op_args,
+    loss_token_scale,
+)
 from lightning_flce.distill.op import OP_ARG_NAMES, distillation_chunk_loss
 from lightning_flce.engine import (
     accumulator_dtype,
@@ -84,6 +90,7 @@ __all__ = [
     "ShardRowReductions",
     "ShardTopKColumns",
     "vocab_parallel_fused_linear_distillation",
+    "vocab_parallel_fused_linear_distillation_from_top_k",
 ]
 
 
@@ -156,34 +163,19 @@ def vocab_parallel_fused_linear_distillation(
         the scalar is the group's). Backpropagate the same ``grad_output`` on every rank (for "none" with
         ``sequence_parallel``: each rank its tokens').
     """
-    # Raised on this rank only: without a process group there is no collective to tell the others through.
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("vocab_parallel_fused_linear_distillation needs an initialized torch.distributed")
-    group = call_group(student_weight_shard, group)
-    sequence_parallel = bool(sequence_parallel)
-    # This rank's argument checks: an error is raised after the agreement all-reduce, which every rank must join.
-    failure = row = None
-    a: Dict[str, Any] = {}
-    try:
-        if call_group(teacher_weight_shard, group) is not group:
-            raise ValueError("the teacher's head is sharded over another process group than the student's")
-        student_input, student_weight_shard, student_bias_shard = local_tensors(
-            student_input, student_weight_shard, student_bias_shard
-        )
-        teacher_input, teacher_weight_shard, teacher_bias_shard = local_tensors(
-            teacher_input, teacher_weight_shard, teacher_bias_shard
-        )
-        _check_shards(student_weight_shard, teacher_weight_shard)
-        check_teacher(
-            student_input, student_weight_shard, teacher_input, teacher_weight_shard, teacher_bias_shard, None
-        )
-        args = distillation_op_args(
-            student_input,
-            student_weight_shard,
-            target,
-            student_bias=student_bias_shard,
-            teacher_head=(teacher_input, teacher_weight_shard, teacher_bias_shard),
-            teacher_top_k=None,
+    teacher_shards = (teacher_input, teacher_weight_shard, teacher_bias_shard)
+    return _distill_on_shards(
+        "vocab_parallel_fused_linear_distillation",
+        student_input,
+        student_weight_shard,
+        target,
+        student_bias_shard,
+        teacher_shards,
+        None,
+        group=group,
+        vocab_start=vocab_start,
+        sequence_parallel=sequence_parallel,
+        options=dict(
             divergence=divergence,
             beta=beta,
             temperature=temperature,
@@ -200,7 +192,138 @@ def vocab_parallel_fused_linear_distillation(
             accum_dtype=accum_dtype,
             chunk_size=chunk_size,
             impl=impl,
+        ),
+    )
+
+
+def vocab_parallel_fused_linear_distillation_from_top_k(
+    student_input: Tensor,
+    student_weight_shard: Tensor,
+    teacher_indices: Tensor,
+    teacher_logits: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    student_bias_shard: Optional[Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    vocab_start: Optional[int] = None,
+    sequence_parallel: bool = False,
+    divergence: Divergence = "jsd",
+    beta: float = 0.5,
+    temperature: Union[float, Tensor] = 1.0,
+    hard_weight: float = 0.0,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    token_weight: Optional[Tensor] = None,
+    student_softcap: Optional[float] = None,
+    student_logit_scale: float = 1.0,
+    logits_precision: LogitsPrecision = "input",
+    accum_dtype: AccumDtype = None,
+    chunk_size: Optional[int] = None,
+    impl: ImplName = "auto",
+) -> Tensor:
+    """:func:`~lightning_flce.fused_linear_distillation_from_top_k` (a teacher cached as its top k per token) with the
+    student's head sharded over V across ``group``: :func:`vocab_parallel_fused_linear_distillation` without a
+    teacher head.
+
+    ``teacher_indices`` and ``teacher_logits`` ([..., k], global columns in ``[0, V)``) are the same on every rank
+    (with ``sequence_parallel``, this rank's tokens', as the hidden states). The student's logits at a token's k
+    columns are read by the ranks that hold them (one all-reduce of ``[rows, k]`` per chunk), the divergence over
+    them is computed alike on every rank, and each rank adds its gradient at its own columns; the cross-entropy of
+    ``hard_weight`` stays over the whole vocabulary, on the shards. The other arguments are those two functions'."""
+    return _distill_on_shards(
+        "vocab_parallel_fused_linear_distillation_from_top_k",
+        student_input,
+        student_weight_shard,
+        target,
+        student_bias_shard,
+        None,
+        (teacher_indices, teacher_logits),
+        group=group,
+        vocab_start=vocab_start,
+        sequence_parallel=sequence_parallel,
+        options=dict(
+            divergence=divergence,
+            beta=beta,
+            temperature=temperature,
+            hard_weight=hard_weight,
+            top_k=None,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            token_weight=token_weight,
+            student_softcap=student_softcap,
+            teacher_softcap=None,
+            student_logit_scale=student_logit_scale,
+            teacher_logit_scale=1.0,
+            logits_precision=logits_precision,
+            accum_dtype=accum_dtype,
+            chunk_size=chunk_size,
+            impl=impl,
+        ),
+    )
+
+
+def _distill_on_shards(
+    name: str,
+    student_input: Tensor,
+    student_weight_shard: Tensor,
+    target: Optional[Tensor],
+    student_bias_shard: Optional[Tensor],
+    teacher_shards: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]],
+    teacher_top_k: Optional[Tuple[Tensor, Tensor]],
+    *,
+    group: Optional[dist.ProcessGroup],
+    vocab_start: Optional[int],
+    sequence_parallel: bool,
+    options: Dict[str, Any],
+) -> Tensor:
+    """Both front ends' body: this rank's checks, the ranks' agreement, the sequence-parallel gathering, the op. The
+    teacher is its head's rows on this rank (``teacher_shards``) or its cached top k (``teacher_top_k``)."""
+    # Raised on this rank only: without a process group there is no collective to tell the others through.
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{name} needs an initialized torch.distributed")
+    group = call_group(student_weight_shard, group)
+    sequence_parallel = bool(sequence_parallel)
+    reduction, temperature, token_weight = (
+        options["reduction"],
+        options["temperature"],
+        options["token_weight"],
+    )
+    # This rank's argument checks: an error is raised after the agreement all-reduce, which every rank must join.
+    failure = row = None
+    a: Dict[str, Any] = {}
+    try:
+        student_input, student_weight_shard, student_bias_shard = local_tensors(
+            student_input, student_weight_shard, student_bias_shard
+        )
+        if teacher_shards is not None:
+            if call_group(teacher_shards[1], group) is not group:
+                raise ValueError(
+                    "the teacher's head is sharded over another process group than the student's"
+                )
+            teacher_input, teacher_weight_shard, teacher_bias_shard = local_tensors(*teacher_shards)
+            _check_shards(student_weight_shard, teacher_weight_shard)
+            check_teacher(
+                student_input,
+                student_weight_shard,
+                teacher_input,
+                teacher_weight_shard,
+                teacher_bias_shard,
+                None,
+            )
+            teacher_shards = (teacher_input, teacher_weight_shard, teacher_bias_shard)
+        else:
+            assert teacher_top_k is not None
+            check_top_k_teacher(student_input, None, *teacher_top_k)  # k against V after the agreement
+            teacher_top_k = (teacher_top_k[0].to(torch.int64), teacher_top_k[1])
+        args = distillation_op_args(
+            student_input,
+            student_weight_shard,
+            target,
+            student_bias=student_bias_shard,
+            teacher_head=teacher_shards,
+            teacher_top_k=teacher_top_k,
             vocab_sharded=True,
+            **options,
         )
         a = dict(zip(OP_ARG_NAMES, args))
         row = agreement_row(
@@ -213,7 +336,7 @@ def vocab_parallel_fused_linear_distillation(
                 reduction=reduction,
                 token_weight=token_weight,
                 logits_precision=a["logits_precision"],
-                chunk_size=chunk_size,
+                chunk_size=options["chunk_size"],
             ),
             compute_dtype=a["compute_dtype"],
             need_grad_input=a["need_grad_input"],
@@ -228,11 +351,11 @@ def vocab_parallel_fused_linear_distillation(
     agreed = layout(
         rows,
         rank=dist.get_rank(group),
-        chunk_size=chunk_size,
+        chunk_size=options["chunk_size"],
         compute_dtype=a["compute_dtype"],
         on_gpu=student_input.device.type == "cuda",
         workspace_copies=DistillationChunkLoss.workspace_copies,
-        auxiliary_dtype=a["teacher_compute_dtype"],
+        auxiliary_dtype=a["teacher_compute_dtype"] if a["teacher_x"] is not None else None,
     )
     token_shape = a["target"].shape  # this rank's tokens: the shape of "none"'s losses
     # after the agreement: with sequence parallelism every rank holds as many tokens, of one hidden size and dtype
@@ -240,8 +363,14 @@ def vocab_parallel_fused_linear_distillation(
         a = _gather_tokens(a, reduction, temperature, token_weight, group)
     if not agreed.targets_in_range:  # the same targets on every rank: the same message
         raise target_range_error(a["target"], agreed.vocab, a["ignore_index"])
-    if a["top_k"] > agreed.vocab:  # the same top_k on every rank (agreed): the same message
+    # the same k on every rank (agreed): the same message
+    if a["top_k"] > agreed.vocab:
         raise ValueError(f"top_k must be None or an int in [1, V={agreed.vocab}], got {a['top_k']}")
+    if a["teacher_top_k_indices"] is not None and a["teacher_top_k_indices"].shape[-1] > agreed.vocab:
+        raise ValueError(
+            f"teacher_indices has k = {a['teacher_top_k_indices'].shape[-1]} entries a token, more than the"
+            f" vocabulary's {agreed.vocab} columns"
+        )
     plan = _Plan(group, agreed, reduction, sequence_parallel)
     statics = {name: value for name, value in a.items() if name not in ("x", "weight", "bias")}
     loss = _VocabParallelDistillation.apply(a["x"], a["weight"], a["bias"], plan, statics)
@@ -398,10 +527,13 @@ def _gather_tokens(
     weights = None if token_weight is None else gather_rows(token_weight.detach().reshape(-1), group)
     gathered = {
         "gathered_x": gather_rows(a["x"].detach().reshape(-1, a["x"].shape[-1]), group),
-        "teacher_x": gather_rows(a["teacher_x"].detach().reshape(-1, a["teacher_x"].shape[-1]), group),
         "target": target,
         "token_scale": loss_token_scale(target, a["ignore_index"], reduction, weights, dtype),
     }
+    # the teacher's hidden states, or its cached top k: [..., H_t] or [..., k] per token
+    for name in ("teacher_x", "teacher_top_k_indices", "teacher_top_k_logits"):
+        if a[name] is not None:
+            gathered[name] = gather_rows(a[name].detach().reshape(-1, a[name].shape[-1]), group)
     if isinstance(temperature, Tensor):  # [N_r] per token; a float's [1] is the same everywhere
         gathered["inv_temperature"] = gather_rows(a["inv_temperature"], group)
     return {**a, **gathered}
@@ -430,8 +562,10 @@ def _loss_code(a: Dict[str, Any], temperature: Union[float, Tensor]) -> int:
         a["teacher_softcap"],
         a["student_logit_scale"],
         a["teacher_logit_scale"],
-        a["teacher_weight"].shape[1],
+        -1 if a["teacher_weight"] is None else a["teacher_weight"].shape[1],
         int(a["teacher_bias"] is not None),
+        # a cached teacher's k entries a token (0 with a teacher head)
+        0 if a["teacher_top_k_indices"] is None else a["teacher_top_k_indices"].shape[-1],
         DTYPE_CODES[a["teacher_compute_dtype"]],
         float(temperature) if isinstance(temperature, (int, float)) else -float(temperature.numel()),
         # the per-block math: the Triton launch and the twin run different collectives, which must line up
