@@ -27,8 +27,12 @@ from reference import relative_error
 from test_distill import make_problem, reference_loss
 from test_vocab_parallel import _full_from_shards
 
-from lightning_flce import fused_linear_distillation
-from lightning_flce.parallel import vocab_parallel_fused_linear_distillation, vocab_shard_range
+from lightning_flce import fused_linear_distillation, fused_linear_distillation_from_top_k
+from lightning_flce.parallel import (
+    vocab_parallel_fused_linear_distillation,
+    vocab_parallel_fused_linear_distillation_from_top_k,
+    vocab_shard_range,
+)
 
 FP64_TOL = 1e-10
 FP32_TOL = 2e-5
@@ -64,6 +68,17 @@ TOP_K_FEATURES = {
     "top_k_no_ce": {"bias": True, "temperature": True, "top_k": 7},
 }
 FEATURES.update(TOP_K_FEATURES)
+# a teacher cached as its top k per token (vocab_parallel_fused_linear_distillation_from_top_k): no teacher head, so
+# no teacher transforms; CACHED_K columns a token, the last two of token 0 padding (-inf)
+FEATURES["cached"] = {
+    "bias": True,
+    "temperature": True,
+    "token_weight": True,
+    "hard_weight": 0.3,
+    "student_softcap": 4.0,
+    "student_logit_scale": 0.8,
+}
+CACHED_K = 6
 REDUCTIONS = ("mean", "sum", "none")
 TIMEOUT_S = 180
 
@@ -129,6 +144,14 @@ def cases(world: int) -> dict[str, dict]:
                     "feature": feature,
                     "reduction": reduction,
                 }
+    for divergence in ("jsd_0.5", "forward_kl", "reverse_kl"):
+        for reduction in REDUCTIONS:
+            out[f"cached-{divergence}-cached-{reduction}"] = {
+                "teacher": "cached",
+                "divergence": divergence,
+                "feature": "cached",
+                "reduction": reduction,
+            }
     out["fp64-jsd_0.2-top_k-sum"] = {
         "divergence": "jsd_0.2",
         "feature": "top_k",
@@ -172,6 +195,13 @@ def sequence_parallel_cases() -> dict[str, dict]:
         "divergence": "jsd_0.5",
         "reduction": "mean",
         "target": False,
+    }
+    out["sp-cached-jsd_0.5-cached-none"] = {
+        **base,
+        "teacher": "cached",
+        "feature": "cached",
+        "divergence": "jsd_0.5",
+        "reduction": "none",
     }
     out["sp-top_k-forward_kl-top_k-mean"] = {
         **base,
@@ -335,10 +365,24 @@ ERRORS = {
     "bad_temperature": ("ValueError", "temperature"),
     "vocab_start_overlap": ("ValueError", "do not tile"),
     "top_k_differs": ("ValueError", "the loss's own options"),
+    "cached_k_above_the_vocabulary": ("ValueError", "more than the vocabulary's"),
+    "cached_index_out_of_range": ("ValueError", "have indices outside [0, "),
     "top_k_above_the_vocabulary": ("ValueError", "top_k must be None or an int in [1, V="),
     "sequence_parallel_rank0_only": ("ValueError", "disagree on sequence_parallel"),
     "sequence_parallel_uneven_tokens": ("ValueError", "the same number of tokens on every rank"),
 }
+
+
+def cached_top_k(spec: dict, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cached teacher of the case: the float64 teacher's CACHED_K largest logits a token, [*shape, k] (indices,
+    logits in the case's dtype), the last two entries of token 0 padding."""
+    (_, _, _), (xt, wt, bt), _, _ = problem({**spec, "dtype": torch.float64}, world)
+    use_bias = FEATURES[spec.get("feature", "plain")].get("bias", False)
+    logits = xt.double() @ wt.double().T + (bt.double() if use_bias else 0.0)
+    values, indices = logits.topk(CACHED_K, dim=-1)
+    values = values.to(spec.get("dtype", torch.float32))
+    values.view(-1, CACHED_K)[0, -2:] = float("-inf")
+    return indices, values
 
 
 def vocab_of(spec: dict, world: int) -> int:
@@ -406,11 +450,14 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
     (xs, ws, bs), (xt, wt, bt), target, extras = problem(spec, world)
     start, end = shard_rows(spec, world, rank)
     use_bias = FEATURES[spec.get("feature", "plain")].get("bias", False)
+    cached = cached_top_k(spec, world) if spec.get("teacher") == "cached" else None
     sequence_parallel = spec.get("kind") == "sequence_parallel"
     if sequence_parallel:  # this rank's tokens only
         xs, xt = token_block(xs, world, rank, 1), token_block(xt, world, rank, 1)
         target = token_block(target, world, rank)
         extras = {name: token_block(value, world, rank) for name, value in extras.items()}
+        if cached is not None:
+            cached = tuple(token_block(t, world, rank, 1) for t in cached)
     x = xs.clone().requires_grad_()
     w = ws[start:end].clone().requires_grad_()
     b = bs[start:end].clone().requires_grad_() if use_bias else None
@@ -434,16 +481,15 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
         b = api.distribute_tensor(bs, mesh, [api.Shard(0)]).requires_grad_()
         teacher_w = api.distribute_tensor(wt, mesh, [api.Shard(0)])
         teacher_b = api.distribute_tensor(bt, mesh, [api.Shard(0)])
-    loss = vocab_parallel_fused_linear_distillation(
-        x,
-        w,
-        xt,
-        teacher_w,
-        target if spec.get("target", True) else None,
-        student_bias_shard=b,
-        teacher_bias_shard=teacher_b,
-        **kwargs,
-    )
+    given_target = target if spec.get("target", True) else None
+    if cached is not None:
+        loss = vocab_parallel_fused_linear_distillation_from_top_k(
+            x, w, *cached, given_target, student_bias_shard=b, **kwargs
+        )
+    else:
+        loss = vocab_parallel_fused_linear_distillation(
+            x, w, xt, teacher_w, given_target, student_bias_shard=b, teacher_bias_shard=teacher_b, **kwargs
+        )
     _backward(loss, spec, extras)
     dw, db = w.grad, None if b is None else b.grad
     if spec.get("kind") == "dtensor":
@@ -480,6 +526,19 @@ def run_error(error: str, world: int, rank: int) -> str:
         kwargs["temperature"][0, 0] = 0.0
     elif error == "vocab_start_overlap":
         kwargs["vocab_start"] = 0  # every rank claims row 0
+    elif error in ("cached_k_above_the_vocabulary", "cached_index_out_of_range"):
+        k = VOCAB[world] + 1 if error == "cached_k_above_the_vocabulary" else 4
+        indices = torch.arange(k).expand(*target.shape, k).contiguous()
+        if error == "cached_index_out_of_range":
+            indices[0, 2, 2] = VOCAB[world]  # a token that carries a loss
+        logits = torch.randn(*target.shape, k, dtype=xs.dtype)
+        for name in ("teacher_softcap", "teacher_logit_scale"):  # no teacher head
+            kwargs.pop(name)
+        return error_in_step(
+            lambda: vocab_parallel_fused_linear_distillation_from_top_k(
+                x, w, indices, logits, target, **kwargs
+            )
+        )
     elif error == "top_k_differs":
         kwargs["top_k"] = 5 + rank
     elif (
@@ -572,6 +631,36 @@ def _expected(spec: dict, world: int):
             for t in (loss.detach(), x.grad, w.grad, None if b is None else b.grad)
         )
 
+    if spec.get("teacher") == "cached":
+        indices, values = cached_top_k(spec, world)
+        reference = run(
+            lambda x, w, b, t: reference_loss(
+                x,
+                w,
+                t[0],
+                t[1],
+                given_target,
+                student_bias=b,
+                top_k_indices=indices,
+                top_k_logits=values,
+                **kwargs,
+            ),
+            torch.float64,
+        )
+        single = run(
+            lambda x, w, b, t: fused_linear_distillation_from_top_k(
+                x,
+                w,
+                indices,
+                values,
+                given_target,
+                student_bias=b,
+                chunk_size=spec.get("chunk_size", 8),
+                **kwargs,
+            ),
+            xs.dtype,
+        )
+        return reference, single
     reference = run(
         lambda x, w, b, t: reference_loss(
             x, w, t[0], t[1], given_target, student_bias=b, teacher_bias=t[2], **kwargs

@@ -74,6 +74,7 @@ from lightning_flce.parallel import (
     VocabParallelHead,
     vocab_parallel_fused_linear_cross_entropy_with_stats,
     vocab_parallel_fused_linear_distillation,
+    vocab_parallel_fused_linear_distillation_from_top_k,
 )
 
 __all__ = [
@@ -189,17 +190,14 @@ def _frozen(tensor: Tensor) -> Tensor:
 
 
 def _vocab_parallel_head(student: nn.Module, teacher: Optional[nn.Module]) -> Optional[VocabParallelHead]:
-    """The student's LM head when it is a :class:`~lightning_flce.parallel.VocabParallelHead` (the teacher's must
-    then be one with the same group and rows), else None (and the teacher's must not be one); a clear error
-    otherwise."""
+    """The student's LM head when it is a :class:`~lightning_flce.parallel.VocabParallelHead` (a teacher model's
+    must then be one with the same group and rows; a cached teacher has none), else None (and the teacher's must
+    not be one); a clear error otherwise."""
     head = unwrap_head(_resolved_head(student).module)
     teacher_head = None if teacher is None else unwrap_head(_resolved_head(teacher).module)
     sharded = isinstance(head, VocabParallelHead)
-    if teacher is None and sharded:
-        raise NotImplementedError(
-            "a cached teacher (cached_teacher=True) with a VocabParallelHead student: the teacher's top k is a"
-            " selection over the whole vocabulary; use a replicated student head"
-        )
+    if teacher is None:
+        return head if sharded else None
     if teacher_head is not None and isinstance(teacher_head, VocabParallelHead) != sharded:
         which = "student's" if sharded else "teacher's"
         raise ValueError(
@@ -734,6 +732,18 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             if isinstance(teacher_side, TeacherTopK):  # no teacher head: no teacher logits to avoid
                 self.flce_last_teacher_logits_shape = None
                 self.flce_teacher_compute_dtype = None
+                if sharded is not None:  # this rank's rows of the student's head
+                    return vocab_parallel_fused_linear_distillation_from_top_k(
+                        hidden,
+                        weight,
+                        teacher_side.indices,
+                        teacher_side.logits,
+                        target,
+                        student_bias_shard=bias,
+                        group=sharded.group,
+                        vocab_start=sharded.vocab_start,
+                        **{key: value for key, value in shared.items() if key != "vocab_size"},
+                    )
                 return _fused_distillation_from_top_k(
                     hidden,
                     weight,
