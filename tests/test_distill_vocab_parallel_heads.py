@@ -14,7 +14,8 @@ student gradient against float64 (the body's whole on each rank, since dX is all
 together from the two ranks' rows); no gradient reaching the teacher; the op seeing each rank's rows of both heads;
 and clear errors on both ranks, without a hang, for a teacher head left replicated and a strategy that reduces every
 gradient over the world (DDP would average head shards of different rows). With ``top_k=5`` (the teacher's top 5
-chosen across both ranks' rows), the step equals one process's single-device module with the full heads.
+chosen across both ranks' rows), and with a teacher cached as its top 5 per position (``cached_teacher=True``, the
+student's head sharded, no teacher model), the step equals one process's single-device module with the full heads.
 
 Tolerances: fp32 as in ``test_fsdp2_cpu.py`` (``FP32``; fp32 rounding through a one-layer model).
 """
@@ -80,11 +81,34 @@ class SaveStep(Callback):
         self.result.setdefault("loss", trainer.callback_metrics["train/loss_step"].item())
 
 
-def fit_one_step(module) -> dict:
+def cached_samples() -> list[dict[str, torch.Tensor]]:
+    """:func:`samples` with the teacher's top TOP_K logits at every position (what ``cached_teacher=True`` reads)."""
+    _, teacher = distill_models(SCENARIO)
+    out = []
+    with torch.no_grad():
+        for sample in samples():
+            logits = teacher(sample["input_ids"][None])[0]
+            values, indices = logits.topk(TOP_K, dim=-1)
+            out.append({**sample, "teacher_top_k_indices": indices, "teacher_top_k_logits": values})
+    return out
+
+
+def cached_module(sharded: bool):
+    """A student alone (its head sharded or not), on a cached teacher."""
+    from lightning_flce.models import DistillationModule
+    from lightning_flce.parallel import VocabParallelHead
+
+    student, _ = distill_models(SCENARIO)
+    if sharded:
+        student.lm_head = VocabParallelHead.from_linear(student.lm_head)
+    return DistillationModule(student, cached_teacher=True, lr=0.0, **DISTILL)
+
+
+def fit_one_step(module, data_samples=None) -> dict:
     """One optimizer step (lr 0) and a validation on all 8 samples: the step's loss and gradients, val loss."""
     from torch.utils.data import DataLoader
 
-    data = DataLoader(samples(), batch_size=8)
+    data = DataLoader(samples() if data_samples is None else data_samples, batch_size=8)
     save = SaveStep()
     trainer = _trainer([save])
     trainer.fit(module, data, data)
@@ -126,6 +150,7 @@ def run(rank: int) -> dict:
         head = module.student.lm_head
         result.update(rows=(head.vocab_start, head.vocab_start + head.weight.shape[0]), op_calls=list(seen))
         result["top_k"] = fit_one_step(sharded_module(top_k=TOP_K))
+        result["cached"] = fit_one_step(cached_module(sharded=True), cached_samples())
     except Exception:  # recorded with its traceback: the parent reports it
         result["error"] = traceback.format_exc()[-3000:]
     finally:
@@ -212,24 +237,28 @@ if __name__ == "__main__":
     worker(sys.argv[1], int(sys.argv[2]))
 
 
-def test_top_k_equals_the_single_device_module_with_the_full_heads(ranks):
-    """``top_k`` over both ranks' rows: the step's loss, validation loss and gradients equal one process's
-    ``DistillationModule(top_k=5)`` with the full heads (the single-device op, in fp32 as the ranks)."""
+@pytest.mark.parametrize("case", ["top_k", "cached"])
+def test_top_k_and_cached_teacher_equal_the_single_device_module_with_the_full_heads(ranks, case):
+    """``top_k`` over both ranks' rows, or a teacher cached as its top k: the step's loss, validation loss and
+    gradients equal one process's module with the full heads (the single-device op, in fp32 as the ranks)."""
     from lightning_flce.models import DistillationModule
 
-    student, teacher = distill_models(SCENARIO)
-    want = fit_one_step(DistillationModule(student, teacher, lr=0.0, **{**DISTILL, "top_k": TOP_K}))
+    if case == "top_k":
+        student, teacher = distill_models(SCENARIO)
+        want = fit_one_step(DistillationModule(student, teacher, lr=0.0, **{**DISTILL, "top_k": TOP_K}))
+    else:
+        want = fit_one_step(cached_module(sharded=False), cached_samples())
     head_key = "student.lm_head.weight"
     for rank, saved in enumerate(ranks):
         assert saved["error"] is None, saved["error"]
-        got = saved["top_k"]
+        got = saved[case]
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
         assert got["grads"].keys() == want["grads"].keys()
         for name, grad in want["grads"].items():
             if name != head_key:
                 torch.testing.assert_close(got["grads"][name], grad, **FP32, msg=f"rank {rank}: {name}")
-    head_grad = torch.cat([saved["top_k"]["grads"][head_key] for saved in ranks])
+    head_grad = torch.cat([saved[case]["grads"][head_key] for saved in ranks])
     torch.testing.assert_close(head_grad, want["grads"][head_key], **FP32)
-    # not the full-vocabulary loss: the top 5 of 83 columns move it by about 2e-4, 20x the tolerance above
-    assert ranks[0]["top_k"]["loss"] != pytest.approx(ranks[0]["loss"], rel=1e-5)
+    # not the full-vocabulary loss: the top 5 of 83 columns move it (by about 2e-4 with top_k, 20x the tolerance)
+    assert ranks[0][case]["loss"] != pytest.approx(ranks[0]["loss"], rel=1e-5)
