@@ -45,7 +45,10 @@ from lightning_flce import (
 from lightning_flce.flops import batch_size, batch_tokens
 from lightning_flce.models import HFCausalLM, LitGPTCausalLM, TinyGPT
 from lightning_flce.options import ImplName, LogitsPrecision, Reduction
-from lightning_flce.parallel import vocab_parallel_fused_linear_distillation
+from lightning_flce.parallel import (
+    vocab_parallel_fused_linear_distillation,
+    vocab_parallel_fused_linear_distillation_from_top_k,
+)
 
 # --- the op (README "Quick start")
 B, T, H, V = 2, 16, 32, 64
@@ -270,6 +273,13 @@ assert_type(
     vocab_parallel_fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, top_k=8), Tensor
 )
 vocab_parallel_fused_linear_distillation(hidden, lm_head, teacher_hidden, teacher_head, vocab_size=8)  # type: ignore[call-arg]
+cached_indices = torch.randint(0, V, (B, T, 4))
+assert_type(
+    vocab_parallel_fused_linear_distillation_from_top_k(
+        hidden, lm_head, cached_indices, torch.randn(B, T, 4), labels, group=None, hard_weight=0.1
+    ),
+    Tensor,
+)
 # the LightningModule: a smaller TinyGPT trained on a frozen one (docs/distill.md)
 distill_lm = DistillationModule(
     student=TinyGPT(vocab_size=8192, d_model=64, n_layers=1),
