@@ -289,6 +289,15 @@ def cuda_cases(world: int) -> dict[str, dict]:
             "reduction": "mean",
             "chunk_size": 384,
         }
+    out["cuda-float32-cached-jsd_0.5-cached-mean"] = {
+        **base,
+        "teacher": "cached",
+        "feature": "cached",
+        "dtype": torch.float32,
+        "divergence": "jsd_0.5",
+        "reduction": "mean",
+        "chunk_size": 384,
+    }
     out["cuda-bfloat16-default_chunk-jsd_0.5-all-mean"] = {
         **base,
         "dtype": torch.bfloat16,
