@@ -23,7 +23,8 @@ teacher its auxiliary head) on the one chunk engine (:func:`lightning_flce.engin
 
 The blocks are the engine's: on GPUs the teacher's 256-row blocks of each chunk
 (:data:`lightning_flce.engine.AUXILIARY_BLOCK_ROWS`), on the CPU the chunk. dW and d bias stay on their rank; dX's
-partial sums (fp32 at least, so that 16-bit partials are not rounded before the sum) are all-reduced once per call.
+partial sums (fp32 at least, so that 16-bit partials are not rounded before the sum) are all-reduced once per call
+(reduce-scattered to each rank's tokens with ``sequence_parallel``).
 As the single-device op, "mean"/"sum" compute the gradients in forward and "none" recomputes the chunks in backward
 with the per-token ``grad_output`` (its collectives then run in backward, on every rank in the same order).
 
