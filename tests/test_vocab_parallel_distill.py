@@ -367,7 +367,7 @@ ERRORS = {
     "bad_temperature": ("ValueError", "temperature"),
     "vocab_start_overlap": ("ValueError", "do not tile"),
     "top_k_differs": ("ValueError", "the loss's own options"),
-    "cached_k_above_the_vocabulary": ("ValueError", "more than the vocabulary's"),
+    "cached_k_above_the_vocabulary": ("ValueError", "columns per token, more than V="),
     "cached_index_out_of_range": ("ValueError", "have indices outside [0, "),
     "top_k_above_the_vocabulary": ("ValueError", "top_k must be None or an int in [1, V="),
     "sequence_parallel_rank0_only": ("ValueError", "disagree on sequence_parallel"),

@@ -379,10 +379,23 @@ def _check_options(
     if hard_weight > 0 and target is None:
         raise ValueError(f"hard_weight={hard_weight} mixes in the cross-entropy on target: pass target")
     if top_k is not None:
-        vocab = student_weight.shape[0] if student_weight is not None and student_weight.dim() == 2 else None
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (vocab and top_k > vocab):
-            bounds = f"[1, V={vocab}]" if vocab else "[1, V]"
-            raise ValueError(f"top_k must be None or an int in {bounds}, got {top_k!r}")
+        check_top_k(
+            top_k,
+            student_weight.shape[0] if student_weight is not None and student_weight.dim() == 2 else None,
+        )
+
+
+def check_top_k(top_k: Any, vocab: Optional[int]) -> None:
+    """``top_k`` an int in ``[1, vocab]`` (None: the vocabulary is not known yet, a shard's rows)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or (vocab and top_k > vocab):
+        bounds = f"[1, V={vocab}]" if vocab else "[1, V]"
+        raise ValueError(f"top_k must be None or an int in {bounds}, got {top_k!r}")
+
+
+def check_top_k_columns(indices: Tensor, vocab: int) -> None:
+    """A cached teacher's k columns a token fit in the vocabulary."""
+    if indices.shape[-1] > vocab:
+        raise ValueError(f"teacher_indices has k={indices.shape[-1]} columns per token, more than V={vocab}")
 
 
 def vocab_rows(
@@ -485,9 +498,8 @@ def check_top_k_teacher(
         raise TypeError(f"teacher_indices must be an integer tensor, got {indices.dtype}")
     if not logits.dtype.is_floating_point:
         raise TypeError(f"teacher_logits must be a floating-point tensor, got {logits.dtype}")
-    vocab = student_weight.shape[0] if student_weight is not None and student_weight.dim() == 2 else None
-    if vocab is not None and indices.shape[-1] > vocab:
-        raise ValueError(f"teacher_indices has k={indices.shape[-1]} columns per token, more than V={vocab}")
+    if student_weight is not None and student_weight.dim() == 2:
+        check_top_k_columns(indices, student_weight.shape[0])
     for name, tensor in (("teacher_indices", indices), ("teacher_logits", logits)):
         if tensor.device != student_input.device:
             raise ValueError(f"{name} is on {tensor.device} but student_input is on {student_input.device}")

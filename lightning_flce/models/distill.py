@@ -724,6 +724,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             accum_dtype=hp.accum_dtype,
             chunk_size=hp.chunk_size,
         )
+        # the vocab-parallel front ends': every row of the sharded heads (a smaller vocab_size is refused above)
+        sharded_options = {key: value for key, value in shared.items() if key != "vocab_size"}
 
         def student_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
             rows = weight.shape[0] if hp.vocab_size is None else hp.vocab_size  # the loss's logits
@@ -742,7 +744,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                         student_bias_shard=bias,
                         group=sharded.group,
                         vocab_start=sharded.vocab_start,
-                        **{key: value for key, value in shared.items() if key != "vocab_size"},
+                        **sharded_options,
                     )
                 return _fused_distillation_from_top_k(
                     hidden,
@@ -767,7 +769,6 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                 self.flce_teacher_compute_dtype = head_compute_dtype(precision, teacher_weight.dtype)
                 teacher_bias = None if teacher_bias is None else _frozen(teacher_bias)
                 if sharded is not None:  # both heads' rows of this rank: the vocab-parallel op
-                    options = {key: value for key, value in shared.items() if key != "vocab_size"}
                     loss_of_heads = functools.partial(
                         vocab_parallel_fused_linear_distillation,
                         student_bias_shard=bias,
@@ -775,7 +776,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                         group=sharded.group,
                         vocab_start=sharded.vocab_start,
                         top_k=hp.top_k,
-                        **options,
+                        **sharded_options,
                     )
                 else:
                     loss_of_heads = functools.partial(

@@ -54,6 +54,8 @@ from torch import Tensor
 
 from lightning_flce.distill.functional import (
     check_teacher,
+    check_top_k,
+    check_top_k_columns,
     check_top_k_teacher,
     distillation_op_args,
     loss_token_scale,
@@ -364,14 +366,11 @@ def _distill_on_shards(
         a = _gather_tokens(a, reduction, temperature, token_weight, group)
     if not agreed.targets_in_range:  # the same targets on every rank: the same message
         raise target_range_error(a["target"], agreed.vocab, a["ignore_index"])
-    # the same k on every rank (agreed): the same message
-    if a["top_k"] > agreed.vocab:
-        raise ValueError(f"top_k must be None or an int in [1, V={agreed.vocab}], got {a['top_k']}")
-    if a["teacher_top_k_indices"] is not None and a["teacher_top_k_indices"].shape[-1] > agreed.vocab:
-        raise ValueError(
-            f"teacher_indices has k = {a['teacher_top_k_indices'].shape[-1]} entries a token, more than the"
-            f" vocabulary's {agreed.vocab} columns"
-        )
+    # k against the whole vocabulary, the single-device op's checks (the same k on every rank: the same message)
+    if a["top_k"]:
+        check_top_k(a["top_k"], agreed.vocab)
+    if a["teacher_top_k_indices"] is not None:
+        check_top_k_columns(a["teacher_top_k_indices"], agreed.vocab)
     plan = _Plan(group, agreed, reduction, sequence_parallel)
     statics = {name: value for name, value in a.items() if name not in ("x", "weight", "bias")}
     loss = _VocabParallelDistillation.apply(a["x"], a["weight"], a["bias"], plan, statics)
@@ -403,22 +402,16 @@ class ShardRowReductions(RowReductions):
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
         return total
 
-    def _local(self, values: Tensor, target: Tensor) -> Tuple[Tensor, Tensor]:
-        """(the target's column on this shard, clamped into it; whether this shard holds it)."""
-        local = target - self.vocab_start
-        owned = (local >= 0) & (local < values.shape[1])
-        return local.clamp(0, values.shape[1] - 1).unsqueeze(1), owned
-
     def at_target(self, values: Tensor, target: Tensor) -> Tensor:
-        column, owned = self._local(values, target)
-        picked = torch.where(owned, values.gather(1, column).squeeze(1), 0.0)
+        column, owned = _on_shard(target, self.vocab_start, values.shape[1])
+        picked = torch.where(owned, values.gather(1, column.unsqueeze(1)).squeeze(1), 0.0)
         dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=self.group)
         return picked
 
     def add_at_target_(self, values: Tensor, target: Tensor, value: float) -> None:
-        column, owned = self._local(values, target)
+        column, owned = _on_shard(target, self.vocab_start, values.shape[1])
         added = torch.where(owned, value, 0.0).to(values.dtype).unsqueeze(1)
-        values.scatter_add_(1, column, added)
+        values.scatter_add_(1, column.unsqueeze(1), added)
 
 
 class ShardTopKColumns(TopKColumns):
@@ -452,22 +445,15 @@ class ShardTopKColumns(TopKColumns):
         world = dist.get_world_size(self.group)
         return gather_rows(local, self.group).view(world, rows, k).transpose(0, 1).reshape(rows, world * k)
 
-    def _local(self, logits: Tensor, index: Tensor) -> Tuple[Tensor, Tensor]:
-        """(the columns ``index`` on this shard, clamped into it; whether this shard holds each)."""
-        local = index - self.vocab_start
-        owned = (local >= 0) & (local < logits.shape[1])
-        return local.clamp(0, logits.shape[1] - 1), owned
-
     def gather(self, logits: Tensor, index: Tensor) -> Tensor:
-        local, owned = self._local(logits, index)
-        picked = super().gather(logits, local)
-        picked = torch.where(owned, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
+        local, owned = _on_shard(index, self.vocab_start, logits.shape[1])
+        picked = torch.where(owned, super().gather(logits, local), 0.0)
         dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=self.group)
         return picked
 
     def scatter_add_(self, grad: Tensor, index: Tensor, values: Tensor) -> None:
-        local, owned = self._local(grad, index)
-        super().scatter_add_(grad, local, torch.where(owned, values, torch.zeros_like(values)))
+        local, owned = _on_shard(index, self.vocab_start, grad.shape[1])
+        super().scatter_add_(grad, local, torch.where(owned, values, 0.0))
 
 
 class ShardKernels:
@@ -538,6 +524,13 @@ def _gather_tokens(
     if isinstance(temperature, Tensor):  # [N_r] per token; a float's [1] is the same everywhere
         gathered["inv_temperature"] = gather_rows(a["inv_temperature"], group)
     return {**a, **gathered}
+
+
+def _on_shard(columns: Tensor, vocab_start: int, width: int) -> Tuple[Tensor, Tensor]:
+    """Global ``columns`` on the shard ``[vocab_start, vocab_start + width)``: (their local index, clamped into the
+    shard so that a gather or scatter stays in bounds; whether the shard holds each)."""
+    local = columns - vocab_start
+    return local.clamp(0, width - 1), (local >= 0) & (local < width)
 
 
 def _check_shards(student_weight: Tensor, teacher_weight: Tensor) -> None:
