@@ -215,6 +215,38 @@ def _teacher_blocks(rows: int) -> Callable[..., LossFn]:
     return _with_module_setting("lightning_flce.engine", "AUXILIARY_BLOCK_ROWS", rows)
 
 
+def _teacher_blocks_same_chunks(rows: int) -> Callable[..., LossFn]:
+    """The default loss with the teacher on ``rows``-row blocks and the student's chunks the default's (the chunk
+    rule's rows at the default block size, passed as ``chunk_size``): the teacher GEMM's block size alone, where
+    :func:`_teacher_blocks` also lets the chunk rule shrink the chunks to pay for the larger block."""
+
+    def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
+        from lightning_flce import engine
+
+        def fn(xs, ws, xt, wt, target):
+            chunk = engine.chunk_rows(
+                None,
+                xs.shape[0],
+                xs.shape[0],
+                ws.shape[0],
+                ws.shape[1],
+                xs.dtype,
+                xs.is_cuda,
+                auxiliary_dtype=wt.dtype,
+            )
+            loss_fn = _build_flce(device, divergence, beta, temperature, chunk_size=chunk)
+            default_rows = engine.AUXILIARY_BLOCK_ROWS
+            engine.AUXILIARY_BLOCK_ROWS = rows
+            try:
+                return loss_fn(xs, ws, xt, wt, target)
+            finally:
+                engine.AUXILIARY_BLOCK_ROWS = default_rows
+
+        return fn
+
+    return build
+
+
 @contextlib.contextmanager
 def launch_override(max_block_v: int, programs_per_sm: int) -> Iterator[None]:
     """While the block runs: the distillation kernel's blocks capped at ``max_block_v`` columns (the library's
@@ -359,6 +391,15 @@ PROVIDERS: Dict[str, Tuple[str, Callable[..., LossFn], bool]] = {
         _teacher_blocks(512),
         False,
     ),
+    **{
+        f"flce_teacher_block_{rows}_same_chunks": (
+            f"flce with engine.AUXILIARY_BLOCK_ROWS = {rows} and chunk_size = the default's chunk rows (the teacher "
+            "GEMM's block size alone)",
+            _teacher_blocks_same_chunks(rows),
+            False,
+        )
+        for rows in (512, 1024)
+    },
     "flce_teacher_unblocked": (
         "flce with the teacher's buffer a whole chunk (AUXILIARY_BLOCK_ROWS above any chunk: the chunk rule then "
         "gives the two buffers the floor together, about half the default's rows)",
