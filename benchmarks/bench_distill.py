@@ -186,22 +186,29 @@ def _build_flce_base(device: torch.device, divergence: str, beta: float, tempera
     return fn
 
 
+@contextlib.contextmanager
+def _module_setting(module: str, name: str, value: Any) -> Iterator[None]:
+    """The library's ``module.name`` set to ``value`` while the block runs (the settings are read while a call runs;
+    "mean" computes its gradients in forward)."""
+    target_module = importlib.import_module(module)
+    default = getattr(target_module, name)
+    setattr(target_module, name, value)
+    try:
+        yield
+    finally:
+        setattr(target_module, name, default)
+
+
 def _with_module_setting(module: str, name: str, value) -> Callable[..., LossFn]:
-    """A builder of the default loss with the library's ``module.name`` set to ``value`` during each call (the
-    settings are read while the call runs; "mean" computes its gradients in forward): an alternative against the
-    default in the same run."""
+    """A builder of the default loss with the library's ``module.name`` set to ``value`` during each call
+    (:func:`_module_setting`): an alternative against the default in the same run."""
 
     def build(device: torch.device, divergence: str, beta: float, temperature: float) -> LossFn:
-        target_module = importlib.import_module(module)
         loss_fn = _build_flce(device, divergence, beta, temperature)
 
         def fn(xs, ws, xt, wt, target):
-            default = getattr(target_module, name)
-            setattr(target_module, name, value)
-            try:
+            with _module_setting(module, name, value):
                 return loss_fn(xs, ws, xt, wt, target)
-            finally:
-                setattr(target_module, name, default)
 
         return fn
 
@@ -235,12 +242,8 @@ def _teacher_blocks_same_chunks(rows: int) -> Callable[..., LossFn]:
                 auxiliary_dtype=wt.dtype,
             )
             loss_fn = _build_flce(device, divergence, beta, temperature, chunk_size=chunk)
-            default_rows = engine.AUXILIARY_BLOCK_ROWS
-            engine.AUXILIARY_BLOCK_ROWS = rows
-            try:
+            with _module_setting("lightning_flce.engine", "AUXILIARY_BLOCK_ROWS", rows):
                 return loss_fn(xs, ws, xt, wt, target)
-            finally:
-                engine.AUXILIARY_BLOCK_ROWS = default_rows
 
         return fn
 
@@ -312,15 +315,16 @@ def _kernel_launch(
         from lightning_flce import engine
 
         loss_fn = _build_flce(device, divergence, beta, temperature)
+        blocks = functools.partial(
+            _module_setting,
+            "lightning_flce.engine",
+            "AUXILIARY_BLOCK_ROWS",
+            block_rows or engine.AUXILIARY_BLOCK_ROWS,
+        )
 
         def fn(xs, ws, xt, wt, target):
-            default_rows = engine.AUXILIARY_BLOCK_ROWS
-            engine.AUXILIARY_BLOCK_ROWS = block_rows or default_rows
-            try:
-                with launch_override(max_block_v, programs_per_sm):
-                    return loss_fn(xs, ws, xt, wt, target)
-            finally:
-                engine.AUXILIARY_BLOCK_ROWS = default_rows
+            with blocks(), launch_override(max_block_v, programs_per_sm):
+                return loss_fn(xs, ws, xt, wt, target)
 
         return fn
 

@@ -199,7 +199,7 @@ def fused_linear_distillation_from_top_k(
         target,
         student_bias=student_bias,
         teacher_head=None,
-        teacher_top_k=(teacher_indices.to(torch.int64), teacher_logits),
+        teacher_top_k=(teacher_indices, teacher_logits),
         divergence=divergence,
         beta=beta,
         temperature=temperature,
@@ -310,7 +310,7 @@ def distillation_op_args(
         teacher_input,
         teacher_weight,
         teacher_bias,
-        top_k_indices,
+        None if top_k_indices is None else top_k_indices.to(torch.int64),  # any integer dtype, checked
         None if top_k_logits is None else top_k_logits.detach(),
         target,
         token_scale,

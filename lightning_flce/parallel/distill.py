@@ -317,7 +317,6 @@ def _distill_on_shards(
         else:
             assert teacher_top_k is not None
             check_top_k_teacher(student_input, None, *teacher_top_k)  # k against V after the agreement
-            teacher_top_k = (teacher_top_k[0].to(torch.int64), teacher_top_k[1])
         args = distillation_op_args(
             student_input,
             student_weight_shard,
