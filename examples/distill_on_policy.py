@@ -68,9 +68,17 @@ def language_model_batch(sequences: Tensor) -> dict[str, Tensor]:
     return {"input_ids": sequences[:, :-1], "labels": sequences[:, 1:]}
 
 
-def completion_batch(sequences: Tensor, prompt_length: int) -> dict[str, Tensor]:
-    """A batch of prompt + completion sequences whose loss is on the completion only: the positions whose next token
-    is still the prompt's get ``IGNORE_INDEX``."""
+def completion_batch(
+    sequences: Tensor, prompt_length: int, label_format: str = "shifted"
+) -> dict[str, Tensor]:
+    """A batch of prompt + completion sequences whose loss is on the completion only, in the student's label format
+    (``DistillationModule.label_format``): ``"shifted"`` (TinyGPT, LitGPT: each position's label is the next token;
+    the positions whose next token is still the prompt's get ``IGNORE_INDEX``) or ``"hf"`` (Hugging Face: labels are
+    the tokens themselves, shifted by the module; the prompt's get ``IGNORE_INDEX``)."""
+    if label_format == "hf":
+        labels = sequences.clone()
+        labels[:, :prompt_length] = IGNORE_INDEX
+        return {"input_ids": sequences, "labels": labels, "attention_mask": torch.ones_like(sequences)}
     labels = sequences[:, 1:].clone()
     labels[:, : prompt_length - 1] = IGNORE_INDEX
     return {"input_ids": sequences[:, :-1], "labels": labels}
@@ -95,7 +103,10 @@ class OnPolicyDistillation(DistillationModule):
 
     @torch.no_grad()
     def sample_completions(self, prompts: Tensor, length: int) -> Tensor:
-        """[B, length] tokens sampled from the student after ``prompts`` [B, P], at temperature 1, in eval mode."""
+        """[B, length] tokens sampled from the student after ``prompts`` [B, P], at temperature 1, in eval mode: a
+        loop over the student's ``hidden_states`` and ``flce_logits`` (any ``FLCEMixin`` model: TinyGPT, HFCausalLM,
+        LitGPTCausalLM), recomputing the prefix each token; a real run would use ``generate`` or an inference
+        engine."""
         student = self.student
         was_training = student.training
         student.eval()
@@ -107,11 +118,16 @@ class OnPolicyDistillation(DistillationModule):
         return ids[:, prompts.shape[1] :]
 
     def on_policy_batch(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``batch`` with each completion replaced by the student's sample of the same length for its prompt."""
+        """``batch`` (of :func:`completion_batch`) with each completion replaced by the student's sample of the same
+        length for its prompt."""
         input_ids = batch["input_ids"]
         prompts = input_ids[:, : self.prompt_length]
-        completions = self.sample_completions(prompts, input_ids.shape[1] + 1 - self.prompt_length)
-        return completion_batch(torch.cat([prompts, completions], dim=1), self.prompt_length)
+        # a shifted batch's input_ids lack the sequence's last token
+        length = input_ids.shape[1] - self.prompt_length + (self.label_format != "hf")
+        completions = self.sample_completions(prompts, length)
+        return completion_batch(
+            torch.cat([prompts, completions], dim=1), self.prompt_length, self.label_format
+        )
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         on_policy = bool(torch.rand((), generator=self._draws) < self.lmbda)

@@ -91,6 +91,53 @@ def test_the_training_step_is_the_completion_divergence_against_float64(example,
     assert all(p.grad is None for p in module.teacher.parameters())
 
 
+def test_a_hugging_face_student_gets_its_label_format(example):
+    """An HFCausalLM student (labels in the Hugging Face convention, shifted by the module) and a plain Hugging Face
+    teacher: the sampled batch keeps the prompt, and the step's loss is the JSD over the completion positions from
+    both models' float64 logits."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_flce.models import HFCausalLM
+
+    config = {
+        "vocab_size": 24,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 16,
+    }
+    torch.manual_seed(0)
+    student = HFCausalLM(config={"model_type": "llama", **config})
+    teacher = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **{**config, "hidden_size": 32}))
+    module = example.OnPolicyDistillation(
+        student=student, teacher=teacher, prompt_length=3, lmbda=1.0, divergence="jsd"
+    ).double()
+    assert module.label_format == "hf"
+    sequences = torch.randint(0, 24, (3, 9))
+    batch = example.completion_batch(sequences, 3, "hf")
+
+    torch.manual_seed(5)
+    loss = module.training_step(batch, 0)
+    torch.manual_seed(5)
+    sampled = module.on_policy_batch(batch)
+    input_ids = sampled["input_ids"]
+    assert input_ids.shape == sequences.shape and torch.equal(input_ids[:, :3], sequences[:, :3])
+    assert (sampled["labels"][:, :3] == example.IGNORE_INDEX).all()
+    assert torch.equal(sampled["labels"][:, 3:], input_ids[:, 3:])
+
+    with torch.no_grad():
+        log_q = teacher(input_ids).logits.log_softmax(-1)[:, 2:-1]  # positions 2..7 predict tokens 3..8
+        log_p = student(input_ids).log_softmax(-1)[:, 2:-1]
+    log_m = torch.logaddexp(log_q + math.log(0.5), log_p + math.log(0.5))
+    expected = (
+        0.5 * (log_q.exp() * (log_q - log_m)).sum(-1) + 0.5 * (log_p.exp() * (log_p - log_m)).sum(-1)
+    ).mean()
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
 def test_lmbda_zero_keeps_the_dataset_completions(example, monkeypatch):
     module = _module(example, lmbda=0.0)
     monkeypatch.setattr(module, "on_policy_batch", lambda batch: pytest.fail("sampled with lmbda 0"))
