@@ -63,6 +63,21 @@ def allowed_fraction(successors: Tensor, sequences: Tensor, start: int) -> float
     return float(allowed.float().mean())
 
 
+@torch.no_grad()
+def sample(model: Any, prompts: Tensor, length: int, generator: Optional[torch.Generator] = None) -> Tensor:
+    """[B, length] tokens sampled after ``prompts`` [B, P] at temperature 1, in eval mode: token by token from an
+    ``FLCEMixin`` model's ``hidden_states`` and ``flce_logits`` (TinyGPT, HFCausalLM, LitGPTCausalLM, unsharded),
+    recomputing the prefix each time (no KV cache: a toy sampler)."""
+    was_training = model.training
+    model.eval()
+    ids = prompts
+    for _ in range(length):
+        logits = model.flce_logits(model.hidden_states(ids)[:, -1]).float()
+        ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1, generator=generator)], dim=1)
+    model.train(was_training)
+    return ids[:, prompts.shape[1] :]
+
+
 def language_model_batch(sequences: Tensor) -> dict[str, Tensor]:
     """A TinyGPT batch of whole sequences: each position's label is the next token."""
     return {"input_ids": sequences[:, :-1], "labels": sequences[:, 1:]}
@@ -101,21 +116,11 @@ class OnPolicyDistillation(DistillationModule):
         # another's generation
         self._draws = torch.Generator().manual_seed(seed)
 
-    @torch.no_grad()
     def sample_completions(self, prompts: Tensor, length: int) -> Tensor:
-        """[B, length] tokens sampled from the student after ``prompts`` [B, P], at temperature 1, in eval mode: a
-        loop over the student's ``hidden_states`` and ``flce_logits`` (any ``FLCEMixin`` model: TinyGPT, HFCausalLM,
-        LitGPTCausalLM), recomputing the prefix each token; a real run would use ``generate`` or an inference
-        engine."""
-        student = self.student
-        was_training = student.training
-        student.eval()
-        ids = prompts
-        for _ in range(length):
-            logits = student.flce_logits(student.hidden_states(ids)[:, -1]).float()
-            ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1)], dim=1)
-        student.train(was_training)
-        return ids[:, prompts.shape[1] :]
+        """[B, length] tokens sampled from the student after ``prompts`` [B, P] (:func:`sample`). The one method to
+        replace for a real student: a Hugging Face model's ``generate``, or an inference engine's samples from the
+        student's current weights."""
+        return sample(self.student, prompts, length)
 
     def on_policy_batch(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """``batch`` (of :func:`completion_batch`) with each completion replaced by the student's sample of the same
@@ -142,16 +147,8 @@ def sampled_allowed_fraction(
 ) -> float:
     """How often ``model``'s sampled continuations of ``prompts`` take transitions the chain allows (its own seeded
     draws: the same for every model and run)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = prompts
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for _ in range(length):
-            logits = model.flce_logits(model.hidden_states(ids)[:, -1]).float()
-            ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1, generator=generator)], dim=1)
-    model.train(was_training)
-    return allowed_fraction(successors, ids, prompts.shape[1])
+    completions = sample(model, prompts, length, torch.Generator().manual_seed(seed))
+    return allowed_fraction(successors, torch.cat([prompts, completions], dim=1), prompts.shape[1])
 
 
 def _trainer(max_steps: int, name: str, log_every_n_steps: int = 10) -> L.Trainer:
