@@ -106,3 +106,17 @@ def _is_terminal(file: Any) -> bool:
         return bool(file.isatty())
     except (AttributeError, ValueError):  # no isatty, or closed
         return False
+
+
+def metrics_summary(metrics: dict[str, float]) -> str:
+    """``loss 5.1300, perplexity 169.0, token accuracy 0.2310`` from ``{"val/loss": 5.13, ...}``; several
+    dataloaders' metrics (``val/loss/dataloader_idx_1``, as Lightning names them) grouped as ``[dataloader 1] ...``."""
+    groups: dict[str, list[str]] = {}
+    for name, value in metrics.items():
+        stem, _, loader = name.partition("/dataloader_idx_")
+        label = stem.split("/", 1)[1].replace("student_ce", "student CE").replace("_", " ")
+        text = f"{label} {value:.4g}" if label == "perplexity" else f"{label} {value:.4f}"
+        groups.setdefault(loader, []).append(text)
+    return "; ".join(
+        (f"[dataloader {loader}] " if loader else "") + ", ".join(texts) for loader, texts in groups.items()
+    )

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from lightning_flce.console import rank_zero_info_line
+from lightning_flce.console import metrics_summary, rank_zero_info_line
 from lightning_flce.eval_metrics import TokenMetrics
 from lightning_flce.mixin_step import MixinBase
 
@@ -71,7 +71,7 @@ class EvalMetricsLogging(MixinBase):
     def on_fit_end(self) -> None:
         if self.flce_last_eval_metrics:
             rank_zero_info_line(
-                f"FLCEMixin: last validation: {_summary(self.flce_last_eval_metrics)}", self._trainer
+                f"FLCEMixin: last validation: {metrics_summary(self.flce_last_eval_metrics)}", self._trainer
             )
         super().on_fit_end()
 
@@ -114,17 +114,4 @@ class EvalMetricsLogging(MixinBase):
         if prefix == "val":
             self.flce_last_eval_metrics = values
         where = "" if trainer is None else f" (epoch {trainer.current_epoch}, step {trainer.global_step})"
-        rank_zero_info_line(f"FLCEMixin {prefix}{where}: {_summary(values)}", trainer)
-
-
-def _summary(metrics: dict[str, float]) -> str:
-    """``loss 5.1300, perplexity 169.0, token accuracy 0.2310`` (per dataloader: ``[dataloader 1] ...``)."""
-    groups: dict[str, list[str]] = {}
-    for name, value in metrics.items():
-        stem, _, loader = name.partition("/dataloader_idx_")
-        label = stem.split("/", 1)[1].replace("_", " ")
-        text = f"{label} {value:.4f}" if label != "perplexity" else f"{label} {value:.4g}"
-        groups.setdefault(loader, []).append(text)
-    return "; ".join(
-        (f"[dataloader {loader}] " if loader else "") + ", ".join(texts) for loader, texts in groups.items()
-    )
+        rank_zero_info_line(f"FLCEMixin {prefix}{where}: {metrics_summary(values)}", trainer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import logging
 import math
 import subprocess
 import sys
@@ -649,6 +650,55 @@ def test_validation_logs_loss_divergence_and_student_ce(tmp_path):
     assert set(module.last_val_metrics) >= {"val/loss", "val/divergence", "val/student_ce", "val/perplexity"}
     assert module.flce_last_teacher_logits_shape == (2 * SEQ, VOCAB)
     assert teacher.training is False
+
+
+@requires_op
+def test_several_validation_dataloaders_and_the_test_stage_get_their_own_metrics(tmp_path, caplog):
+    """Two validation dataloaders: each its token means (against the unfused float64 formula on its batches) under
+    Lightning's ``/dataloader_idx_N`` names, in ``last_val_metrics`` and on the console line; ``trainer.test``
+    logs the same means as ``test/*``."""
+    module = DistillationModule(
+        student=tiny_student(), teacher=tiny_teacher(), hard_weight=0.25, temperature=1.5
+    ).double()
+    loaders = [[make_batch(seed, n_ignored=2) for seed in seeds] for seeds in ((3, 4), (5,))]
+    fit = trainer(max_steps=1, limit_val_batches=2, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        fit.fit(
+            module,
+            DataLoader([make_batch(0)], batch_size=None),
+            [DataLoader(batches, batch_size=None) for batches in loaders],
+        )
+    expected = {}
+    with torch.no_grad():
+        for index, batches in enumerate(loaders):
+            every = {key: torch.cat([batch[key] for batch in batches]) for key in batches[0]}
+            divergence = reference_loss(module, every, hard_weight=0.0)
+            ce = reference_loss(module, every, hard_weight=1.0)
+            student_logits = module.student(every["input_ids"])
+            counted = every["labels"] != -100
+            accuracy = (student_logits.argmax(-1) == every["labels"])[counted].double().mean()
+            expected.update(
+                {
+                    f"val/divergence/dataloader_idx_{index}": divergence,
+                    f"val/student_ce/dataloader_idx_{index}": ce,
+                    f"val/loss/dataloader_idx_{index}": 0.75 * divergence + 0.25 * ce,
+                    f"val/perplexity/dataloader_idx_{index}": ce.exp(),
+                    f"val/token_accuracy/dataloader_idx_{index}": accuracy,
+                }
+            )
+    assert set(module.last_val_metrics) == set(expected)
+    for name, value in expected.items():
+        assert module.last_val_metrics[name] == pytest.approx(float(value), rel=1e-9), name
+        # Lightning keeps logged floats as float32 tensors
+        assert float(fit.callback_metrics[name]) == pytest.approx(float(value), rel=1e-6), name
+    assert "val/divergence" not in fit.callback_metrics
+    line = next(record.getMessage() for record in caplog.records if "Distillation val" in record.getMessage())
+    assert "; [dataloader 1] loss" in line and line.index("[dataloader 0]") < line.index("[dataloader 1]")
+
+    tested = fit.test(module, DataLoader(loaders[1], batch_size=None), verbose=False)[0]
+    for name in ("loss", "divergence", "student_ce", "perplexity", "token_accuracy"):
+        expected_value = module.last_val_metrics[f"val/{name}/dataloader_idx_1"]
+        assert tested[f"test/{name}"] == pytest.approx(expected_value, rel=1e-6), name  # float32, as logged
 
 
 @requires_op

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from lightning_flce.adapters import is_peft_lora_head
 from lightning_flce.callbacks.checkpoint_identity import IDENTITY_KEY
 from lightning_flce.callbacks.memory_model import head_compute_dtype
-from lightning_flce.console import rank_zero_info_line
+from lightning_flce.console import metrics_summary, rank_zero_info_line
 from lightning_flce.data.dataset import check_label_format
 from lightning_flce.fsdp import (
     fsdp2_unit_of,
@@ -90,7 +90,7 @@ TEACHER_TOP_K_KEYS = ("teacher_top_k_indices", "teacher_top_k_logits")
 # the LightningModule of a checkpoint that does not record its class (LastStepCheckpoint records it)
 _DEFAULT_TEACHER_CLASS = "lightning_flce.models.gpt.TinyGPT"
 # order of the validation sums: the loss, the divergence, the student's cross-entropy, correct tokens, tokens
-_VAL_SUMS = ("loss", "divergence", "student_ce", "correct", "tokens")
+_EVAL_SUMS = ("loss", "divergence", "student_ce", "correct", "tokens")
 # who runs the fused losses inside the heads' calls (run_in_head's errors)
 _HEADS = "DistillationModule's heads"
 
@@ -287,7 +287,9 @@ class DistillationModule(StepNormalization, pl.LightningModule):
     modes; per step and epoch, in the progress bar); at the end of each validation
     ``val/loss`` (the training loss's formula), ``val/divergence``, ``val/student_ce`` (the student's plain
     cross-entropy on the labels), ``val/perplexity`` (its exp) and ``val/token_accuracy``, token-weighted over
-    the whole validation and all ranks (one validation dataloader), and a console line with them.
+    the whole validation and all ranks, and a console line with them; with several validation dataloaders one set
+    each, under Lightning's names (``val/loss/dataloader_idx_N``, ...). ``trainer.test`` logs the same as
+    ``test/*``.
 
     **Sharded** (FSDP2, Lightning's ``ModelParallelStrategy``): :meth:`configure_model` shards the student and the
     teacher, each by its own ``configure_model`` (TinyGPT's: every block, an untied head, then the model), and
@@ -419,7 +421,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         self._flce_last_loss_weight: Optional[Tensor] = None
         #: the metrics logged at the end of the last validation (``{"val/loss": ..., ...}``)
         self.last_val_metrics: dict[str, float] = {}
-        self._val_sums: Optional[Tensor] = None
+        # [dataloaders, _EVAL_SUMS] float64 token sums of the evaluation in progress
+        self._eval_sums: Optional[Tensor] = None
         # FSDP2 units kept unsharded after forward for a head not in a unit of its own, and whether each is the
         # teacher's (_prepare_fsdp2)
         self._fsdp_head_units: list[tuple[nn.Module, bool]] = []
@@ -583,7 +586,32 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         self._flce_commit_micro_batch(loss)
         super().on_before_backward(loss)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._add_eval_batch(batch, dataloader_idx)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._add_eval_batch(batch, dataloader_idx)
+
+    def on_validation_epoch_start(self) -> None:
+        self._start_eval(len(self.trainer.num_val_batches))
+
+    def on_test_epoch_start(self) -> None:
+        self._start_eval(len(self.trainer.num_test_batches))
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def _start_eval(self, num_dataloaders: int) -> None:
+        # one row of sums per dataloader, made here so that every rank reduces the same shape
+        self._eval_sums = torch.zeros(
+            max(num_dataloaders, 1), len(_EVAL_SUMS), dtype=torch.float64, device=self.device
+        )
+
+    def _add_eval_batch(self, batch: dict[str, Tensor], dataloader_idx: int) -> None:
+        """An evaluation batch's token sums (``_EVAL_SUMS``) into its dataloader's row."""
         student_hidden, teacher_side, target = self._forward_both(batch)
         divergence = self._loss_sum(student_hidden, teacher_side, target, 0.0)
         ce, correct = self._student_cross_entropy(student_hidden, target)
@@ -592,43 +620,61 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         loss = divergence_weight * divergence + ce_weight * ce
         num_tokens = (target != self.ignore_index).sum()
         sums = torch.stack([value.double() for value in (loss, divergence, ce, correct, num_tokens)])
-        self._val_sums = sums if self._val_sums is None else self._val_sums + sums
+        rows = self._eval_sums
+        if (
+            rows is None or dataloader_idx >= rows.shape[0]
+        ):  # no epoch-start hook (overridden without super())
+            grown = torch.zeros(dataloader_idx + 1, len(_EVAL_SUMS), dtype=torch.float64, device=sums.device)
+            if rows is not None:
+                grown[: rows.shape[0]] = rows
+            self._eval_sums = rows = grown
+        rows[dataloader_idx] += sums
 
-    def on_validation_epoch_start(self) -> None:
-        self._val_sums = None
-
-    def on_validation_epoch_end(self) -> None:
-        sums = self._val_sums
-        self._val_sums = None
+    def _log_eval(self, prefix: str) -> None:
+        """Logs ``{prefix}/loss``, ``/divergence``, ``/student_ce``, ``/token_accuracy`` and ``/perplexity``, token
+        means over the evaluation and the ranks (``.../dataloader_idx_N`` for each of several dataloaders, as
+        Lightning names metrics logged in their steps), and a console line."""
+        sums, self._eval_sums = self._eval_sums, None
         if sums is None:
             return
         if self.trainer.world_size > 1:
             sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        totals = dict(zip(_VAL_SUMS, sums.tolist()))
-        tokens = max(totals["tokens"], 1.0)
-        metrics = {
-            "val/loss": totals["loss"] / tokens,
-            "val/divergence": totals["divergence"] / tokens,
-            "val/student_ce": totals["student_ce"] / tokens,
-            "val/token_accuracy": totals["correct"] / tokens,
-        }
-        metrics["val/perplexity"] = math.exp(min(metrics["val/student_ce"], 700.0))
+        metrics: dict[str, float] = {}
+        for dataloader_idx, row in enumerate(sums.tolist()):
+            totals = dict(zip(_EVAL_SUMS, row))
+            tokens = max(totals["tokens"], 1.0)
+            means = {
+                "loss": totals["loss"] / tokens,
+                "divergence": totals["divergence"] / tokens,
+                "student_ce": totals["student_ce"] / tokens,
+                "token_accuracy": totals["correct"] / tokens,
+            }
+            means["perplexity"] = math.exp(min(means["student_ce"], 700.0))
+            suffix = f"/dataloader_idx_{dataloader_idx}" if sums.shape[0] > 1 else ""
+            metrics.update({f"{prefix}/{name}{suffix}": value for name, value in means.items()})
         for name, value in metrics.items():
             # equal on every rank (summed above): Lightning's sync then averages equal values
-            self.log(name, value, prog_bar=name == "val/loss", sync_dist=True)
+            self.log(
+                name,
+                value,
+                prog_bar=name.startswith(f"{prefix}/loss"),
+                sync_dist=True,
+                add_dataloader_idx=False,  # named above (the epoch's end is outside any dataloader)
+            )
         if self.trainer.sanity_checking:
             return
-        self.last_val_metrics = metrics
+        if prefix == "val":
+            self.last_val_metrics = metrics
         rank_zero_info_line(
-            f"Distillation val (epoch {self.trainer.current_epoch}, step {self.trainer.global_step}): "
-            + _summary(metrics),
+            f"Distillation {prefix} (epoch {self.trainer.current_epoch}, step {self.trainer.global_step}): "
+            + metrics_summary(metrics),
             self.trainer,
         )
 
     def on_fit_end(self) -> None:
         if self.last_val_metrics:
             rank_zero_info_line(
-                f"Distillation: last validation: {_summary(self.last_val_metrics)}", self.trainer
+                f"Distillation: last validation: {metrics_summary(self.last_val_metrics)}", self.trainer
             )
 
     def configure_optimizers(self) -> OptimizerLRScheduler:
@@ -907,12 +953,3 @@ def _dtype_named(name: Union[str, torch.dtype]) -> torch.dtype:
             f"teacher_dtype must name a floating-point torch dtype (e.g. 'bfloat16'), got {name!r}"
         )
     return dtype
-
-
-def _summary(metrics: dict[str, float]) -> str:
-    """``loss 1.2300, divergence 1.2300, student CE 4.5600, perplexity 95.6, token accuracy 0.2310``."""
-    parts = []
-    for name, value in metrics.items():
-        label = name.split("/", 1)[1].replace("student_ce", "student CE").replace("_", " ")
-        parts.append(f"{label} {value:.4g}" if label == "perplexity" else f"{label} {value:.4f}")
-    return ", ".join(parts)
