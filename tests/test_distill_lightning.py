@@ -702,6 +702,26 @@ def test_several_validation_dataloaders_and_the_test_stage_get_their_own_metrics
 
 
 @requires_op
+def test_a_validation_dataloader_without_batches_logs_nothing():
+    """Of two validation dataloaders the empty one gets no metrics (no zeros logged as its means)."""
+    module = DistillationModule(student=tiny_student(), teacher=tiny_teacher()).double()
+    batch = make_batch(1)
+    loaders = [DataLoader([], batch_size=None), DataLoader([batch], batch_size=None)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's "Total length of `DataLoader` ... is zero"
+        trainer(limit_val_batches=1.0).validate(module, loaders, verbose=False)
+    assert set(module.last_val_metrics) == {
+        f"val/{name}/dataloader_idx_1"
+        for name in ("loss", "divergence", "student_ce", "perplexity", "token_accuracy")
+    }
+    with torch.no_grad():
+        divergence = reference_loss(module, batch, hard_weight=0.0)
+    assert module.last_val_metrics["val/divergence/dataloader_idx_1"] == pytest.approx(
+        float(divergence), rel=1e-9
+    )
+
+
+@requires_op
 def test_vocab_size_distills_heads_padded_to_different_rows_in_float64(tmp_path):
     """A student head of VOCAB + 4 rows and a teacher's of VOCAB + 8 for one tokenizer of VOCAB tokens (as Qwen2.5's
     0.5B and 7B heads, 151936 and 152064 rows for 151665 tokens): the loss and the validation's student CE over the

@@ -89,8 +89,9 @@ TEACHER_PREFIX = "teacher."
 TEACHER_TOP_K_KEYS = ("teacher_top_k_indices", "teacher_top_k_logits")
 # the LightningModule of a checkpoint that does not record its class (LastStepCheckpoint records it)
 _DEFAULT_TEACHER_CLASS = "lightning_flce.models.gpt.TinyGPT"
-# order of the validation sums: the loss, the divergence, the student's cross-entropy, correct tokens, tokens
-_EVAL_SUMS = ("loss", "divergence", "student_ce", "correct", "tokens")
+# order of an evaluation dataloader's sums: the loss, the divergence, the student's cross-entropy, correct tokens,
+# tokens, batches
+_EVAL_SUMS = ("loss", "divergence", "student_ce", "correct", "tokens", "batches")
 # who runs the fused losses inside the heads' calls (run_in_head's errors)
 _HEADS = "DistillationModule's heads"
 
@@ -619,11 +620,11 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         divergence_weight, ce_weight = self.loss_weights
         loss = divergence_weight * divergence + ce_weight * ce
         num_tokens = (target != self.ignore_index).sum()
-        sums = torch.stack([value.double() for value in (loss, divergence, ce, correct, num_tokens)])
+        batches = num_tokens.new_ones(())
+        sums = torch.stack([value.double() for value in (loss, divergence, ce, correct, num_tokens, batches)])
         rows = self._eval_sums
-        if (
-            rows is None or dataloader_idx >= rows.shape[0]
-        ):  # no epoch-start hook (overridden without super())
+        # rows is None (or short) without the epoch-start hook (overridden without super())
+        if rows is None or dataloader_idx >= rows.shape[0]:
             grown = torch.zeros(dataloader_idx + 1, len(_EVAL_SUMS), dtype=torch.float64, device=sums.device)
             if rows is not None:
                 grown[: rows.shape[0]] = rows
@@ -642,6 +643,8 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         metrics: dict[str, float] = {}
         for dataloader_idx, row in enumerate(sums.tolist()):
             totals = dict(zip(_EVAL_SUMS, row))
+            if not totals["batches"]:  # a dataloader without batches on any rank logs nothing
+                continue
             tokens = max(totals["tokens"], 1.0)
             means = {
                 "loss": totals["loss"] / tokens,
@@ -661,7 +664,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                 sync_dist=True,
                 add_dataloader_idx=False,  # named above (the epoch's end is outside any dataloader)
             )
-        if self.trainer.sanity_checking:
+        if not metrics or self.trainer.sanity_checking:
             return
         if prefix == "val":
             self.last_val_metrics = metrics
