@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from torch.utils.data import DataLoader
 
-from lightning_flce.console import open_tqdm_bars, rank_zero_info_line
+from lightning_flce.console import metrics_summary, open_tqdm_bars, rank_zero_info_line
 from lightning_flce.models.gpt import TinyGPT
 
 VOCAB, SEQ = 53, 8
@@ -175,3 +175,16 @@ def test_other_ranks_write_nothing(monkeypatch):
     finally:
         lightning_logger.removeHandler(handler)
     assert stream.getvalue() == ""
+
+
+def test_metrics_summary_names_values_and_groups_dataloaders():
+    one = {"val/loss": 1.23456, "val/student_ce": 4.5, "val/perplexity": 90.0171, "val/token_accuracy": 0.25}
+    assert metrics_summary(one) == "loss 1.2346, student CE 4.5000, perplexity 90.02, token accuracy 0.2500"
+    several = {
+        "test/loss/dataloader_idx_0": 1.0,
+        "test/loss/dataloader_idx_1": 2.0,
+        "test/perplexity/dataloader_idx_1": 7.389,
+    }
+    assert (
+        metrics_summary(several) == "[dataloader 0] loss 1.0000; [dataloader 1] loss 2.0000, perplexity 7.389"
+    )
