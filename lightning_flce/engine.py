@@ -973,6 +973,29 @@ def saved_grad_weight_fakes(
     )
 
 
+def saved_gradient_fakes(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    needs: Tuple[bool, bool, bool],
+    grad_input_dtype: torch.dtype,
+    grad_weight_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+) -> List[Tensor]:
+    """The fake implementations' gradient outputs of a "gradients in forward" op, as the real one returns them
+    (:func:`saved_gradients`, then :func:`inverse_scales`): dX, dW's two blocks and d bias where ``needs`` says
+    so (distinct empties elsewhere), and the fp16 scales' [3] (empty for other dtypes or without a gradient).
+    Gradients are contiguous, as the chunk loop allocates them (not empty_like: a permuted x or weight)."""
+    need_input, need_weight, need_bias = needs
+    scaled = compute_dtype == torch.float16 and any(needs)
+    return [
+        x.new_empty(x.shape, dtype=grad_input_dtype) if need_input else x.new_empty(0),
+        *saved_grad_weight_fakes(x, weight, grad_weight_dtype, need_weight),
+        bias.new_empty(bias.shape) if need_bias and bias is not None else x.new_empty(0),
+        x.new_empty(3 if scaled else 0, dtype=torch.float32),
+    ]
+
+
 def double_backward_error(
     why: str, op: str = "fused linear cross-entropy", alternative: Optional[str] = None
 ) -> str:

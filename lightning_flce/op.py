@@ -36,7 +36,7 @@ from lightning_flce.engine import (
     refuse_double_backward,
     run_chunks,
     saved_grad_dtypes,
-    saved_grad_weight_fakes,
+    saved_gradient_fakes,
     saved_gradients,
     token_rows,
     valid_rows,
@@ -279,24 +279,20 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
     args = ForwardArgs(*values)
     x, weight, bias = args.x, args.weight, args.bias
     n_rows = token_rows(x)
-    grads_now = args.reduction != "none"
-    needs_any = args.need_grad_input or args.need_grad_weight or args.need_grad_bias
+    grads_now = args.reduction != "none"  # "none" computes its gradients in backward
+    needs = (
+        args.need_grad_input and grads_now,
+        args.need_grad_weight and grads_now,
+        args.need_grad_bias and grads_now,
+    )
     loss_dtype = softmax_dtype(args.compute_dtype)
-    scaled = args.compute_dtype == torch.float16 and grads_now and needs_any
     n_stats = n_rows if args.compute_stats else 0
-    grad_input_dtype, grad_weight_dtype = _saved_dtypes(args)
-    # Gradients are contiguous, as the chunk loop allocates them (not empty_like: a permuted x or weight).
     return (
         x.new_empty((n_rows,) if args.reduction == "none" else (), dtype=loss_dtype),
         x.new_empty(n_stats, dtype=loss_dtype),
         x.new_empty(n_stats, dtype=torch.bool),
         x.new_empty(n_stats, dtype=loss_dtype),
-        x.new_empty(x.shape, dtype=grad_input_dtype)
-        if args.need_grad_input and grads_now
-        else x.new_empty(0),
-        *saved_grad_weight_fakes(x, weight, grad_weight_dtype, args.need_grad_weight and grads_now),
-        bias.new_empty(bias.shape) if args.need_grad_bias and grads_now else x.new_empty(0),
-        x.new_empty(3 if scaled else 0, dtype=torch.float32),
+        *saved_gradient_fakes(x, weight, bias, needs, *_saved_dtypes(args), args.compute_dtype),
     )
 
 

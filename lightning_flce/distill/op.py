@@ -28,7 +28,7 @@ from lightning_flce.engine import (
     register_forward_grads_autograd,
     run_valid_rows,
     saved_grad_dtypes,
-    saved_grad_weight_fakes,
+    saved_gradient_fakes,
     saved_gradients,
     token_rows,
 )
@@ -209,17 +209,11 @@ def _forward_fake(*values) -> Tuple[Tensor, ...]:
     x, weight, bias = a["x"], a["weight"], a["bias"]
     dtype = softmax_dtype(a["compute_dtype"])
     n_rows = token_rows(x)
-    needs = _needs(a)
-    grad_input_dtype, grad_weight_dtype = _saved_dtypes(a)
-    scaled = a["compute_dtype"] == torch.float16 and any(needs)
     return (
         x.new_empty((), dtype=dtype),
         x.new_empty(n_rows, dtype=dtype),
         x.new_empty(n_rows if a["hard_weight"] != 0.0 else 0, dtype=dtype),
-        x.new_empty(x.shape, dtype=grad_input_dtype) if needs[0] else x.new_empty(0),
-        *saved_grad_weight_fakes(x, weight, grad_weight_dtype, needs[1]),
-        bias.new_empty(bias.shape) if needs[2] else x.new_empty(0),
-        x.new_empty(3 if scaled else 0, dtype=torch.float32),
+        *saved_gradient_fakes(x, weight, bias, _needs(a), *_saved_dtypes(a), a["compute_dtype"]),
     )
 
 

@@ -1,0 +1,92 @@
+"""The fake implementations of the distillation and policy-loss custom ops (what ``torch.compile`` traces with)
+against their real outputs: ``torch.library.opcheck`` on the arguments the public functions pass, for every
+dtype and set of needed gradients (fp16's inverse-scales output, the dW accumulator's two blocks in fp32 over
+several chunks, the empty outputs of gradients not needed). The cross-entropy op's: ``tests/test_op.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_flce.distill.functional as distill_functional
+import lightning_flce.rl.policy as policy_module
+from lightning_flce import fused_linear_distillation, fused_linear_policy_loss
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+NEEDS = [(True, True, True), (False, True, False), (False, False, False)]
+# Not "test_aot_dispatch_dynamic": the saved gradients are outputs that backward scales in place (test_op.py)
+CHECKS = ("test_schema", "test_faketensor")
+
+
+def _captured_args(monkeypatch, module, name: str, call) -> tuple:
+    """The arguments ``call`` passes to ``module.name`` (an op with autograd), the call then run for real."""
+    captured = []
+    op = getattr(module, name)
+
+    def spy(*args):
+        captured.append(args)
+        return op(*args)
+
+    monkeypatch.setattr(module, name, spy)
+    call()
+    (args,) = captured
+    return args
+
+
+def _leaves(dtype, needs, *shapes, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(*shape, generator=generator).to(dtype) for shape in shapes]
+    return [t.requires_grad_(need) for t, need in zip(tensors, needs)] + tensors[len(needs) :]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("needs", NEEDS, ids=str)
+@pytest.mark.parametrize("chunk_size", [None, 8], ids=["one-chunk", "chunks-of-8"])
+@pytest.mark.parametrize("hard_weight", [0.0, 0.3])
+def test_distillation_fake_matches_the_op(monkeypatch, dtype, needs, chunk_size, hard_weight):
+    x, weight, bias, teacher_x, teacher_weight = _leaves(
+        dtype, needs, (24, 16), (40, 16), (40,), (24, 8), (40, 8)
+    )
+    target = torch.randint(0, 40, (24,), generator=torch.Generator().manual_seed(1))
+    target[:5] = -100
+    args = _captured_args(
+        monkeypatch,
+        distill_functional,
+        "flce_distill",
+        lambda: fused_linear_distillation(
+            x,
+            weight,
+            teacher_x,
+            teacher_weight,
+            target,
+            student_bias=bias,
+            hard_weight=hard_weight,
+            chunk_size=chunk_size,
+        ),
+    )
+    torch.library.opcheck(torch.ops.lightning_flce.flce_distill.default, args, test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("needs", NEEDS, ids=str)
+@pytest.mark.parametrize("chunk_size", [None, 8], ids=["one-chunk", "chunks-of-8"])
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_policy_loss_fake_matches_the_op(monkeypatch, dtype, needs, chunk_size, return_entropy):
+    x, weight, bias = _leaves(dtype, needs, (2, 12, 16), (40, 16), (40,))
+    target = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+    advantages = torch.tensor([0.5, -1.0])
+    args = _captured_args(
+        monkeypatch,
+        policy_module,
+        "flce_policy_loss",
+        lambda: fused_linear_policy_loss(
+            x,
+            weight,
+            target,
+            bias=bias,
+            advantages=advantages,
+            return_entropy=return_entropy,
+            chunk_size=chunk_size,
+        ),
+    )
+    torch.library.opcheck(torch.ops.lightning_flce.flce_policy_loss.default, args, test_utils=CHECKS)
