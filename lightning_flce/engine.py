@@ -996,6 +996,19 @@ def saved_gradient_fakes(
     ]
 
 
+def recomputed_gradient_fakes(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], needs: Tuple[bool, bool, bool]
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """The fake implementations' outputs of a recomputing backward (reduction "none"): dX, dW and d bias in their
+    inputs' shapes and dtypes where ``needs`` says so, distinct empties elsewhere."""
+    need_input, need_weight, need_bias = needs
+    return (
+        x.new_empty(x.shape) if need_input else x.new_empty(0),
+        weight.new_empty(weight.shape) if need_weight else x.new_empty(0),
+        bias.new_empty(bias.shape) if need_bias and bias is not None else x.new_empty(0),
+    )
+
+
 def double_backward_error(
     why: str, op: str = "fused linear cross-entropy", alternative: Optional[str] = None
 ) -> str:

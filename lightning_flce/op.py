@@ -33,6 +33,7 @@ from lightning_flce.engine import (
     finish_saved_grads,
     fp16_bound_stats,
     inverse_scales,
+    recomputed_gradient_fakes,
     refuse_double_backward,
     run_chunks,
     saved_grad_dtypes,
@@ -319,12 +320,8 @@ def _backward_recompute(*values) -> Tuple[Tensor, Tensor, Tensor]:
 def _backward_recompute_fake(*values) -> Tuple[Tensor, Tensor, Tensor]:
     _, *forward = values
     args = ForwardArgs(*forward)
-    x, weight, bias = args.x, args.weight, args.bias
-    return (
-        x.new_empty(x.shape) if args.need_grad_input else x.new_empty(0),
-        weight.new_empty(weight.shape) if args.need_grad_weight else x.new_empty(0),
-        bias.new_empty(bias.shape) if args.need_grad_bias else x.new_empty(0),
-    )
+    needs = (args.need_grad_input, args.need_grad_weight, args.need_grad_bias)
+    return recomputed_gradient_fakes(args.x, args.weight, args.bias, needs)
 
 
 _flce_forward_op = torch.library.custom_op(

@@ -1,7 +1,8 @@
-"""The fake implementations of the distillation and policy-loss custom ops (what ``torch.compile`` traces with)
-against their real outputs: ``torch.library.opcheck`` on the arguments the public functions pass, for every
-dtype and set of needed gradients (fp16's inverse-scales output, the dW accumulator's two blocks in fp32 over
-several chunks, the empty outputs of gradients not needed). The cross-entropy op's: ``tests/test_op.py``."""
+"""The fake implementations of the distillation, policy-loss and log-probability custom ops (what
+``torch.compile`` traces with) against their real outputs: ``torch.library.opcheck`` on the arguments the public
+functions pass, for every dtype and set of needed gradients (fp16's inverse-scales output, the dW accumulator's
+two blocks in fp32 over several chunks, the empty outputs of gradients not needed), and the recomputing backward
+ops of reduction "none" and of the log-probabilities. The cross-entropy op's: ``tests/test_op.py``."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import pytest
 import torch
 
 import lightning_flce.distill.functional as distill_functional
+import lightning_flce.rl.logprobs as logprobs_module
 import lightning_flce.rl.policy as policy_module
-from lightning_flce import fused_linear_distillation, fused_linear_policy_loss
+from lightning_flce import fused_linear_distillation, fused_linear_logprobs, fused_linear_policy_loss
+from lightning_flce.kernels import softmax_dtype
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 NEEDS = [(True, True, True), (False, True, False), (False, False, False)]
@@ -90,3 +93,53 @@ def test_policy_loss_fake_matches_the_op(monkeypatch, dtype, needs, chunk_size, 
         ),
     )
     torch.library.opcheck(torch.ops.lightning_flce.flce_policy_loss.default, args, test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("needs", NEEDS, ids=str)
+@pytest.mark.parametrize("hard_weight", [0.0, 0.3])
+def test_per_token_distillation_and_its_backward_fakes_match_the_ops(monkeypatch, dtype, needs, hard_weight):
+    x, weight, bias, teacher_x, teacher_weight = _leaves(
+        dtype, needs, (24, 16), (40, 16), (40,), (24, 8), (40, 8)
+    )
+    target = torch.randint(0, 40, (24,), generator=torch.Generator().manual_seed(1))
+    target[:5] = -100
+    args = _captured_args(
+        monkeypatch,
+        distill_functional,
+        "flce_distill_per_token",
+        lambda: fused_linear_distillation(
+            x,
+            weight,
+            teacher_x,
+            teacher_weight,
+            target,
+            student_bias=bias,
+            hard_weight=hard_weight,
+            reduction="none",
+        ),
+    )
+    ops = torch.ops.lightning_flce
+    torch.library.opcheck(ops.flce_distill_per_token.default, args, test_utils=CHECKS)
+    grad_loss = torch.randn(24, dtype=softmax_dtype(dtype))
+    torch.library.opcheck(ops.flce_distill_backward.default, (grad_loss, *args), test_utils=CHECKS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("needs", NEEDS, ids=str)
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_logprobs_and_their_backward_fakes_match_the_ops(monkeypatch, dtype, needs, return_entropy):
+    x, weight, bias = _leaves(dtype, needs, (2, 12, 16), (40, 16), (40,))
+    target = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+    args = _captured_args(
+        monkeypatch,
+        logprobs_module,
+        "flce_logprobs",
+        lambda: fused_linear_logprobs(x, weight, target, bias=bias, return_entropy=return_entropy),
+    )
+    ops = torch.ops.lightning_flce
+    torch.library.opcheck(ops.flce_logprobs.default, args, test_utils=CHECKS)
+    loss_dtype = softmax_dtype(dtype)
+    grad_entropy = torch.randn(24, dtype=loss_dtype) if return_entropy else torch.empty(0, dtype=loss_dtype)
+    backward_args = (torch.randn(24, dtype=loss_dtype), grad_entropy, *args)
+    torch.library.opcheck(ops.flce_logprobs_backward.default, backward_args, test_utils=CHECKS)

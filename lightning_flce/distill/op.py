@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_flce.chunk_loss import AuxiliaryHead
 from lightning_flce.engine import (
     inverse_scales,
+    recomputed_gradient_fakes,
     refuse_double_backward,
     register_forward_grads_autograd,
     run_valid_rows,
@@ -285,13 +286,7 @@ def _backward_recompute(grad_loss, *values) -> Tuple[Tensor, Tensor, Tensor]:
 
 def _backward_recompute_fake(grad_loss, *values) -> Tuple[Tensor, Tensor, Tensor]:
     a = dict(zip(_NAMES, values))
-    x, weight, bias = a["x"], a["weight"], a["bias"]
-    needs = _needs(a)
-    return (
-        x.new_empty(x.shape) if needs[0] else x.new_empty(0),
-        weight.new_empty(weight.shape) if needs[1] else x.new_empty(0),
-        bias.new_empty(bias.shape) if needs[2] else x.new_empty(0),
-    )
+    return recomputed_gradient_fakes(a["x"], a["weight"], a["bias"], _needs(a))
 
 
 _flce_distill_per_token_op = torch.library.custom_op(

@@ -15,7 +15,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from lightning_flce.engine import refuse_double_backward, run_valid_rows, token_rows
+from lightning_flce.engine import (
+    recomputed_gradient_fakes,
+    refuse_double_backward,
+    run_valid_rows,
+    token_rows,
+)
 from lightning_flce.kernels import BACKENDS, softmax_dtype
 from lightning_flce.losses.logprobs import LogProbsChunkLoss
 from lightning_flce.op_autograd import OpWithAutograd
@@ -140,11 +145,7 @@ def _backward_recompute(grad_logprobs, grad_entropy, x, weight, target, bias, in
 
 def _backward_recompute_fake(grad_logprobs, grad_entropy, x, weight, target, bias, inv_temperature, *options):
     need_grad_input, need_grad_weight, need_grad_bias = options[8:11]
-    return (
-        x.new_empty(x.shape) if need_grad_input else x.new_empty(0),
-        weight.new_empty(weight.shape) if need_grad_weight else x.new_empty(0),
-        bias.new_empty(bias.shape) if need_grad_bias else x.new_empty(0),
-    )
+    return recomputed_gradient_fakes(x, weight, bias, (need_grad_input, need_grad_weight, need_grad_bias))
 
 
 _flce_logprobs_op = torch.library.custom_op(
