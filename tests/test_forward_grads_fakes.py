@@ -42,30 +42,31 @@ def _leaves(dtype, needs, *shapes, seed: int = 0):
     return [t.requires_grad_(need) for t, need in zip(tensors, needs)] + tensors[len(needs) :]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("needs", NEEDS, ids=str)
-@pytest.mark.parametrize("chunk_size", [None, 8], ids=["one-chunk", "chunks-of-8"])
-@pytest.mark.parametrize("hard_weight", [0.0, 0.3])
-def test_distillation_fake_matches_the_op(monkeypatch, dtype, needs, chunk_size, hard_weight):
+def _distillation_args(monkeypatch, op_name: str, dtype, needs, **options) -> tuple:
+    """The arguments ``fused_linear_distillation`` passes to its op ``op_name`` (student H 16, teacher H 8, V 40,
+    24 tokens of which 5 ignored)."""
     x, weight, bias, teacher_x, teacher_weight = _leaves(
         dtype, needs, (24, 16), (40, 16), (40,), (24, 8), (40, 8)
     )
     target = torch.randint(0, 40, (24,), generator=torch.Generator().manual_seed(1))
     target[:5] = -100
-    args = _captured_args(
+    return _captured_args(
         monkeypatch,
         distill_functional,
-        "flce_distill",
+        op_name,
         lambda: fused_linear_distillation(
-            x,
-            weight,
-            teacher_x,
-            teacher_weight,
-            target,
-            student_bias=bias,
-            hard_weight=hard_weight,
-            chunk_size=chunk_size,
+            x, weight, teacher_x, teacher_weight, target, student_bias=bias, **options
         ),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("needs", NEEDS, ids=str)
+@pytest.mark.parametrize("chunk_size", [None, 8], ids=["one-chunk", "chunks-of-8"])
+@pytest.mark.parametrize("hard_weight", [0.0, 0.3])
+def test_distillation_fake_matches_the_op(monkeypatch, dtype, needs, chunk_size, hard_weight):
+    args = _distillation_args(
+        monkeypatch, "flce_distill", dtype, needs, hard_weight=hard_weight, chunk_size=chunk_size
     )
     torch.library.opcheck(torch.ops.lightning_flce.flce_distill.default, args, test_utils=CHECKS)
 
@@ -99,25 +100,8 @@ def test_policy_loss_fake_matches_the_op(monkeypatch, dtype, needs, chunk_size, 
 @pytest.mark.parametrize("needs", NEEDS, ids=str)
 @pytest.mark.parametrize("hard_weight", [0.0, 0.3])
 def test_per_token_distillation_and_its_backward_fakes_match_the_ops(monkeypatch, dtype, needs, hard_weight):
-    x, weight, bias, teacher_x, teacher_weight = _leaves(
-        dtype, needs, (24, 16), (40, 16), (40,), (24, 8), (40, 8)
-    )
-    target = torch.randint(0, 40, (24,), generator=torch.Generator().manual_seed(1))
-    target[:5] = -100
-    args = _captured_args(
-        monkeypatch,
-        distill_functional,
-        "flce_distill_per_token",
-        lambda: fused_linear_distillation(
-            x,
-            weight,
-            teacher_x,
-            teacher_weight,
-            target,
-            student_bias=bias,
-            hard_weight=hard_weight,
-            reduction="none",
-        ),
+    args = _distillation_args(
+        monkeypatch, "flce_distill_per_token", dtype, needs, hard_weight=hard_weight, reduction="none"
     )
     ops = torch.ops.lightning_flce
     torch.library.opcheck(ops.flce_distill_per_token.default, args, test_utils=CHECKS)
