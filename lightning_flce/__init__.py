@@ -10,8 +10,10 @@ The LM-head loss ``cross_entropy(hidden @ W.T, target)`` computed in chunks of t
 - reinforcement learning: :func:`fused_linear_logprobs`, :func:`fused_linear_policy_loss` and its module
   :class:`FusedLinearPolicyLoss` (``rl/``: the APIs and their custom ops);
 - distillation: :func:`fused_linear_distillation` and its module :class:`FusedLinearDistillationLoss`, and
-  :func:`fused_linear_distillation_from_top_k` for a cached teacher's top k (``distill/``: the API and its custom
-  ops);
+  :func:`fused_linear_distillation_from_top_k` for a cached teacher's top k, and :func:`fused_linear_top_k` that
+  makes such a cache (``distill/``: the APIs and their custom ops); its Lightning side: :func:`teacher_top_k`,
+  :class:`TeacherTopKModule` (``models/teacher_cache.py``), :class:`TopKCacheWriter` (``callbacks/``) and
+  :class:`TopKCacheDataset` (``data/``);
 - the per-chunk kernels and their backends: ``kernels/`` (registry in ``kernels/__init__.py``);
 - the dW accumulation: ``accumulate.py``;
 - the head sharded over V across ranks: ``parallel/`` (the op, the ranks' agreement, ``VocabParallelHead``);
@@ -45,20 +47,30 @@ _LAZY = {
     "FusedLinearPolicyLoss": "lightning_flce.rl",
     "LogProbsOutput": "lightning_flce.rl",
     "PolicyLossOutput": "lightning_flce.rl",
+    "TeacherTopKModule": "lightning_flce.models.teacher_cache",
+    "TopKCacheDataset": "lightning_flce.data.top_k_cache",
+    "TopKCacheWriter": "lightning_flce.callbacks.top_k_cache",
+    "TopKOutput": "lightning_flce.distill",
     "fused_linear_cross_entropy": "lightning_flce.functional",
     "fused_linear_cross_entropy_with_stats": "lightning_flce.functional",
     "fused_linear_distillation": "lightning_flce.distill",
     "fused_linear_distillation_from_top_k": "lightning_flce.distill",
     "fused_linear_logprobs": "lightning_flce.rl",
     "fused_linear_policy_loss": "lightning_flce.rl",
+    "fused_linear_top_k": "lightning_flce.distill",
+    "teacher_top_k": "lightning_flce.models.teacher_cache",
 }
 
 if TYPE_CHECKING:
     from lightning_flce.callbacks import FLCEMemoryCallback
+    from lightning_flce.callbacks.top_k_cache import TopKCacheWriter
+    from lightning_flce.data.top_k_cache import TopKCacheDataset
     from lightning_flce.distill import (
         FusedLinearDistillationLoss,
+        TopKOutput,
         fused_linear_distillation,
         fused_linear_distillation_from_top_k,
+        fused_linear_top_k,
     )
     from lightning_flce.functional import (
         FLCEOutput,
@@ -68,6 +80,7 @@ if TYPE_CHECKING:
     from lightning_flce.head import FLCEHeadLoss
     from lightning_flce.mixin import FLCEMixin
     from lightning_flce.models.distill import DistillationModule
+    from lightning_flce.models.teacher_cache import TeacherTopKModule, teacher_top_k
     from lightning_flce.options import FLCEOptions
     from lightning_flce.rl import (
         FusedLinearPolicyLoss,
@@ -99,10 +112,16 @@ __all__ = [
     "FusedLinearPolicyLoss",
     "LogProbsOutput",
     "PolicyLossOutput",
+    "TeacherTopKModule",
+    "TopKCacheDataset",
+    "TopKCacheWriter",
+    "TopKOutput",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_with_stats",
     "fused_linear_distillation",
     "fused_linear_distillation_from_top_k",
     "fused_linear_logprobs",
     "fused_linear_policy_loss",
+    "fused_linear_top_k",
+    "teacher_top_k",
 ]

@@ -8,7 +8,8 @@ outputs, and (when asked) writes ``d loss / d logits`` over the logits or into `
 needs to know of a loss it declares as data:
 
 - :meth:`ChunkLoss.outputs`: its named per-token outputs (:class:`OutputSpec`), in the order the per-chunk
-  call returns them; the engine allocates them ([N], 0 at rows that carry no loss) and writes each chunk's rows;
+  call returns them; the engine allocates them ([N] or [N, width]; 0, or the spec's ``fill``, at rows that carry
+  no loss) and writes each chunk's rows;
 - :meth:`ChunkLoss.side_inputs`: its per-token inputs by name, each [N] (one value per token, gathered per
   chunk by the engine from the chunk's row indices) or [1] (shared by every token, passed as it is);
 - :attr:`ChunkLoss.linear_inputs`: the side inputs its logit gradient is linear in (scales, upstream
@@ -27,8 +28,9 @@ needs to know of a loss it declares as data:
 
 The plug-ins so far: the cross-entropy (:mod:`lightning_flce.losses.cross_entropy`), the per-token
 log-probabilities and entropy (:mod:`lightning_flce.losses.logprobs`) and the policy losses built on them
-(:mod:`lightning_flce.losses.policy`) and the distillation losses with their teacher head
-(:mod:`lightning_flce.losses.distillation`).
+(:mod:`lightning_flce.losses.policy`), the distillation losses with their teacher head
+(:mod:`lightning_flce.losses.distillation`) and, with no loss and no gradient, each token's top k of a head
+(:mod:`lightning_flce.losses.top_k`: what a cached teacher stores).
 """
 
 from __future__ import annotations
@@ -52,12 +54,21 @@ class OutputSpec(NamedTuple):
     this call (the engine returns an empty tensor in its place, and the per-chunk call returns None for it).
     ``gradient_scaled``: its values carry the fp16 logit-gradient factor (they are linear in
     :attr:`ChunkLoss.linear_inputs`, as the cross-entropy's scaled loss rows are); the engine divides it out.
+    ``width``: None for one value a token ([N]), else that many ([N, width]: a top k's values or columns).
+    ``fill``: the value of the rows that carry no loss (ignored targets), which the chunks never write.
     """
 
     name: str
     dtype: Optional[torch.dtype] = None
     active: bool = True
     gradient_scaled: bool = False
+    width: Optional[int] = None
+    fill: float = 0.0
+
+    def shape(self, n_rows: int) -> Tuple[int, ...]:
+        """The output's shape for a call of ``n_rows`` tokens (no rows when inactive)."""
+        rows = n_rows if self.active else 0
+        return (rows,) if self.width is None else (rows, self.width)
 
 
 class AuxiliaryHead(NamedTuple):

@@ -385,8 +385,8 @@ def run_chunks(
     :class:`~lightning_flce.chunk_loss.ChunkLoss`: it returns its per-row outputs and overwrites the logits
     with their gradient), then dX rows, the dW accumulation and d bias.
 
-    Returns the loss's per-token outputs ([N] each in the order of ``loss.outputs()``, 0 for rows that carry
-    no loss; empty for inactive ones), the gradients: dX [N, H] in ``grad_input_dtype``, dW in the weight's
+    Returns the loss's per-token outputs ([N] or [N, width] each in the order of ``loss.outputs()``, 0 or the
+    spec's ``fill`` for rows that carry no loss; empty for inactive ones), the gradients: dX [N, H] in ``grad_input_dtype``, dW in the weight's
     dtype, d bias; None for those not asked for, and their :class:`GradScales`. Per-token outputs whose spec
     has no dtype are in :func:`~lightning_flce.kernels.softmax_dtype` of ``compute_dtype``. ``accum_dtype``
     is dW's accumulator dtype, None for the automatic choice (see :func:`accumulator_dtype`).
@@ -453,7 +453,7 @@ def run_chunks(
     loss_dtype = softmax_dtype(compute_dtype)
     specs = loss.outputs()
     outputs = [
-        torch.zeros(n_rows if spec.active else 0, dtype=spec.dtype or loss_dtype, device=device)
+        torch.full(spec.shape(n_rows), spec.fill, dtype=spec.dtype or loss_dtype, device=device)
         for spec in specs
     ]
     active_outputs = [i for i, spec in enumerate(specs) if spec.active]

@@ -174,10 +174,10 @@ def _check_ddp(module) -> None:
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_flce.mixin_checks import check_vocab_parallel_strategy
-    from lightning_flce.models.distill import _resolved_head
+    from lightning_flce.models.distill import model_lm_head
 
     trainer = types.SimpleNamespace(strategy=DDPStrategy.__new__(DDPStrategy), world_size=2)
-    check_vocab_parallel_strategy(_resolved_head(module.student).module, trainer, "DistillationModule")
+    check_vocab_parallel_strategy(model_lm_head(module.student).module, trainer, "DistillationModule")
 
 
 def worker(out_dir: str, rank: int) -> None:

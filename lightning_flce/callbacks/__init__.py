@@ -2,5 +2,6 @@
 
 from lightning_flce.callbacks.checkpoint import LastStepCheckpoint
 from lightning_flce.callbacks.memory import FLCEMemoryCallback
+from lightning_flce.callbacks.top_k_cache import TopKCacheWriter
 
-__all__ = ["FLCEMemoryCallback", "LastStepCheckpoint"]
+__all__ = ["FLCEMemoryCallback", "LastStepCheckpoint", "TopKCacheWriter"]

@@ -2,5 +2,6 @@
 
 from lightning_flce.data.dataset import TokenBlockDataset
 from lightning_flce.data.stdlib import PythonStdlibDataModule
+from lightning_flce.data.top_k_cache import TopKCacheDataset
 
-__all__ = ["PythonStdlibDataModule", "TokenBlockDataset"]
+__all__ = ["PythonStdlibDataModule", "TokenBlockDataset", "TopKCacheDataset"]

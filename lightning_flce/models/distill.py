@@ -50,6 +50,7 @@ from lightning_flce.callbacks.checkpoint_identity import IDENTITY_KEY
 from lightning_flce.callbacks.memory_model import head_compute_dtype
 from lightning_flce.console import metrics_summary, rank_zero_info_line
 from lightning_flce.data.dataset import check_label_format
+from lightning_flce.distill.top_k import TEACHER_TOP_K_KEYS
 from lightning_flce.fsdp import (
     fsdp2_unit_of,
     fully_shard_lm,
@@ -85,8 +86,6 @@ __all__ = [
 ]
 
 TEACHER_PREFIX = "teacher."
-#: the batch keys of a cached teacher (``cached_teacher=True``): its top-k columns and its logits there, [B, T, K]
-TEACHER_TOP_K_KEYS = ("teacher_top_k_indices", "teacher_top_k_logits")
 # the LightningModule of a checkpoint that does not record its class (LastStepCheckpoint records it)
 _DEFAULT_TEACHER_CLASS = "lightning_flce.models.gpt.TinyGPT"
 # order of an evaluation dataloader's sums: the loss, the divergence, the student's cross-entropy, correct tokens,
@@ -104,7 +103,7 @@ class TeacherTopK(NamedTuple):
     logits: Tensor
 
 
-def _resolved_head(model: nn.Module) -> ResolvedHead:
+def model_lm_head(model: nn.Module) -> ResolvedHead:
     """The LM head of ``model`` found as :class:`~lightning_flce.mixin.FLCEMixin` finds it (its ``flce_head``
     and ``flce_softcap`` where it has them, else ``get_output_embeddings()`` or ``lm_head``), with the logit
     transforms the model declares."""
@@ -118,7 +117,7 @@ def _weight_holder(head: nn.Module) -> nn.Module:
 
 def _head_rows(model: nn.Module) -> int:
     """The vocabulary of ``model``'s LM head from the module's own sizes (a sharded weight's shape is a shard's)."""
-    module = _weight_holder(unwrap_head(_resolved_head(model).module))
+    module = _weight_holder(unwrap_head(model_lm_head(model).module))
     if isinstance(module, VocabParallelHead):
         return module.vocab_size
     if isinstance(module, nn.Linear):
@@ -194,8 +193,8 @@ def _vocab_parallel_head(student: nn.Module, teacher: Optional[nn.Module]) -> Op
     """The student's LM head when it is a :class:`~lightning_flce.parallel.VocabParallelHead` (a teacher model's
     must then be one with the same group and rows; a cached teacher has none), else None (and the teacher's must
     not be one); a clear error otherwise."""
-    head = unwrap_head(_resolved_head(student).module)
-    teacher_head = None if teacher is None else unwrap_head(_resolved_head(teacher).module)
+    head = unwrap_head(model_lm_head(student).module)
+    teacher_head = None if teacher is None else unwrap_head(model_lm_head(teacher).module)
     sharded = isinstance(head, VocabParallelHead)
     if teacher is None:
         return head if sharded else None
@@ -401,7 +400,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         self.student = student  # registered first: its [V, H] head is the module's first (FLCEMemoryCallback)
         if teacher is None and teacher_checkpoint is not None:
             teacher = load_teacher_checkpoint(str(teacher_checkpoint))
-        self.teacher_dtype = None if teacher_dtype is None else _dtype_named(teacher_dtype)
+        self.teacher_dtype = None if teacher_dtype is None else dtype_named(teacher_dtype)
         if teacher is not None:
             teacher.requires_grad_(False)
             teacher.eval()
@@ -478,7 +477,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
             if model is None:
                 continue
             register_fsdp_method(model, "hidden_states")
-            head = unwrap_head(_resolved_head(model).module)
+            head = unwrap_head(model_lm_head(model).module)
             unit = fsdp2_unit_of(self, _weight_holder(head).weight)
             if unit is None or unit is self or unit is head:  # the root: unsharded for the whole step
                 continue
@@ -505,7 +504,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         self._keep_teacher_dtype()
         if self._trainer is not None:
             check_vocab_parallel_strategy(
-                unwrap_head(_resolved_head(self.student).module), self._trainer, "DistillationModule"
+                unwrap_head(model_lm_head(self.student).module), self._trainer, "DistillationModule"
             )
         if self._trainer is not None:  # (the hook may be called alone, to cast the teacher back)
             self._flce_start_fit_normalization()
@@ -752,7 +751,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         unsharding, ZeRO-3's gathering, PEFT) runs around it, and each head's logit scale multiplies its hidden
         states and bias."""
         hp = self.hparams
-        student_head = _resolved_head(self.student)
+        student_head = model_lm_head(self.student)
         sharded = _vocab_parallel_head(self.student, self.teacher)
         if sharded is not None and hp.vocab_size not in (None, sharded.vocab_size):
             raise NotImplementedError(
@@ -805,7 +804,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
                     **shared,
                 )
             assert self.teacher is not None  # a tensor of hidden states comes from the teacher model
-            teacher_head = _resolved_head(self.teacher)
+            teacher_head = model_lm_head(self.teacher)
             losses: list[Tensor] = []
 
             def teacher_loss(
@@ -877,7 +876,7 @@ class DistillationModule(StepNormalization, pl.LightningModule):
         from lightning_flce.distill.functional import vocab_rows
         from lightning_flce.functional import fused_linear_cross_entropy_with_stats
 
-        head = _resolved_head(self.student)
+        head = model_lm_head(self.student)
         sharded = _vocab_parallel_head(self.student, self.teacher)
         options: dict[str, Any] = dict(
             ignore_index=self.ignore_index,
@@ -949,10 +948,10 @@ def _check_loss_options(
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
 
 
-def _dtype_named(name: Union[str, torch.dtype]) -> torch.dtype:
+def dtype_named(name: Union[str, torch.dtype], argument: str = "teacher_dtype") -> torch.dtype:
+    """The floating-point dtype ``name`` (a dtype, or its name: ``"bfloat16"``, ``"torch.float16"``); a clear
+    error naming ``argument`` otherwise."""
     dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name).replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(
-            f"teacher_dtype must name a floating-point torch dtype (e.g. 'bfloat16'), got {name!r}"
-        )
+        raise ValueError(f"{argument} must name a floating-point torch dtype (e.g. 'bfloat16'), got {name!r}")
     return dtype

@@ -1,0 +1,74 @@
+"""Writes a teacher's top-k cache during ``trainer.predict``: each batch's record of
+:class:`~lightning_flce.models.teacher_cache.TeacherTopKModule` (or any ``predict_step`` that returns a dict of
+tensors) as one file, read back by :class:`~lightning_flce.data.TopKCacheDataset`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch import Tensor
+
+__all__ = ["TopKCacheWriter", "cache_file_name"]
+
+
+def cache_file_name(rank: int, dataloader_idx: int, batch_idx: int) -> str:
+    """The file of one batch's record: sorted by name, a rank's files come in its batches' order."""
+    return f"part-r{rank:05d}-d{dataloader_idx:03d}-b{batch_idx:09d}.pt"
+
+
+class TopKCacheWriter(BasePredictionWriter):
+    """Saves every prediction batch's dict of tensors to ``dirpath`` (``torch.save``, one file a batch and rank,
+    :func:`cache_file_name`), as the batch ends: a cache larger than memory is never held (pass
+    ``return_predictions=False`` to ``trainer.predict`` so that Lightning does not hold it either).
+
+    Under DDP each rank writes the batches of its share of the dataset; Lightning's distributed sampler pads the
+    last share with repeated samples, so a cache of a dataset whose size the ranks do not divide holds a few
+    sequences twice. Files of an earlier run in ``dirpath`` are refused unless ``overwrite``."""
+
+    def __init__(self, dirpath: str, *, overwrite: bool = False) -> None:
+        super().__init__(write_interval="batch")
+        self.dirpath = dirpath
+        self.overwrite = overwrite
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "predict":
+            return
+        # every rank checks the directory before any rank writes to it
+        existing = os.path.isdir(self.dirpath) and any(
+            name.startswith("part-") and name.endswith(".pt") for name in os.listdir(self.dirpath)
+        )
+        trainer.strategy.barrier("top_k_cache_check")
+        if existing and not self.overwrite:
+            raise FileExistsError(
+                f"{self.dirpath} already holds a cache (part-*.pt files): pass overwrite=True to replace it, or"
+                " another dirpath"
+            )
+        if trainer.is_global_zero:
+            os.makedirs(self.dirpath, exist_ok=True)
+            if existing:
+                for name in os.listdir(self.dirpath):
+                    if name.startswith("part-") and name.endswith(".pt"):
+                        os.remove(os.path.join(self.dirpath, name))
+        trainer.strategy.barrier("top_k_cache_ready")
+
+    def write_on_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        prediction: Any,
+        batch_indices: Optional[Sequence[int]],
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        if not isinstance(prediction, dict) or not all(isinstance(v, Tensor) for v in prediction.values()):
+            raise TypeError(
+                "TopKCacheWriter writes a predict_step's dict of tensors (TeacherTopKModule's), got"
+                f" {type(prediction).__name__}"
+            )
+        path = os.path.join(self.dirpath, cache_file_name(trainer.global_rank, dataloader_idx, batch_idx))
+        torch.save({key: value.detach().cpu().contiguous() for key, value in prediction.items()}, path)
