@@ -27,18 +27,8 @@ import torch.nn.functional as F  # noqa: E402
 
 C.ensure_repo_on_path()
 from lightning_flce import fused_linear_top_k  # noqa: E402
-from lightning_flce.losses import top_k as top_k_loss  # noqa: E402
 
 SHAPES = ["8192x4096x128256", "8192x3584x151936", "8192x2304x256000"]
-
-
-def one_pass(call: Callable[[], Any]) -> Any:
-    """``call()`` with the top k over whole rows (one ``torch.topk`` a chunk: the segments' pass off)."""
-    saved, top_k_loss.MAX_SEGMENTS = top_k_loss.MAX_SEGMENTS, 1
-    try:
-        return call()
-    finally:
-        top_k_loss.MAX_SEGMENTS = saved
 
 
 def providers(k: int) -> Dict[str, Callable[..., Any]]:
@@ -46,7 +36,6 @@ def providers(k: int) -> Dict[str, Callable[..., Any]]:
         "unfused": lambda x, w: F.linear(x, w).float().log_softmax(-1).topk(k, dim=-1),
         "flce": lambda x, w: fused_linear_top_k(x, w, k),
         "flce_logits": lambda x, w: fused_linear_top_k(x, w, k, log_probs=False),
-        "flce_one_pass": lambda x, w: one_pass(lambda: fused_linear_top_k(x, w, k)),
         "flce_fp32_logits": lambda x, w: fused_linear_top_k(x, w, k, logits_precision="fp32"),
     }
 

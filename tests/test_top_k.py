@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from lightning_flce import TopKOutput, fused_linear_top_k
-from lightning_flce.losses import top_k as top_k_loss
 
 DEVICE_IMPLS = [
     pytest.param("cpu", "torch", id="cpu-torch"),
@@ -65,14 +64,9 @@ def check(
 @pytest.mark.parametrize("softcap", [None, 4.0])
 @pytest.mark.parametrize("log_probs", [True, False])
 @pytest.mark.parametrize("chunk_size", [None, 4])
-@pytest.mark.parametrize("passes", ["one_pass", "segments"])
-def test_float64_equals_the_formula(device, impl, softcap, log_probs, chunk_size, passes, monkeypatch):
-    """float64: values within rounding of the formula's, and its columns; ignored tokens -inf / 0. ``segments``:
-    the two-pass top k (V = 96 in 4 segments of 24 columns; the default needs segments of 1024)."""
-    if passes == "segments":
-        monkeypatch.setattr(top_k_loss, "MIN_SEGMENT_COLUMNS", 20)
-        assert top_k_loss.segments_of(96, 5) == 4
-    x, w, b, target = make_problem(v=96, device=device)
+def test_float64_equals_the_formula(device, impl, softcap, log_probs, chunk_size):
+    """float64: values within rounding of the formula's, and its columns; ignored tokens -inf / 0."""
+    x, w, b, target = make_problem(device=device)
     out = fused_linear_top_k(
         x, w, 5, b, target=target, softcap=softcap, log_probs=log_probs, chunk_size=chunk_size, impl=impl
     )
@@ -104,17 +98,6 @@ def test_no_target_all_tokens_and_k_equal_to_v(device, impl):
     out = fused_linear_top_k(x, w, 40, b, impl=impl)
     check(out, reference(x, w, b), 40, torch.ones(6, dtype=torch.bool), atol=1e-12, exact_columns=True)
     torch.testing.assert_close(out.values.exp().sum(-1), torch.ones(6, dtype=torch.float64, device=device))
-
-
-def test_two_pass_top_k_of_rows_with_ties_keeps_the_top_values():
-    """Rows of repeated values (ties across segments): the two passes give the one-pass values, distinct columns
-    holding them."""
-    logits = torch.randint(0, 6, (5, 4096)).float()
-    assert top_k_loss.segments_of(4096, 9) == 4
-    values, columns = top_k_loss.row_top_k(logits, 9)
-    torch.testing.assert_close(values, logits.topk(9, dim=1).values, rtol=0, atol=0)
-    torch.testing.assert_close(logits.gather(1, columns), values, rtol=0, atol=0)
-    assert (columns.sort(1).values.diff(dim=1) > 0).all()
 
 
 def test_empty_and_all_ignored_batches():

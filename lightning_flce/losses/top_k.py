@@ -2,9 +2,8 @@
 a teacher's top-k cache stores (:func:`lightning_flce.fused_linear_top_k`, read back by
 :func:`lightning_flce.fused_linear_distillation_from_top_k`).
 
-Per chunk: the top k of the chunk's logits as the GEMM wrote them (:func:`row_top_k`: ``torch.topk`` over
-segments of each row, then over their candidates; the softcap is increasing, so the columns are those of the
-transformed logits; ties between equal 16-bit logits go to either column), the k values
+Per chunk: ``torch.topk`` over the chunk's logits as the GEMM wrote them (the softcap is increasing, so the columns
+are those of the transformed logits; ties between equal 16-bit logits go to either column), the k values
 transformed in the softmax dtype, and for log-probabilities each row's log-sum-exp of the transformed logits from
 the backend's row-statistics kernel (the log-probabilities op's first pass: one more read of the chunk).
 """
@@ -21,40 +20,6 @@ from lightning_flce.chunk_loss import ChunkLoss, OutputSpec
 from lightning_flce.kernels import softmax_dtype
 from lightning_flce.kernels.logprobs_torch import WORKSPACE_COPIES
 from lightning_flce.kernels.transform_torch import transformed_logits
-
-#: At most this many segments of a row in the first of the two top-k passes (1: one ``torch.topk`` over each row).
-MAX_SEGMENTS = 32
-#: The fewest columns a segment keeps (and at least 4 k).
-MIN_SEGMENT_COLUMNS = 1024
-
-
-def segments_of(vocab: int, k: int) -> int:
-    """Segments of a row for the two-pass top k: the largest power of two up to :data:`MAX_SEGMENTS` that divides
-    ``vocab`` into segments of at least ``max(4 k, MIN_SEGMENT_COLUMNS)`` columns (1: none)."""
-    segments = 1
-    while (
-        segments * 2 <= MAX_SEGMENTS
-        and vocab % (segments * 2) == 0
-        and vocab // (segments * 2) >= max(4 * k, MIN_SEGMENT_COLUMNS)
-    ):
-        segments *= 2
-    return segments
-
-
-def row_top_k(logits: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """``logits.topk(k, dim=1)`` (values in descending order, their columns) in two passes where the row splits
-    into :func:`segments_of` segments: each segment's top k (many short rows), then the top k of those candidates.
-    The same elements: each of a row's k largest is among its segment's k largest."""
-    rows, vocab = logits.shape
-    segments = segments_of(vocab, k)
-    if segments == 1:
-        return torch.topk(logits, k, dim=1)
-    width = vocab // segments
-    values, columns = torch.topk(logits.view(rows * segments, width), k, dim=1)
-    values, columns = values.view(rows, segments * k), columns.view(rows, segments, k)
-    columns = columns + torch.arange(0, vocab, width, device=logits.device).view(1, segments, 1)
-    values, chosen = torch.topk(values, k, dim=1)
-    return values, columns.view(rows, segments * k).gather(1, chosen)
 
 
 class TopKChunkLoss(ChunkLoss):
@@ -92,7 +57,7 @@ class TopKChunkLoss(ChunkLoss):
     ) -> Tuple[Tensor, Tensor]:
         if compute_grad:
             raise RuntimeError("a head's top k has no gradient")
-        top, indices = row_top_k(logits, self.k)
+        top, indices = torch.topk(logits, self.k, dim=1)
         values, _ = transformed_logits(top.to(softmax_dtype(logits.dtype)), self.softcap_value)
         if self.log_probs:
             one = torch.ones(1, dtype=values.dtype, device=values.device)
