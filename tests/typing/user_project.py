@@ -35,12 +35,18 @@ from lightning_flce import (
     FusedLinearPolicyLoss,
     LogProbsOutput,
     PolicyLossOutput,
+    TeacherTopKModule,
+    TopKCacheDataset,
+    TopKCacheWriter,
+    TopKOutput,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_with_stats,
     fused_linear_distillation,
     fused_linear_distillation_from_top_k,
     fused_linear_logprobs,
     fused_linear_policy_loss,
+    fused_linear_top_k,
+    teacher_top_k,
 )
 from lightning_flce.flops import batch_size, batch_tokens
 from lightning_flce.models import HFCausalLM, LitGPTCausalLM, TinyGPT
@@ -294,3 +300,17 @@ assert_type(distill_lm.loss_weights, tuple[float, float])
 DistillationModule(student=tiny, teacher=tiny, divergence="kl")  # type: ignore[arg-type]
 offline_lm = DistillationModule(student=tiny, cached_teacher=True)  # batches carry the teacher's top k
 assert_type(offline_lm.teacher, Optional[nn.Module])
+# a teacher's top k per token (what the cache above holds), from its head or from the model
+top = fused_linear_top_k(teacher_hidden, teacher_head, 20, target=labels, softcap=30.0, log_probs=False)
+assert_type(top, TopKOutput)
+assert_type(top.values, Tensor)
+assert_type(top.indices, Tensor)
+fused_linear_top_k(teacher_hidden, teacher_head, k=2.5)  # type: ignore[arg-type]
+assert_type(teacher_top_k(tiny, labels, 8, attention_mask=torch.ones_like(labels)), TopKOutput)
+cache_lm = TeacherTopKModule(tiny, k=20, values_dtype="float16")
+assert_type(cache_lm, TeacherTopKModule)
+TeacherTopKModule(tiny, k=20, logits_precision="fp64")  # type: ignore[arg-type]
+cache_writer = TopKCacheWriter("teacher_top_20", overwrite=True)
+cache = TopKCacheDataset("teacher_top_20")
+assert_type(cache[0], dict[str, Tensor])
+DataLoader(cache, batch_size=4)
