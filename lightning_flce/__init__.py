@@ -48,6 +48,7 @@ _LAZY = {
     "LogProbsOutput": "lightning_flce.rl",
     "PolicyLossOutput": "lightning_flce.rl",
     "TeacherTopKModule": "lightning_flce.models.teacher_cache",
+    "TopKCacheDataModule": "lightning_flce.data.top_k_cache",
     "TopKCacheDataset": "lightning_flce.data.top_k_cache",
     "TopKCacheWriter": "lightning_flce.callbacks.top_k_cache",
     "TopKOutput": "lightning_flce.distill",
@@ -64,7 +65,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from lightning_flce.callbacks import FLCEMemoryCallback
     from lightning_flce.callbacks.top_k_cache import TopKCacheWriter
-    from lightning_flce.data.top_k_cache import TopKCacheDataset
+    from lightning_flce.data.top_k_cache import TopKCacheDataModule, TopKCacheDataset
     from lightning_flce.distill import (
         FusedLinearDistillationLoss,
         TopKOutput,
@@ -113,6 +114,7 @@ __all__ = [
     "LogProbsOutput",
     "PolicyLossOutput",
     "TeacherTopKModule",
+    "TopKCacheDataModule",
     "TopKCacheDataset",
     "TopKCacheWriter",
     "TopKOutput",

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 from jsonargparse import ActionConfigFile
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 # imported so that their classes are listed in --help and found by short name (--model TinyGPT)
 import lightning_flce.data  # noqa: F401
@@ -68,7 +69,8 @@ class FLCELightningCLI(LightningCLI):
     exists) is passed to the model's ``vocab_size`` init argument, so the two never disagree: a
     ``model.init_args.vocab_size`` given on the command line or in YAML is replaced by it, with a warning when the
     two differ (set ``data.init_args.vocab_size`` instead). A model without a ``vocab_size`` argument is left
-    alone. The subcommands are ``fit``, ``validate`` and ``test``.
+    alone. The subcommands are ``fit``, ``validate``, ``test`` and ``predict`` (a teacher's top-k cache:
+    ``--config teacher_cache``).
 
     A mistyped key or a bad value exits with status 2 and a short message that names the key, the value and
     what is accepted ("did you mean ..."); so does an exception raised while the classes are built (a model's
@@ -138,11 +140,6 @@ class FLCELightningCLI(LightningCLI):
             return
         super().parse_arguments(parser, resolve_config_args(args) if isinstance(args, list) else args)
 
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        # The data modules here have no predict split.
-        return {name: keys for name, keys in LightningCLI.subcommands().items() if name != "predict"}
-
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
 
@@ -167,6 +164,20 @@ class FLCELightningCLI(LightningCLI):
             _warn_once(
                 f"model.init_args.vocab_size={given_vocab_size} is replaced by the data module's vocab_size="
                 f"{linked} (the tokenizer's size); set data.init_args.vocab_size instead"
+            )
+
+    def before_predict(self) -> None:
+        # The training models' predict_step gives each batch's [B, T, V] logits (for trainer.predict from Python):
+        # over a corpus that is no file to keep. Refused before any batch, with the config whose predictions are one.
+        from lightning_flce.mixin import FLCEMixin
+
+        if isinstance(self.model, FLCEMixin) or not is_overridden(
+            "predict_step", self.model, pl.LightningModule
+        ):
+            _fail(
+                f"{PROG} predict: error: {type(self.model).__name__}'s predictions are its logits, [tokens, vocab] a"
+                f" batch; `{PROG} predict --config teacher_cache` writes a teacher's top-k cache"
+                " (lightning_flce.models.TeacherTopKModule)"
             )
 
 

@@ -51,17 +51,36 @@ def test_configs_present():
         "cuda_bf16.yaml",
         "compare_naive.yaml",
         "naive.yaml",
+        "teacher_cache.yaml",
+        "distill_cached.yaml",
     } <= set(CONFIGS)
+
+
+# A teacher's top-k cache: made by `predict` (no training, so no logger or memory callback), then read by a fit on
+# the cache's data module; tests/test_teacher_cache.py runs the two.
+CACHE_CONFIGS = {"teacher_cache.yaml": "predict", "distill_cached.yaml": "fit"}
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_parses(name, capsys):
     # --print_config parses and type-checks every value against the classes' signatures, then exits.
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", *_config_args(name), "--print_config"])
+        main([CACHE_CONFIGS.get(name, "fit"), *_config_args(name), "--print_config"])
     assert exit_info.value.code in (0, None)
     config = yaml.safe_load(capsys.readouterr().out)
     assert config["model"]["class_path"].startswith("lightning_flce.models.")
+    if name in CACHE_CONFIGS:
+        callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
+        if name == "teacher_cache.yaml":
+            assert config["model"]["class_path"] == "lightning_flce.models.TeacherTopKModule"
+            assert config["data"]["class_path"] == "lightning_flce.data.PythonStdlibDataModule"
+            assert callbacks == ["lightning_flce.callbacks.TopKCacheWriter"]
+            assert config["return_predictions"] is False
+        else:
+            assert config["model"]["init_args"]["cached_teacher"] is True
+            assert config["data"]["class_path"] == "lightning_flce.data.TopKCacheDataModule"
+            assert config["data"]["init_args"]["dirpath"] == "lightning_logs/teacher_cache/top_32"
+        return
     assert config["data"]["class_path"] == "lightning_flce.data.PythonStdlibDataModule"
     callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
     assert "lightning_flce.callbacks.FLCEMemoryCallback" in callbacks
@@ -176,6 +195,7 @@ def test_validate_and_test_subcommands(tmp_path):
         cli = FLCELightningCLI(args=[subcommand, *common])
         metric = "val/loss" if subcommand == "validate" else "test/loss"
         assert abs(cli.trainer.callback_metrics[metric].item() - math.log(512)) < 0.5
+    # a training model has no predict step: `predict` names the config that has one (teacher_cache)
     with pytest.raises(SystemExit):
         main(["predict", *common])
 
@@ -186,7 +206,7 @@ def test_python_dash_m_entry_point():
     )
     assert result.returncode == 0, result.stderr
     assert "lightning-flce" in result.stdout
-    assert "{fit,validate,test}" in result.stdout
+    assert "{fit,validate,test,predict}" in result.stdout
 
 
 @pytest.mark.cuda

@@ -136,7 +136,7 @@ def test_writer_and_dataset_refuse_what_they_cannot_use(tmp_path):
     assert len(TopKCacheDataset(str(cache))) == 4
     with pytest.raises(FileNotFoundError, match="no top-k cache files"):
         TopKCacheDataset(str(tmp_path))
-    torch.save({"input_ids": torch.zeros(2, 3)}, cache / "part-zz.pt")
+    torch.save({"input_ids": torch.zeros(2, 3)}, cache / "part-r00009-d000-b000000000.pt")
     with pytest.raises(ValueError, match="no \\['teacher_top_k_indices'"):
         TopKCacheDataset(str(cache))
 
@@ -153,6 +153,64 @@ def test_writer_and_dataset_refuse_what_they_cannot_use(tmp_path):
         TeacherTopKModule(teacher, k=0)
     with pytest.raises(ValueError, match="values_dtype must name a floating-point"):
         TeacherTopKModule(teacher, values_dtype="int32")
+
+
+# ------------------------------------------------------------------ the `teacher_cache` and `distill_cached` configs
+def test_cache_configs_write_the_cache_and_distill_from_it(tmp_path, monkeypatch, caplog):
+    """`predict --config teacher_cache` writes the training split (dataloader 0) and the validation split (1) of a
+    tiny teacher's top 32; `fit --config distill_cached` trains on the first and validates on the second."""
+    from test_distill_lightning import save_module_checkpoint
+
+    from lightning_flce.cli import main
+    from lightning_flce.data import PythonStdlibDataModule
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-flce"])
+    data_args = {"cache_dir": str(tmp_path / "tokens"), "vocab_size": 512, "max_chars": 300000, "seq_len": 32}
+    datamodule = PythonStdlibDataModule(**data_args, batch_size=4)
+    vocab_size = datamodule.vocab_size  # the tokenizer's real size
+    datamodule.setup("predict")
+    splits = (len(datamodule.train_dataset), len(datamodule.val_dataset))
+    teacher_path = save_module_checkpoint(
+        tiny_teacher(vocab_size=vocab_size, max_seq_len=32), tmp_path / "t.ckpt"
+    )
+    main(
+        [
+            "predict",
+            "--config",
+            "teacher_cache",
+            *(f"--data.init_args.{name}={value}" for name, value in data_args.items()),
+            "--data.init_args.batch_size=4",
+            f"--model.init_args.teacher_checkpoint={teacher_path}",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
+    cache = tmp_path / "lightning_logs/teacher_cache/top_32"
+    train, val = TopKCacheDataset(str(cache), 0), TopKCacheDataset(str(cache), 1)
+    assert (len(train), len(val)) == splits
+    assert train[0]["teacher_top_k_logits"].shape == (32, 32)
+    torch.testing.assert_close(train[0]["input_ids"], datamodule.train_dataset[0]["input_ids"])
+    main(
+        [
+            "fit",
+            "--config",
+            "distill_cached",
+            "--data.init_args.batch_size=4",
+            f"--model.init_args.student.init_args.vocab_size={vocab_size}",
+            "--model.init_args.student.init_args.d_model=16",
+            "--model.init_args.student.init_args.max_seq_len=32",
+            "--trainer.max_steps=3",
+            "--trainer.val_check_interval=3",
+            "--trainer.limit_val_batches=2",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.enable_progress_bar=false",
+        ]
+    )
+    rows = (tmp_path / "lightning_logs/distill_cached/distill_cached/version_0/metrics.csv").read_text()
+    assert {"train/loss_step", "val/loss", "val/divergence", "val/student_ce"} <= set(
+        rows.splitlines()[0].split(",")
+    )
+    assert "Distillation val (epoch 0, step 3): loss" in caplog.text
 
 
 # ------------------------------------------------------------------ DDP (2 gloo ranks)

@@ -2,6 +2,6 @@
 
 from lightning_flce.data.dataset import TokenBlockDataset
 from lightning_flce.data.stdlib import PythonStdlibDataModule
-from lightning_flce.data.top_k_cache import TopKCacheDataset
+from lightning_flce.data.top_k_cache import TopKCacheDataModule, TopKCacheDataset
 
-__all__ = ["PythonStdlibDataModule", "TokenBlockDataset", "TopKCacheDataset"]
+__all__ = ["PythonStdlibDataModule", "TokenBlockDataset", "TopKCacheDataModule", "TopKCacheDataset"]

@@ -185,6 +185,16 @@ class PythonStdlibDataModule(pl.LightningDataModule):
         # There is no separate test split: testing reruns the held-out validation files.
         return self._dataloader(self.val_dataset, shuffle=False)
 
+    def predict_dataloader(self) -> list[DataLoader]:
+        """Every block of the training split, in order (dataloader 0), then the validation split's (1): what a
+        teacher's top-k cache covers (``lightning-flce predict --config teacher_cache``)."""
+        if self.train_dataset is None:
+            raise RuntimeError("Call `setup()` (the Trainer does) before asking for a dataloader")
+        return [
+            self._dataloader(self.train_dataset, shuffle=False),
+            self._dataloader(self.val_dataset, shuffle=False),
+        ]
+
     def _dataloader(self, dataset: Optional[TokenBlockDataset], shuffle: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("Call `setup()` (the Trainer does) before asking for a dataloader")

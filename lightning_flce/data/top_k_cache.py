@@ -1,18 +1,23 @@
-"""A teacher's top-k cache as a dataset: the files :class:`~lightning_flce.callbacks.TopKCacheWriter` wrote, one
-sequence an item, for ``DistillationModule(cached_teacher=True)``."""
+"""A teacher's top-k cache as a dataset and a data module: the files :class:`~lightning_flce.callbacks.TopKCacheWriter`
+wrote, one sequence an item, for ``DistillationModule(cached_teacher=True)``."""
 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+import re
+from typing import Dict, List, Optional, Tuple, Union
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_flce.distill.top_k import TEACHER_TOP_K_KEYS
 
-__all__ = ["TopKCacheDataset"]
+__all__ = ["TopKCacheDataModule", "TopKCacheDataset"]
+
+# the writer's file names (lightning_flce.callbacks.top_k_cache.cache_file_name): rank, dataloader, batch
+_FILE = re.compile(r"^part-r(\d+)-d(\d+)-b(\d+)\.pt$")
 
 
 class TopKCacheDataset(Dataset):
@@ -21,14 +26,22 @@ class TopKCacheDataset(Dataset):
     where the cache has them, ``teacher_top_k_indices`` and ``teacher_top_k_logits`` ([T, K]). The default
     collate function stacks them into the batches ``DistillationModule(cached_teacher=True)`` reads.
 
+    ``dataloader_idx``: only the files written for that prediction dataloader (``lightning-flce predict --config
+    teacher_cache`` writes the training split as 0 and the validation split as 1); None: every file.
+
     The files are memory-mapped (``torch.load(mmap=True)``): opening a cache reads no tensor data, and an item
-    reads only its own rows. Raises ``FileNotFoundError`` for a directory without cache files and ``ValueError``
+    reads only its own rows. Raises ``FileNotFoundError`` for a directory without such files and ``ValueError``
     for a file without the teacher's keys or whose tensors disagree on the number of sequences."""
 
-    def __init__(self, dirpath: str) -> None:
-        names = sorted(n for n in os.listdir(dirpath) if n.startswith("part-") and n.endswith(".pt"))
+    def __init__(self, dirpath: str, dataloader_idx: Optional[int] = None) -> None:
+        names = sorted(
+            name
+            for name in (os.listdir(dirpath) if os.path.isdir(dirpath) else ())
+            if (match := _FILE.match(name)) and dataloader_idx in (None, int(match.group(2)))
+        )
         if not names:
-            raise FileNotFoundError(f"no top-k cache files (part-*.pt) in {dirpath}")
+            which = "" if dataloader_idx is None else f" of prediction dataloader {dataloader_idx}"
+            raise FileNotFoundError(f"no top-k cache files{which} (part-r*-d*-b*.pt) in {dirpath}")
         self.parts: List[Dict[str, Tensor]] = []
         self.index: List[Tuple[int, int]] = []
         for name in names:
@@ -49,3 +62,54 @@ class TopKCacheDataset(Dataset):
     def __getitem__(self, i: int) -> Dict[str, Tensor]:
         part, row = self.index[i]
         return {key: value[row] for key, value in self.parts[part].items()}
+
+
+class TopKCacheDataModule(pl.LightningDataModule):
+    """Training batches from a top-k cache's prediction dataloader ``train_dataloader_idx`` (shuffled, the last
+    partial batch dropped) and validation batches from ``val_dataloader_idx`` (None: no validation), for
+    ``DistillationModule(cached_teacher=True)``: the cache ``lightning-flce predict --config teacher_cache`` writes
+    (0: the training split, 1: the validation split)."""
+
+    def __init__(
+        self,
+        dirpath: str,
+        batch_size: int = 16,
+        train_dataloader_idx: int = 0,
+        val_dataloader_idx: Optional[int] = 1,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1 or num_workers < 0:
+            raise ValueError(
+                f"batch_size must be >= 1 and num_workers >= 0, got {batch_size} and {num_workers}"
+            )
+        self.save_hyperparameters()
+        self.train_dataset: Optional[TopKCacheDataset] = None
+        self.val_dataset: Optional[TopKCacheDataset] = None
+
+    def setup(self, stage: str) -> None:
+        hp = self.hparams
+        if self.train_dataset is None:
+            self.train_dataset = TopKCacheDataset(hp.dirpath, hp.train_dataloader_idx)
+        if self.val_dataset is None and hp.val_dataloader_idx is not None:
+            self.val_dataset = TopKCacheDataset(hp.dirpath, hp.val_dataloader_idx)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def val_dataloader(self) -> Union[DataLoader, List[DataLoader]]:
+        if self.hparams.val_dataloader_idx is None:
+            return []  # no validation split
+        return self._loader(self.val_dataset, shuffle=False)
+
+    def _loader(self, dataset: Optional[TopKCacheDataset], shuffle: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("Call `setup()` (the Trainer does) before asking for a dataloader")
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            num_workers=self.hparams.num_workers,
+            persistent_workers=self.hparams.num_workers > 0,
+        )
