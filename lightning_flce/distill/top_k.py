@@ -132,7 +132,7 @@ def fused_linear_top_k(
             values only need to be in [0, V) (the labels of a batch serve).
         ignore_index: see ``target``.
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` (a model's logit scale multiplies
-            ``input`` and ``bias`` first: :func:`~lightning_flce.distill.cache.teacher_top_k` does both).
+            ``input`` and ``bias`` first: :func:`~lightning_flce.models.teacher_cache.teacher_top_k` does both).
         log_probs: values are log-probabilities over the whole vocabulary (the row's log-sum-exp in fp32, one more
             read of each chunk); False: the transformed logits. The distillation renormalizes over the k columns,
             so both give the same loss; log-probabilities also tell how much of the distribution the k cover.
@@ -145,11 +145,8 @@ def fused_linear_top_k(
         ValueError / TypeError: before any kernel, for a ``k`` outside [1, V], targets outside [0, V) other than
         ``ignore_index``, and shapes, dtypes or devices that do not match (as the cross-entropy's checks).
     """
-    input, weight = input.detach(), weight.detach()
-    bias = None if bias is None else bias.detach()
-    lead = input.shape[:-1]
-    if target is None:
-        target = torch.zeros(lead, dtype=torch.int64, device=input.device)
+    if target is None and isinstance(input, Tensor):
+        target = torch.zeros(input.shape[:-1], dtype=torch.int64, device=input.device)
     options = FLCEOptions.of(
         ignore_index=ignore_index,
         reduction="none",
@@ -161,6 +158,9 @@ def fused_linear_top_k(
     options, compute_dtype, backend = checked_call(input, weight, target, bias, options)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= weight.shape[0]:
         raise ValueError(f"k must be an int in [1, V={weight.shape[0]}], got {k!r}")
+    # read as constants: the outputs carry no graph, whatever requires grad
+    input, weight = input.detach(), weight.detach()
+    bias = None if bias is None else bias.detach()
     values, indices = flce_top_k(
         input,
         weight,
