@@ -7,6 +7,8 @@ loss and gradients (float64); the writer's and the dataset's refusals; DDP on tw
 
 from __future__ import annotations
 
+import copy
+import math
 import subprocess
 import sys
 import warnings
@@ -153,6 +155,40 @@ def test_writer_and_dataset_refuse_what_they_cannot_use(tmp_path):
         TeacherTopKModule(teacher, k=0)
     with pytest.raises(ValueError, match="values_dtype must name a floating-point"):
         TeacherTopKModule(teacher, values_dtype="int32")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_on_cuda_equals_the_teachers_logits(tmp_path, dtype):
+    """On a GPU (the Triton backend): a TinyGPT teacher's top k through ``trainer.predict`` in ``dtype`` against its
+    own logits: fp32 against the float64 model on the CPU, within 1e-4; bf16 against the same bf16 model's logits on
+    the GPU (the same hidden states) upcast, within their rounding (2^-7 of the largest, as tests/test_top_k.py);
+    each value at its own column; and the cache trains a student on the GPU."""
+    teacher = tiny_teacher().to(dtype)
+    batches = [make_batch(seed, n_ignored=3) for seed in range(2)]
+    cache = tmp_path / "cache"
+    run = trainer(accelerator="gpu", callbacks=[TopKCacheWriter(str(cache))])
+    run.predict(
+        TeacherTopKModule(teacher, k=K), DataLoader(batches, batch_size=None), return_predictions=False
+    )
+    reference = copy.deepcopy(teacher).eval()
+    reference = reference.double() if dtype == torch.float32 else reference.cuda()
+    device = next(reference.parameters()).device
+    dataset = TopKCacheDataset(str(cache))
+    for item in dataset:
+        with torch.no_grad():
+            logits = reference(item["input_ids"][None].to(device))[0].double().cpu()
+        log_probs = logits.log_softmax(-1)
+        atol = 1e-4 if dtype == torch.float32 else 2.0**-7 * logits.abs().max().item()
+        values = item["teacher_top_k_logits"].double()
+        torch.testing.assert_close(values, log_probs.topk(K, -1).values, rtol=0, atol=atol)
+        torch.testing.assert_close(
+            values, log_probs.gather(-1, item["teacher_top_k_indices"].long()), rtol=0, atol=atol
+        )
+    module = DistillationModule(student=tiny_student(), cached_teacher=True, hard_weight=0.2)
+    fit = trainer(accelerator="gpu", max_steps=2)
+    fit.fit(module, DataLoader(dataset, batch_size=2))
+    assert fit.global_step == 2 and math.isfinite(float(fit.callback_metrics["train/loss"]))
 
 
 # ------------------------------------------------------------------ the `teacher_cache` and `distill_cached` configs
