@@ -24,7 +24,9 @@ class TopKCacheDataset(Dataset):
     """The sequences of a top-k cache directory (``part-*.pt`` files of [B, ...] tensors by key, in the order of
     their names), each item a dict of one sequence's tensors: ``input_ids``, ``labels`` and ``attention_mask``
     where the cache has them, ``teacher_top_k_indices`` and ``teacher_top_k_logits`` ([T, K]). The default
-    collate function stacks them into the batches ``DistillationModule(cached_teacher=True)`` reads.
+    collate function stacks them into the batches ``DistillationModule(cached_teacher=True)`` reads when the
+    sequences have one length (fixed-length blocks, as the main job's data; a cache of padded batches of different
+    lengths needs a collate function that pads ``input_ids`` and ``attention_mask``, and the top k with -inf).
 
     ``dataloader_idx``: only the files written for that prediction dataloader (``lightning-flce predict --config
     teacher_cache`` writes the training split as 0 and the validation split as 1); None: every file.
