@@ -23,10 +23,13 @@ from torch.utils.data import DataLoader
 from lightning_flce import (
     DistillationModule,
     TeacherTopKModule,
+    TopKCacheDataModule,
     TopKCacheDataset,
     TopKCacheWriter,
+    fused_linear_distillation_from_top_k,
     teacher_top_k,
 )
+from lightning_flce.data.top_k_cache import collate_top_k
 
 K = 6
 
@@ -110,6 +113,51 @@ def test_cache_round_trip_trains_as_the_live_teacher_in_float64(tmp_path):
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=0)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, rtol=1e-5, atol=1e-9, msg=name)
+
+
+def test_items_of_different_lengths_are_padded_and_the_padding_carries_no_loss(tmp_path):
+    """A cache of batches of different lengths: ``collate_top_k`` right-pads each key (input ids 0, labels -100, an
+    attention mask of 0, columns 0, values -inf); the summed loss of a padded batch equals the two sequences' own
+    (float64; the student is causal, so right padding changes no earlier position); ``TopKCacheDataModule`` trains
+    on such batches."""
+    teacher = tiny_teacher().double()
+    short = {key: value[:, :7] for key, value in make_batch(0).items()}
+    cache = write_cache(tmp_path, teacher, [short, make_batch(1, n_ignored=4)])
+    dataset = TopKCacheDataset(str(cache))
+    assert [len(item["input_ids"]) for item in dataset] == [7, 7, 12, 12]
+    batch = collate_top_k([dataset[0], dataset[2]])
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (2, 12)
+    assert batch["attention_mask"][0].tolist() == [1] * 7 + [0] * 5 and bool(batch["attention_mask"][1].all())
+    assert (batch["labels"][0, 7:] == -100).all() and (batch["input_ids"][0, 7:] == 0).all()
+    assert (
+        torch.isneginf(batch["teacher_top_k_logits"][0, 7:]).all()
+        and (batch["teacher_top_k_indices"][0, 7:] == 0).all()
+    )
+
+    student = tiny_student().double()
+
+    def summed_loss(batch: dict) -> torch.Tensor:
+        mask = batch.get("attention_mask")
+        target = batch["labels"] if mask is None else batch["labels"].masked_fill(mask == 0, -100)
+        return fused_linear_distillation_from_top_k(
+            student.hidden_states(batch["input_ids"]),
+            student.lm_head.weight,
+            batch["teacher_top_k_indices"],
+            batch["teacher_top_k_logits"],
+            target,
+            divergence="jsd",
+            hard_weight=0.3,
+            reduction="sum",
+        )
+
+    alone = summed_loss(collate_top_k([dataset[0]])) + summed_loss(collate_top_k([dataset[2]]))
+    torch.testing.assert_close(summed_loss(batch), alone, **TOL)
+
+    datamodule = TopKCacheDataModule(str(cache), batch_size=3, val_dataloader_idx=None)
+    module = DistillationModule(student=tiny_student(), cached_teacher=True)
+    fit = trainer(max_steps=2, precision="64-true")
+    fit.fit(module, datamodule=datamodule)
+    assert fit.global_step == 2 and math.isfinite(float(fit.callback_metrics["train/loss"]))
 
 
 def test_float64_values_and_a_teacher_checkpoint(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -14,10 +14,41 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_flce.distill.top_k import TEACHER_TOP_K_KEYS
 
-__all__ = ["TopKCacheDataModule", "TopKCacheDataset"]
+__all__ = ["TopKCacheDataModule", "TopKCacheDataset", "collate_top_k"]
 
 # the writer's file names (lightning_flce.callbacks.top_k_cache.cache_file_name): rank, dataloader, batch
 _FILE = re.compile(r"^part-r(\d+)-d(\d+)-b(\d+)\.pt$")
+
+
+#: the value each key of a cache record is padded with (``collate_top_k``); other keys with 0
+_PADDING = {
+    "attention_mask": 0,
+    "labels": -100,
+    TEACHER_TOP_K_KEYS[0]: 0,
+    TEACHER_TOP_K_KEYS[1]: float("-inf"),
+}
+
+
+def collate_top_k(items: Sequence[Dict[str, Tensor]], pad_token_id: int = 0) -> Dict[str, Tensor]:
+    """A batch of cache items (:class:`TopKCacheDataset`'s) of any lengths: each key's tensors right-padded along
+    their first dimension to the longest and stacked. ``input_ids`` with ``pad_token_id``, ``labels`` with -100,
+    ``attention_mask`` with 0 (one of ones is made where the items have none and their lengths differ), the
+    teacher's columns with 0 and its values with -inf: the padding the loss never reads."""
+    keys = list(items[0])
+    lengths = [item["input_ids"].shape[0] for item in items]
+    longest = max(lengths)
+    if "attention_mask" not in keys and min(lengths) != longest:
+        items = [{**item, "attention_mask": torch.ones_like(item["input_ids"])} for item in items]
+        keys.append("attention_mask")
+    batch = {}
+    for key in keys:
+        fill = pad_token_id if key == "input_ids" else _PADDING.get(key, 0)
+        values = [item[key] for item in items]
+        out = values[0].new_full((len(values), longest, *values[0].shape[1:]), fill)
+        for row, value in enumerate(values):
+            out[row, : value.shape[0]] = value
+        batch[key] = out
+    return batch
 
 
 class TopKCacheDataset(Dataset):
@@ -25,8 +56,8 @@ class TopKCacheDataset(Dataset):
     their names), each item a dict of one sequence's tensors: ``input_ids``, ``labels`` and ``attention_mask``
     where the cache has them, ``teacher_top_k_indices`` and ``teacher_top_k_logits`` ([T, K]). The default
     collate function stacks them into the batches ``DistillationModule(cached_teacher=True)`` reads when the
-    sequences have one length (fixed-length blocks, as the main job's data; a cache of padded batches of different
-    lengths needs a collate function that pads ``input_ids`` and ``attention_mask``, and the top k with -inf).
+    sequences have one length (fixed-length blocks, as the main job's data); :func:`collate_top_k` pads items of
+    different lengths (a cache of batches padded to their own longest sequence).
 
     ``dataloader_idx``: only the files written for that prediction dataloader (``lightning-flce predict --config
     teacher_cache`` writes the training split as 0 and the validation split as 1); None: every file.
@@ -68,7 +99,7 @@ class TopKCacheDataset(Dataset):
 
 class TopKCacheDataModule(pl.LightningDataModule):
     """Training batches from a top-k cache's prediction dataloader ``train_dataloader_idx`` (shuffled, the last
-    partial batch dropped) and validation batches from ``val_dataloader_idx`` (None: no validation), for
+    partial batch dropped; items of different lengths padded by :func:`collate_top_k`) and validation batches from ``val_dataloader_idx`` (None: no validation), for
     ``DistillationModule(cached_teacher=True)``: the cache ``lightning-flce predict --config teacher_cache`` writes
     (0: the training split, 1: the validation split)."""
 
@@ -111,6 +142,7 @@ class TopKCacheDataModule(pl.LightningDataModule):
             dataset,
             batch_size=self.hparams.batch_size,
             shuffle=shuffle,
+            collate_fn=collate_top_k,
             drop_last=shuffle,
             num_workers=self.hparams.num_workers,
             persistent_workers=self.hparams.num_workers > 0,
