@@ -386,10 +386,11 @@ def run_chunks(
     with their gradient), then dX rows, the dW accumulation and d bias.
 
     Returns the loss's per-token outputs ([N] or [N, width] each in the order of ``loss.outputs()``, 0 or the
-    spec's ``fill`` for rows that carry no loss; empty for inactive ones), the gradients: dX [N, H] in ``grad_input_dtype``, dW in the weight's
-    dtype, d bias; None for those not asked for, and their :class:`GradScales`. Per-token outputs whose spec
-    has no dtype are in :func:`~lightning_flce.kernels.softmax_dtype` of ``compute_dtype``. ``accum_dtype``
-    is dW's accumulator dtype, None for the automatic choice (see :func:`accumulator_dtype`).
+    spec's ``fill`` for rows that carry no loss; empty for inactive ones), the gradients: dX [N, H] in
+    ``grad_input_dtype``, dW in the weight's dtype, d bias; None for those not asked for, and their
+    :class:`GradScales`. Per-token outputs whose spec has no dtype are in
+    :func:`~lightning_flce.kernels.softmax_dtype` of ``compute_dtype``. ``accum_dtype`` is dW's accumulator dtype,
+    None for the automatic choice (see :func:`accumulator_dtype`).
     With fp16 GEMMs the logit gradient is scaled (see ``_FP16_LOGIT_GRAD_MAX``; the loss's
     ``linear_inputs`` carry the factor); ``keep_scaled`` returns
     the gradients kept or returned in fp16 (dX: x's dtype or ``grad_input_dtype``, which may be wider for

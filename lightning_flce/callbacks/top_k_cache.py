@@ -12,17 +12,14 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import Tensor
 
-__all__ = ["TopKCacheWriter", "cache_file_name"]
+from lightning_flce.data.top_k_cache import cache_file_name, cache_files
 
-
-def cache_file_name(rank: int, dataloader_idx: int, batch_idx: int) -> str:
-    """The file of one batch's record: sorted by name, a rank's files come in its batches' order."""
-    return f"part-r{rank:05d}-d{dataloader_idx:03d}-b{batch_idx:09d}.pt"
+__all__ = ["TopKCacheWriter"]
 
 
 class TopKCacheWriter(BasePredictionWriter):
     """Saves every prediction batch's dict of tensors to ``dirpath`` (``torch.save``, one file a batch and rank,
-    :func:`cache_file_name`), as the batch ends: a cache larger than memory is never held (pass
+    :func:`~lightning_flce.data.top_k_cache.cache_file_name`), as the batch ends: a cache larger than memory is never held (pass
     ``return_predictions=False`` to ``trainer.predict`` so that Lightning does not hold it either).
 
     Under DDP each rank writes the batches of its share of the dataset; Lightning's distributed sampler pads the
@@ -37,10 +34,8 @@ class TopKCacheWriter(BasePredictionWriter):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "predict":
             return
-        # every rank checks the directory before any rank writes to it
-        existing = os.path.isdir(self.dirpath) and any(
-            name.startswith("part-") and name.endswith(".pt") for name in os.listdir(self.dirpath)
-        )
+        # every rank reads the directory before any rank writes to it
+        existing = cache_files(self.dirpath)
         trainer.strategy.barrier("top_k_cache_check")
         if existing and not self.overwrite:
             raise FileExistsError(
@@ -49,10 +44,8 @@ class TopKCacheWriter(BasePredictionWriter):
             )
         if trainer.is_global_zero:
             os.makedirs(self.dirpath, exist_ok=True)
-            if existing:
-                for name in os.listdir(self.dirpath):
-                    if name.startswith("part-") and name.endswith(".pt"):
-                        os.remove(os.path.join(self.dirpath, name))
+            for name in existing:
+                os.remove(os.path.join(self.dirpath, name))
         trainer.strategy.barrier("top_k_cache_ready")
 
     def write_on_batch_end(

@@ -14,10 +14,27 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_flce.distill.top_k import TEACHER_TOP_K_KEYS
 
-__all__ = ["TopKCacheDataModule", "TopKCacheDataset", "collate_top_k"]
+__all__ = ["TopKCacheDataModule", "TopKCacheDataset", "cache_file_name", "cache_files", "collate_top_k"]
 
-# the writer's file names (lightning_flce.callbacks.top_k_cache.cache_file_name): rank, dataloader, batch
+# a cache file's name: the writing rank, the prediction dataloader, the batch (cache_file_name)
 _FILE = re.compile(r"^part-r(\d+)-d(\d+)-b(\d+)\.pt$")
+
+
+def cache_file_name(rank: int, dataloader_idx: int, batch_idx: int) -> str:
+    """The file of one batch's record: sorted by name, a rank's files come in its batches' order."""
+    return f"part-r{rank:05d}-d{dataloader_idx:03d}-b{batch_idx:09d}.pt"
+
+
+def cache_files(dirpath: str, dataloader_idx: Optional[int] = None) -> List[str]:
+    """The names of the cache files in ``dirpath`` (none where it does not exist), sorted; only those of
+    prediction dataloader ``dataloader_idx`` unless it is None."""
+    if not os.path.isdir(dirpath):
+        return []
+    return sorted(
+        name
+        for name in os.listdir(dirpath)
+        if (match := _FILE.match(name)) and dataloader_idx in (None, int(match.group(2)))
+    )
 
 
 #: the value each key of a cache record is padded with (``collate_top_k``); other keys with 0
@@ -67,11 +84,7 @@ class TopKCacheDataset(Dataset):
     for a file without the teacher's keys or whose tensors disagree on the number of sequences."""
 
     def __init__(self, dirpath: str, dataloader_idx: Optional[int] = None) -> None:
-        names = sorted(
-            name
-            for name in (os.listdir(dirpath) if os.path.isdir(dirpath) else ())
-            if (match := _FILE.match(name)) and dataloader_idx in (None, int(match.group(2)))
-        )
+        names = cache_files(dirpath, dataloader_idx)
         if not names:
             which = "" if dataloader_idx is None else f" of prediction dataloader {dataloader_idx}"
             raise FileNotFoundError(f"no top-k cache files{which} (part-r*-d*-b*.pt) in {dirpath}")

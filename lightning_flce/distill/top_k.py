@@ -61,7 +61,8 @@ def _forward(
     """(values [N, k], indices [N, k]); the targets checked in the engine's one host sync."""
     target = target.reshape(-1)
     entry = BACKENDS[backend]
-    loss = TopKChunkLoss(entry.kernels(), k=k, softcap=softcap, log_probs=log_probs)
+    unit_scale = torch.ones(1, dtype=softmax_dtype(compute_dtype), device=x.device)
+    loss = TopKChunkLoss(entry.kernels(), k=k, softcap=softcap, log_probs=log_probs, unit_scale=unit_scale)
     with torch.autocast(x.device.type, enabled=False):
         values, indices, *_ = run_valid_rows(
             x,
@@ -145,7 +146,7 @@ def fused_linear_top_k(
         ValueError / TypeError: before any kernel, for a ``k`` outside [1, V], targets outside [0, V) other than
         ``ignore_index``, and shapes, dtypes or devices that do not match (as the cross-entropy's checks).
     """
-    if target is None and isinstance(input, Tensor):
+    if target is None:
         target = torch.zeros(input.shape[:-1], dtype=torch.int64, device=input.device)
     options = FLCEOptions.of(
         ignore_index=ignore_index,

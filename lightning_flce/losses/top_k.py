@@ -27,16 +27,24 @@ class TopKChunkLoss(ChunkLoss):
     ``log_probs``; -inf at rows that carry no loss) and ``indices`` ([N, k] int64, 0 there), each row's in
     descending order.
 
-    ``kernels``: a backend's module (its ``logprob_row_stats``, for the log-sum-exp); ``softcap``: 0.0 for none.
+    ``kernels``: a backend's module (its ``logprob_row_stats``, for the log-sum-exp); ``softcap``: 0.0 for none;
+    ``unit_scale``: a [1] tensor of 1 in the softmax dtype on the logits' device, the row statistics' inverse
+    temperature (made once a call: the cache holds the teacher's values without a temperature).
     """
 
     workspace_copies = WORKSPACE_COPIES  # the twin's row statistics (torch.topk reads the logits in place)
 
-    def __init__(self, kernels: types.ModuleType, *, k: int, softcap: float, log_probs: bool) -> None:
+    def __init__(
+        self, kernels: types.ModuleType, *, k: int, softcap: float, log_probs: bool, unit_scale: Tensor
+    ) -> None:
         self.kernels = kernels
         self.k = k
         self.softcap_value = softcap
         self.log_probs = log_probs
+        self.inputs = {"inv_temperature": unit_scale}
+
+    def side_inputs(self) -> Dict[str, Tensor]:
+        return self.inputs
 
     def outputs(self) -> Tuple[OutputSpec, ...]:
         return (
@@ -60,9 +68,12 @@ class TopKChunkLoss(ChunkLoss):
         top, indices = torch.topk(logits, self.k, dim=1)
         values, _ = transformed_logits(top.to(softmax_dtype(logits.dtype)), self.softcap_value)
         if self.log_probs:
-            one = torch.ones(1, dtype=values.dtype, device=values.device)
             _, lse, _ = self.kernels.logprob_row_stats(
-                logits, target, inv_temperature=one, softcap=self.softcap_value, with_entropy=False
+                logits,
+                target,
+                inv_temperature=side["inv_temperature"],
+                softcap=self.softcap_value,
+                with_entropy=False,
             )
             values = values - lse.to(values.dtype).unsqueeze(1)
         return values, indices
