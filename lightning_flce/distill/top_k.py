@@ -23,7 +23,7 @@ from lightning_flce.options import FLCEOptions, ImplName, LogitsPrecision
 from lightning_flce.rl.logprobs_op import gemm_flops, register_flops
 from lightning_flce.validation import class_indices
 
-__all__ = ["TEACHER_TOP_K_KEYS", "TopKOutput", "fused_linear_top_k"]
+__all__ = ["TEACHER_TOP_K_KEYS", "TopKOutput", "fused_linear_top_k", "top_k_rows"]
 
 #: the batch keys of a cached teacher (``DistillationModule(cached_teacher=True)``, the cache's files): its top-k
 #: columns and its logits (or log-probabilities) there, [B, T, K] each
@@ -44,27 +44,31 @@ _ARGS = (
 )
 
 
-def _forward(
+def top_k_rows(
     x: Tensor,
     weight: Tensor,
     target: Tensor,
     bias: Optional[Tensor],
+    *,
     k: int,
-    log_probs: bool,
+    with_lse: bool,
     ignore_index: int,
     softcap: float,
     logits_precision: str,
     compute_dtype: torch.dtype,
     chunk_size: int,
     backend: str,
-) -> Tuple[Tensor, Tensor]:
-    """(values [N, k], indices [N, k]); the targets checked in the engine's one host sync."""
-    target = target.reshape(-1)
+) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The chunks of :class:`~lightning_flce.losses.top_k.TopKChunkLoss` on the head ``weight``: each token's k
+    largest transformed logits [N, k] (-inf where ``target`` is ``ignore_index``), their columns [N, k] (0 there)
+    and, ``with_lse``, each row's log-sum-exp [N] (0 there; else None); the targets checked in the engine's one
+    host sync. The single-device op's body, and each rank's share of the vocab-parallel one's."""
     entry = BACKENDS[backend]
     unit_scale = torch.ones(1, dtype=softmax_dtype(compute_dtype), device=x.device)
-    loss = TopKChunkLoss(entry.kernels(), k=k, softcap=softcap, log_probs=log_probs, unit_scale=unit_scale)
+    loss = TopKChunkLoss(entry.kernels(), k=k, softcap=softcap, with_lse=with_lse, unit_scale=unit_scale)
+    target = target.reshape(-1)
     with torch.autocast(x.device.type, enabled=False):
-        values, indices, *_ = run_valid_rows(
+        values, indices, lse, *_ = run_valid_rows(
             x,
             weight,
             target,
@@ -81,7 +85,39 @@ def _forward(
             accum_dtype=None,
             grad_input_dtype=x.dtype,
         )
-    return values, indices
+    return values, indices, lse if with_lse else None
+
+
+def _forward(
+    x: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Optional[Tensor],
+    k: int,
+    log_probs: bool,
+    ignore_index: int,
+    softcap: float,
+    logits_precision: str,
+    compute_dtype: torch.dtype,
+    chunk_size: int,
+    backend: str,
+) -> Tuple[Tensor, Tensor]:
+    """(values [N, k], indices [N, k])."""
+    values, indices, lse = top_k_rows(
+        x,
+        weight,
+        target,
+        bias,
+        k=k,
+        with_lse=log_probs,
+        ignore_index=ignore_index,
+        softcap=softcap,
+        logits_precision=logits_precision,
+        compute_dtype=compute_dtype,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
+    return (values if lse is None else values - lse.unsqueeze(1)), indices
 
 
 def _forward_fake(

@@ -5,6 +5,8 @@
 - :mod:`~lightning_flce.parallel.distill`: vocab-parallel distillation (``vocab_parallel_fused_linear_distillation``:
   the student's and the teacher's heads sharded alike; ``..._from_top_k``: a cached teacher), the same engine and
   distillation chunk loss;
+- :mod:`~lightning_flce.parallel.top_k`: a sharded head's top k per token (``vocab_parallel_fused_linear_top_k``: a
+  tensor-parallel teacher's cache);
 - :mod:`~lightning_flce.parallel.agreement`: the ranks' agreement on the call (one all-reduce, first);
 - :mod:`~lightning_flce.parallel.head`: :class:`VocabParallelHead` and the default shard layout.
 
@@ -21,6 +23,7 @@ from lightning_flce.parallel.op import (
     vocab_parallel_fused_linear_cross_entropy,
     vocab_parallel_fused_linear_cross_entropy_with_stats,
 )
+from lightning_flce.parallel.top_k import vocab_parallel_fused_linear_top_k
 
 __all__ = [
     "VocabParallelHead",
@@ -32,5 +35,6 @@ __all__ = [
     "vocab_parallel_fused_linear_cross_entropy_with_stats",
     "vocab_parallel_fused_linear_distillation",
     "vocab_parallel_fused_linear_distillation_from_top_k",
+    "vocab_parallel_fused_linear_top_k",
     "vocab_shard_range",
 ]
