@@ -24,7 +24,11 @@ class TopKCacheWriter(BasePredictionWriter):
 
     Under DDP each rank writes the batches of its share of the dataset; Lightning's distributed sampler pads the
     last share with repeated samples, so a cache of a dataset whose size the ranks do not divide holds a few
-    sequences twice. Files of an earlier run in ``dirpath`` are refused unless ``overwrite``."""
+    sequences twice. Files of an earlier run in ``dirpath`` are refused unless ``overwrite``.
+
+    A module whose ``writes_predictions`` is False on this rank (a tensor-parallel teacher's ranks other than its
+    head group's first: :class:`~lightning_flce.models.teacher_cache.TeacherTopKModule`, whose predictions there
+    repeat the first rank's) leaves the directory to the rank that writes; a ``None`` prediction is not written."""
 
     def __init__(self, dirpath: str, *, overwrite: bool = False) -> None:
         super().__init__(write_interval="batch")
@@ -32,7 +36,7 @@ class TopKCacheWriter(BasePredictionWriter):
         self.overwrite = overwrite
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "predict":
+        if stage != "predict" or not getattr(pl_module, "writes_predictions", True):
             return
         # every rank reads the directory before any rank writes to it
         existing = cache_files(self.dirpath)
@@ -58,6 +62,8 @@ class TopKCacheWriter(BasePredictionWriter):
         batch_idx: int,
         dataloader_idx: int,
     ) -> None:
+        if prediction is None:
+            return
         if not isinstance(prediction, dict) or not all(isinstance(v, Tensor) for v in prediction.values()):
             raise TypeError(
                 "TopKCacheWriter writes a predict_step's dict of tensors (TeacherTopKModule's), got"

@@ -15,9 +15,11 @@ from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_flce.distill.top_k import TopKOutput, fused_linear_top_k
+from lightning_flce.head import unwrap_head
 from lightning_flce.head_calls import run_in_head
 from lightning_flce.models.distill import (
     TEACHER_TOP_K_KEYS,
@@ -27,6 +29,7 @@ from lightning_flce.models.distill import (
     model_lm_head,
 )
 from lightning_flce.options import ImplName, LogitsPrecision
+from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_top_k
 
 __all__ = ["TeacherTopKModule", "teacher_top_k"]
 
@@ -53,31 +56,46 @@ def teacher_top_k(
     found as :class:`~lightning_flce.DistillationModule` finds a teacher's). Its logit scale and softcap are applied,
     as the cache must hold them. Positions where ``attention_mask`` is 0 are skipped (values -inf, the cache's
     padding). Runs under ``torch.no_grad()``; the model's train/eval mode is the caller's (``trainer.predict`` sets
-    eval)."""
+    eval).
+
+    A tensor-parallel teacher whose LM head is a :class:`~lightning_flce.parallel.VocabParallelHead`: call it on
+    every rank of the head's group with the same ``input_ids``; each rank computes on its rows
+    (:func:`~lightning_flce.parallel.vocab_parallel_fused_linear_top_k`) and every rank gets the whole vocabulary's
+    top k. The ranks check that they hold the same tokens (the input ids' fingerprint) before any kernel."""
     resolved = model_lm_head(model)
+    head = unwrap_head(resolved.module)
+    sharded = head if isinstance(head, VocabParallelHead) else None
     target = None
+    if sharded is not None:
+        # in [0, V), so that the ranks' agreement compares the tokens they were given (as the targets it checks)
+        target = input_ids.remainder(sharded.vocab_size)
+    elif attention_mask is not None:
+        target = torch.zeros_like(input_ids, dtype=torch.int64)
     if attention_mask is not None:
-        target = torch.zeros_like(input_ids, dtype=torch.int64).masked_fill(attention_mask == 0, -100)
+        target = target.masked_fill(attention_mask == 0, -100)
+    options: dict[str, Any] = dict(
+        target=target,
+        softcap=resolved.softcap,
+        log_probs=log_probs,
+        logits_precision=logits_precision,
+        chunk_size=chunk_size,
+        impl=impl,
+    )
 
     def top_k_of(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
-        return tuple(
-            fused_linear_top_k(
-                hidden,
-                weight,
-                k,
-                bias,
-                target=target,
-                softcap=resolved.softcap,
-                log_probs=log_probs,
-                logits_precision=logits_precision,
-                chunk_size=chunk_size,
-                impl=impl,
+        if sharded is not None:  # this rank's rows of the head
+            return tuple(
+                vocab_parallel_fused_linear_top_k(
+                    hidden, weight, k, bias, group=sharded.group, vocab_start=sharded.vocab_start, **options
+                )
             )
-        )
+        return tuple(fused_linear_top_k(hidden, weight, k, bias, **options))
 
     with torch.no_grad():
         hidden = final_hidden_states(model, input_ids, attention_mask)
-        values, indices = run_in_head(resolved, hidden, top_k_of, caller="teacher_top_k's heads")
+        values, indices = run_in_head(
+            resolved, hidden, top_k_of, caller="teacher_top_k's heads", vocab_parallel=True
+        )
     return TopKOutput(values, indices)
 
 
@@ -87,6 +105,12 @@ class TeacherTopKModule(pl.LightningModule):
     ``teacher_top_k_indices`` (int32) and ``teacher_top_k_logits`` (``values_dtype``), on the CPU: the records
     :class:`~lightning_flce.callbacks.TopKCacheWriter` writes and :class:`~lightning_flce.data.TopKCacheDataset`
     reads back for ``DistillationModule(cached_teacher=True)``.
+
+    A tensor-parallel teacher (its LM head a :class:`~lightning_flce.parallel.VocabParallelHead`): run one
+    single-device Trainer per rank of the head's group on the same data (or ``ModelParallelStrategy``); every
+    rank computes the top k on its rows, and only the group's first rank returns the record (the others ``None``:
+    :attr:`writes_predictions`), so the cache holds each batch once. Strategies that give each rank its own batches
+    (DDP, FSDP, DeepSpeed) are refused for such a teacher.
 
     Args:
         teacher: the teacher model (see :func:`teacher_top_k`), or None with ``teacher_checkpoint``.
@@ -134,14 +158,43 @@ class TeacherTopKModule(pl.LightningModule):
             chunk_size=hp.chunk_size,
         )
 
+    def setup(self, stage: str) -> None:
+        head = self._sharded_head()
+        if head is None or self._trainer is None or dist.get_world_size(head.group) == 1:
+            return
+        strategy = self.trainer.strategy
+        spreading = {"DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy"}
+        found = spreading.intersection(cls.__name__ for cls in type(strategy).__mro__)
+        if found and self.trainer.world_size > 1:
+            raise ValueError(
+                f"TeacherTopKModule: the teacher's LM head is a VocabParallelHead sharded over"
+                f" {dist.get_world_size(head.group)} ranks, which must all see the same batches, but"
+                f" {type(strategy).__name__} gives each rank of the world its own. Run one single-device Trainer"
+                " per rank of the head's group (the same data on each), or ModelParallelStrategy"
+            )
+
     def predict_step(
         self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0
-    ) -> dict[str, Tensor]:
+    ) -> Optional[dict[str, Tensor]]:
         top = self(batch["input_ids"], batch.get("attention_mask"))
+        if not self.writes_predictions:
+            return None  # the same record as the head group's first rank's: that one is kept
         record = {key: batch[key] for key in _KEPT_KEYS if key in batch}
         record[TEACHER_TOP_K_KEYS[0]] = top.indices.to(torch.int32)
         record[TEACHER_TOP_K_KEYS[1]] = top.values.to(self.values_dtype)
         return {key: value.detach().cpu() for key, value in record.items()}
+
+    @property
+    def writes_predictions(self) -> bool:
+        """False on the ranks of a tensor-parallel teacher's head group other than its first: their records
+        repeat that rank's (:class:`~lightning_flce.callbacks.TopKCacheWriter` writes none there)."""
+        head = self._sharded_head()
+        return head is None or dist.get_rank(head.group) == 0
+
+    def _sharded_head(self) -> Optional[VocabParallelHead]:
+        """The teacher's LM head where it is a VocabParallelHead (a tensor-parallel teacher), else None."""
+        head = unwrap_head(model_lm_head(self.teacher).module)
+        return head if isinstance(head, VocabParallelHead) else None
 
     def configure_optimizers(self) -> Any:
         return None

@@ -10,11 +10,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_flce.distill.top_k import TopKOutput
 from lightning_flce.outputs import FLCEOutput
 from lightning_flce.parallel.op import (
     vocab_parallel_fused_linear_cross_entropy,
     vocab_parallel_fused_linear_cross_entropy_with_stats,
 )
+from lightning_flce.parallel.top_k import vocab_parallel_fused_linear_top_k
 
 
 def vocab_shard_range(vocab_size: int, world_size: int, rank: int) -> Tuple[int, int]:
@@ -61,8 +63,9 @@ class VocabParallelHead(nn.Module):
     """An LM head whose ``[V, H]`` weight is sharded over V across a process group.
 
     Holds the rows ``[vocab_start, vocab_start + V_r)`` of the full head (:func:`vocab_shard_range`);
-    ``forward`` returns the local logits ``[..., V_r]``, :meth:`loss` the vocab-parallel fused loss, and
-    :meth:`gather_logits` the full logits (inference; builds ``[..., V]``).
+    ``forward`` returns the local logits ``[..., V_r]``, :meth:`loss` the vocab-parallel fused loss, :meth:`top_k`
+    each token's top k (a cached teacher's), and :meth:`gather_logits` the full logits (inference; builds
+    ``[..., V]``).
 
     Example::
 
@@ -134,6 +137,14 @@ class VocabParallelHead(nn.Module):
         """:func:`vocab_parallel_fused_linear_cross_entropy_with_stats` of this head."""
         return vocab_parallel_fused_linear_cross_entropy_with_stats(
             hidden, self.weight, target, self.bias, group=self.group, vocab_start=self.vocab_start, **kwargs
+        )
+
+    def top_k(self, hidden: Tensor, k: int, **kwargs) -> TopKOutput:
+        """:func:`~lightning_flce.parallel.vocab_parallel_fused_linear_top_k` of this head: each token's ``k`` most
+        likely columns of the whole vocabulary and their log-probabilities, the same on every rank (keyword
+        options passed on: ``target``, ``softcap``, ``log_probs``, ...). No gradient."""
+        return vocab_parallel_fused_linear_top_k(
+            hidden, self.weight, k, self.bias, group=self.group, vocab_start=self.vocab_start, **kwargs
         )
 
     @torch.no_grad()
