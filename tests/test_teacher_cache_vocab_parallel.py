@@ -83,7 +83,11 @@ def worker(out_dir: str, rank: int) -> None:
 
 def test_tensor_parallel_teacher_writes_one_cache_equal_to_the_full_head(tmp_path):
     ranks = run_ranks(
-        WORLD, lambda rank: [__file__, tmp_path, rank], tmp_path, TIMEOUT_S, label="tensor-parallel teacher cache"
+        WORLD,
+        lambda rank: [__file__, tmp_path, rank],
+        tmp_path,
+        TIMEOUT_S,
+        label="tensor-parallel teacher cache",
     )
     for rank in ranks:
         assert "failed" not in rank, rank.get("failed")

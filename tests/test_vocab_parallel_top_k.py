@@ -46,7 +46,10 @@ def cases(world: int) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for log_probs in (True, False):
         for softcap in (None, 4.0):
-            out[f"fp64-log_probs{int(log_probs)}-softcap{softcap}"] = {"log_probs": log_probs, "softcap": softcap}
+            out[f"fp64-log_probs{int(log_probs)}-softcap{softcap}"] = {
+                "log_probs": log_probs,
+                "softcap": softcap,
+            }
     # k above the smallest shard (world 3: 13-14 rows; world 2: 20-21): a rank's candidates padded
     out["fp64-wide_k"] = {"k": 17 if world == 3 else 25}
     out["fp64-k_equal_to_v"] = {"k": VOCAB[world], "bias": False}
@@ -83,7 +86,12 @@ def problem(spec: dict, world: int):
     """(x, w, b, target) of the full head, in the case's dtype; some tokens ignored."""
     shape = spec.get("shape", (3, 7))
     x, w, b, target = make_problem(
-        n=shape, h=16, v=VOCAB[world], dtype=spec.get("dtype", torch.float64), bias=spec.get("bias", True), seed=3
+        n=shape,
+        h=16,
+        v=VOCAB[world],
+        dtype=spec.get("dtype", torch.float64),
+        bias=spec.get("bias", True),
+        seed=3,
     )
     if spec.get("ignore") == "all":
         target = torch.full_like(target, -100)
@@ -112,7 +120,9 @@ def run_case(spec: dict, world: int, rank: int) -> dict:
     kwargs = kwargs_of(spec)
     k = spec.get("k", 7)
     if "error" in spec:
-        return {"error": run_error(spec["error"], x, w[start:end], b[start:end], target, k, world, rank, kwargs)}
+        return {
+            "error": run_error(spec["error"], x, w[start:end], b[start:end], target, k, world, rank, kwargs)
+        }
     if spec.get("explicit"):
         kwargs["vocab_start"] = start
     tokens, given = (x, target if spec.get("target", True) else None)
@@ -192,13 +202,17 @@ def _check_case(spec: dict, world: int, ranks: list[dict]) -> None:
         assert all(e is not None and e.startswith(kind) for e in errors), errors
         assert any(message in e for e in errors), errors
         return
-    for other in ranks[1:]:  # the same top k on every rank (bit for bit: the same merge of the same candidates)
+    for other in ranks[
+        1:
+    ]:  # the same top k on every rank (bit for bit: the same merge of the same candidates)
         if spec.get("sequence_parallel"):
             break
         assert torch.equal(other["values"], ranks[0]["values"])
         assert torch.equal(other["indices"], ranks[0]["indices"])
     values = torch.cat([r["values"] for r in ranks]) if spec.get("sequence_parallel") else ranks[0]["values"]
-    indices = torch.cat([r["indices"] for r in ranks]) if spec.get("sequence_parallel") else ranks[0]["indices"]
+    indices = (
+        torch.cat([r["indices"] for r in ranks]) if spec.get("sequence_parallel") else ranks[0]["indices"]
+    )
     x, w, b, target = problem(spec, world)
     kwargs = kwargs_of(spec)
     k = spec.get("k", 7)

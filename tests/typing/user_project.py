@@ -52,8 +52,10 @@ from lightning_flce.flops import batch_size, batch_tokens
 from lightning_flce.models import HFCausalLM, LitGPTCausalLM, TinyGPT
 from lightning_flce.options import ImplName, LogitsPrecision, Reduction
 from lightning_flce.parallel import (
+    VocabParallelHead,
     vocab_parallel_fused_linear_distillation,
     vocab_parallel_fused_linear_distillation_from_top_k,
+    vocab_parallel_fused_linear_top_k,
 )
 
 # --- the op (README "Quick start")
@@ -307,6 +309,12 @@ assert_type(top.values, Tensor)
 assert_type(top.indices, Tensor)
 fused_linear_top_k(teacher_hidden, teacher_head, k=2.5)  # type: ignore[arg-type]
 assert_type(teacher_top_k(tiny, labels, 8, attention_mask=torch.ones_like(labels)), TopKOutput)
+# a tensor-parallel teacher's head (its rows of the vocabulary on this rank)
+assert_type(
+    vocab_parallel_fused_linear_top_k(teacher_hidden, teacher_head, 20, target=labels, group=None), TopKOutput
+)
+vocab_parallel_fused_linear_top_k(teacher_hidden, teacher_head, 20, log_probs="yes")  # type: ignore[arg-type]
+assert_type(VocabParallelHead(H, V).top_k(teacher_hidden, 20), TopKOutput)
 cache_lm = TeacherTopKModule(tiny, k=20, values_dtype="float16")
 assert_type(cache_lm, TeacherTopKModule)
 TeacherTopKModule(tiny, k=20, logits_precision="fp64")  # type: ignore[arg-type]
