@@ -79,17 +79,40 @@ def interpret_cases(world: int) -> dict[str, dict]:
     }
 
 
-SUITES = {"main": cases, "interpret": interpret_cases}
+def cuda_cases(world: int) -> dict[str, dict]:
+    """The GPU path (the engine's GPU chunks, cuBLAS GEMMs, the Triton row statistics) on 600 tokens over 1001
+    columns; each rank on its own GPU through NCCL where there are as many, else all on the first through gloo."""
+    base = {"device": "cuda", "shape": (2, 300), "vocab": 1001, "hidden": 64, "k": 20, "chunk_size": None}
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for log_probs in (True, False):
+            name = f"cuda-{str(dtype).removeprefix('torch.')}-log_probs{int(log_probs)}"
+            out[name] = {**base, "dtype": dtype, "log_probs": log_probs, "softcap": 30.0}
+    out["cuda-bfloat16-logits_fp32"] = {**base, "dtype": torch.bfloat16, "logits_precision": "fp32"}
+    out["cuda-float32-sequence_parallel"] = {
+        **base,
+        "dtype": torch.float32,
+        "sequence_parallel": True,
+        "shape": (6, 100),
+    }
+    return out
+
+
+SUITES = {"main": cases, "interpret": interpret_cases, "cuda": cuda_cases}
+
+
+def vocab_of(spec: dict, world: int) -> int:
+    return spec.get("vocab", VOCAB[world])
 
 
 def problem(spec: dict, world: int):
-    """(x, w, b, target) of the full head, in the case's dtype; some tokens ignored."""
-    shape = spec.get("shape", (3, 7))
+    """(x, w, b, target) of the full head, in the case's dtype and on its device; some tokens ignored."""
     x, w, b, target = make_problem(
-        n=shape,
-        h=16,
-        v=VOCAB[world],
+        n=spec.get("shape", (3, 7)),
+        h=spec.get("hidden", 16),
+        v=vocab_of(spec, world),
         dtype=spec.get("dtype", torch.float64),
+        device=spec.get("device", "cpu"),
         bias=spec.get("bias", True),
         seed=3,
     )
@@ -101,7 +124,7 @@ def problem(spec: dict, world: int):
 def shard_rows(spec: dict, world: int, rank: int) -> tuple[int, int]:
     if spec.get("explicit"):
         return EXPLICIT[rank]
-    return vocab_shard_range(VOCAB[world], world, rank)
+    return vocab_shard_range(vocab_of(spec, world), world, rank)
 
 
 def kwargs_of(spec: dict) -> dict:
@@ -159,13 +182,20 @@ def worker(out_dir: str, world: int, rank: int, suite: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    backend = "gloo"
+    if suite == "cuda":
+        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+        torch.cuda.set_device(rank if backend == "nccl" else 0)
     dist.init_process_group(
-        "gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world
+        backend, init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world
     )
     results = {}
     for name, spec in SUITES[suite](world).items():
         print(f"[rank {rank}] {name}", flush=True)  # the harness shows these tails on a timeout
-        results[name] = run_case(spec, world, rank)
+        if suite == "cuda":
+            spec = {**spec, "device": f"cuda:{torch.cuda.current_device()}"}
+        outputs = run_case(spec, world, rank)
+        results[name] = {key: v.cpu() if isinstance(v, torch.Tensor) else v for key, v in outputs.items()}
     dist.barrier()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     # No destroy_process_group(): see test_vocab_parallel.py's worker (torch 2.4's gloo teardown can hang).
@@ -202,17 +232,12 @@ def _check_case(spec: dict, world: int, ranks: list[dict]) -> None:
         assert all(e is not None and e.startswith(kind) for e in errors), errors
         assert any(message in e for e in errors), errors
         return
-    for other in ranks[
-        1:
-    ]:  # the same top k on every rank (bit for bit: the same merge of the same candidates)
-        if spec.get("sequence_parallel"):
-            break
-        assert torch.equal(other["values"], ranks[0]["values"])
-        assert torch.equal(other["indices"], ranks[0]["indices"])
-    values = torch.cat([r["values"] for r in ranks]) if spec.get("sequence_parallel") else ranks[0]["values"]
-    indices = (
-        torch.cat([r["indices"] for r in ranks]) if spec.get("sequence_parallel") else ranks[0]["indices"]
-    )
+    if spec.get("sequence_parallel"):  # each rank its block of the tokens
+        values, indices = (torch.cat([r[key] for r in ranks]) for key in ("values", "indices"))
+    else:  # the same top k on every rank, bit for bit (the same merge of the same candidates)
+        values, indices = ranks[0]["values"], ranks[0]["indices"]
+        for other in ranks[1:]:
+            assert torch.equal(other["values"], values) and torch.equal(other["indices"], indices)
     x, w, b, target = problem(spec, world)
     kwargs = kwargs_of(spec)
     k = spec.get("k", 7)
@@ -234,9 +259,9 @@ def _check_case(spec: dict, world: int, ranks: list[dict]) -> None:
         x, w, k, b, target=target if spec.get("target", True) else None, chunk_size=4, **single_kwargs
     )
     assert values.dtype == single.values.dtype
-    torch.testing.assert_close(values, single.values, rtol=0, atol=atol)
+    torch.testing.assert_close(values, single.values.cpu(), rtol=0, atol=atol)
     if exact:
-        assert torch.equal(indices, single.indices)
+        assert torch.equal(indices, single.indices.cpu())
 
 
 def _case_ids(suite: dict) -> list:
@@ -252,6 +277,12 @@ def test_vocab_parallel_top_k(results, world, name):
 @pytest.mark.parametrize(("world", "name"), _case_ids(interpret_cases))
 def test_vocab_parallel_top_k_triton_in_the_interpreter(results, world, name):
     _check_case(interpret_cases(world)[name], world, [r[name] for r in results(world, "interpret")])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(cuda_cases(2)))
+def test_vocab_parallel_top_k_cuda(results, name):
+    _check_case(cuda_cases(2)[name], 2, [r[name] for r in results(2, "cuda")])
 
 
 def test_needs_an_initialized_process_group():
