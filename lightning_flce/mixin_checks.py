@@ -10,7 +10,7 @@ import abc
 import difflib
 import inspect
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, Optional, TypeVar, cast
 
 from lightning_flce.head import unwrap_head
 from lightning_flce.head_discovery import HeadNotFoundError, resolve_head
@@ -101,6 +101,16 @@ def check_vocab_parallel_layout(module: Any, trainer: Any) -> None:
     check_vocab_parallel_strategy(head, trainer, "FLCEMixin")
 
 
+def whole_world_strategy(trainer: Any) -> Optional[str]:
+    """The name of the data-parallel strategy the trainer's is or derives from (DDP, DeepSpeed or FSDP: each rank
+    gets its own batches and every gradient is reduced over the whole world), else None (one device, or a strategy
+    with its own process groups, as ModelParallelStrategy)."""
+    names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
+    return next(
+        (name for name in ("DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy") if name in names), None
+    )
+
+
 def check_vocab_parallel_strategy(head: Any, trainer: Any, owner: str) -> None:
     """Raises for the strategies that cannot train ``head`` when it is a :class:`VocabParallelHead` sharded over
     more than one rank (``owner`` names who trains it in the errors)."""
@@ -112,12 +122,11 @@ def check_vocab_parallel_strategy(head: Any, trainer: Any, owner: str) -> None:
     if tp_size == 1:
         return
     strategy = trainer.strategy
-    world_reducing = {"DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy"}
-    found = world_reducing.intersection(cls.__name__ for cls in type(strategy).__mro__)
+    found = whole_world_strategy(trainer)
     if found:
         raise ValueError(
             f"{owner}: the head is a VocabParallelHead sharded over {tp_size} ranks, but {type(strategy).__name__}"
-            f" ({sorted(found)[0]}) reduces every gradient over the whole world, which would average head shards"
+            f" ({found}) reduces every gradient over the whole world, which would average head shards"
             " of different vocabulary rows. Run one single-device Trainer per TP rank (data replicated), or a"
             " strategy that reduces gradients over the data-parallel ranks only (ModelParallelStrategy)"
         )

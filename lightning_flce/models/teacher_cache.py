@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lightning_flce.distill.top_k import TopKOutput, fused_linear_top_k
 from lightning_flce.head import unwrap_head
 from lightning_flce.head_calls import run_in_head
+from lightning_flce.mixin_checks import whole_world_strategy
 from lightning_flce.models.distill import (
     TEACHER_TOP_K_KEYS,
     dtype_named,
@@ -162,15 +163,13 @@ class TeacherTopKModule(pl.LightningModule):
         head = self._sharded_head()
         if head is None or self._trainer is None or dist.get_world_size(head.group) == 1:
             return
-        strategy = self.trainer.strategy
-        spreading = {"DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy"}
-        found = spreading.intersection(cls.__name__ for cls in type(strategy).__mro__)
-        if found and self.trainer.world_size > 1:
+        if whole_world_strategy(self.trainer) and self.trainer.world_size > 1:
             raise ValueError(
                 f"TeacherTopKModule: the teacher's LM head is a VocabParallelHead sharded over"
                 f" {dist.get_world_size(head.group)} ranks, which must all see the same batches, but"
-                f" {type(strategy).__name__} gives each rank of the world its own. Run one single-device Trainer"
-                " per rank of the head's group (the same data on each), or ModelParallelStrategy"
+                f" {type(self.trainer.strategy).__name__} gives each rank of the world its own. Run one"
+                " single-device Trainer per rank of the head's group (the same data on each), or"
+                " ModelParallelStrategy"
             )
 
     def predict_step(
