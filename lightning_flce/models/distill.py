@@ -34,7 +34,7 @@ import inspect
 import math
 import re
 import warnings
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -159,6 +159,57 @@ def final_hidden_states(
         f"{type(model).__name__} has no `hidden_states(input_ids)` method and is no Hugging Face causal LM: the"
         " distillation loss needs the hidden states its LM head reads"
     )
+
+
+def shard_models_fsdp2(root: pl.LightningModule, models: Sequence[Optional[nn.Module]]) -> None:
+    """A ``configure_model`` under Lightning's ``ModelParallelStrategy`` (FSDP2) for a module that holds language
+    models (a distillation's student and teacher, a cache's teacher): each model sharded by its own
+    ``configure_model`` (a LightningModule's, as TinyGPT's: every block, an untied head, then the model) on the
+    root's device mesh, then ``root`` as the root unit. A model without a ``configure_model`` of its own stays in
+    the root unit. A no-op without a device mesh; models already sharded are left as they are."""
+    if root.device_mesh is None:
+        return
+    if not is_fsdp2_module(root):
+        for model in models:
+            if isinstance(model, pl.LightningModule) and is_overridden(
+                "configure_model", model, pl.LightningModule
+            ):
+                # Lightning gives the mesh to the root module only; the models' configure_model reads it there
+                model._device_mesh = root.device_mesh
+                model.configure_model()
+    fully_shard_lm(root, root.device_mesh["data_parallel"])  # (the root; already sharded: left as it is)
+
+
+def keep_heads_unsharded(
+    root: nn.Module, models: Sequence[Optional[nn.Module]]
+) -> list[tuple[nn.Module, nn.Module]]:
+    """FSDP2 unshards a unit's parameters around ``forward`` only. So ``root``'s step methods and each model's
+    ``hidden_states`` (what a fused head calls instead of ``forward``) are registered as forward methods. And a
+    head that is not a unit of its own (tied to the embeddings, or left in its model's unit) has its weight in a
+    unit that would reshard it when ``hidden_states`` returns, before the fused op reads it: that unit keeps its
+    parameters unsharded after forward, as a root unit does, until the caller reshards it. Returns those
+    ``(unit, model)`` pairs; none where nothing is sharded. Idempotent."""
+    if not any(map(is_fsdp2_module, root.modules())):
+        return []
+    register_fsdp_step_methods(root)
+    units: list[tuple[nn.Module, nn.Module]] = []
+    for model in models:
+        if model is None:
+            continue
+        register_fsdp_method(model, "hidden_states")
+        head = unwrap_head(model_lm_head(model).module)
+        unit = fsdp2_unit_of(root, _weight_holder(head).weight)
+        if unit is None or unit is root or unit is head:  # the root: unsharded for the whole step
+            continue
+        if not hasattr(unit, "set_reshard_after_forward"):
+            raise NotImplementedError(
+                f"the {type(model).__name__}'s LM head is in the FSDP2 unit {type(unit).__name__}, not a unit of"
+                " its own: with this torch's FSDP2 that unit cannot keep it unsharded for the loss (no"
+                " set_reshard_after_forward); update torch, or shard the (untied) head as a unit of its own"
+            )
+        unit.set_reshard_after_forward(False, recurse=False)
+        units.append((unit, model))
+    return units
 
 
 def _fused_distillation(*args: Any, **kwargs: Any) -> Tensor:
@@ -444,52 +495,20 @@ class DistillationModule(StepNormalization, pl.LightningModule):
 
     def configure_model(self) -> None:
         """Under Lightning's ``ModelParallelStrategy`` (FSDP2): the student and the teacher each sharded by its own
-        ``configure_model`` (a LightningModule's, as TinyGPT's: every block, an untied head, then the model) on this
-        module's device mesh, then this module as the root unit; the methods the loss calls instead of ``forward``
-        are registered with FSDP2 (the steps, each model's ``hidden_states``). A model without a
-        ``configure_model`` of its own stays in the root unit. A no-op without a device mesh, and for a module
-        already sharded (``configure_model`` runs again for ``trainer.validate`` after ``fit``)."""
-        if self.device_mesh is None:
-            return
-        if not is_fsdp2_module(self):
-            for model in (self.student, self.teacher):
-                if isinstance(model, pl.LightningModule) and is_overridden(
-                    "configure_model", model, pl.LightningModule
-                ):
-                    # Lightning gives the mesh to the root module only; the models' configure_model reads it there
-                    model._device_mesh = self.device_mesh
-                    model.configure_model()
-        fully_shard_lm(self, self.device_mesh["data_parallel"])  # (the root; already sharded: left as it is)
+        ``configure_model``, then this module as the root unit (:func:`shard_models_fsdp2`), and the methods the
+        loss calls instead of ``forward`` registered with FSDP2 (:meth:`_prepare_fsdp2`). A no-op without a device
+        mesh, and for a module already sharded (``configure_model`` runs again for ``trainer.validate`` after
+        ``fit``)."""
+        shard_models_fsdp2(self, (self.student, self.teacher))
         self._prepare_fsdp2()
 
     def _prepare_fsdp2(self) -> None:
-        """FSDP2 unshards a unit's parameters around ``forward`` only. So the step methods (this module) and each
-        model's ``hidden_states`` (what the loss calls instead of ``forward``) are registered as forward methods.
-        And a head that is not a unit of its own (tied to the embeddings, or left in its model's unit) has its
-        weight in a unit that would reshard it when ``hidden_states`` returns, before the loss reads it: that unit
-        keeps its parameters unsharded after forward, as a root unit does (the student's until its backward; see
-        :meth:`_reshard_head_units`). No-ops for modules that are not sharded, and when called again."""
-        if not any(map(is_fsdp2_module, self.modules())):
-            return
-        register_fsdp_step_methods(self)
-        units: list[tuple[nn.Module, bool]] = []
-        for model in (self.student, self.teacher):
-            if model is None:
-                continue
-            register_fsdp_method(model, "hidden_states")
-            head = unwrap_head(model_lm_head(model).module)
-            unit = fsdp2_unit_of(self, _weight_holder(head).weight)
-            if unit is None or unit is self or unit is head:  # the root: unsharded for the whole step
-                continue
-            if not hasattr(unit, "set_reshard_after_forward"):
-                raise NotImplementedError(
-                    f"the {type(model).__name__}'s LM head is in the FSDP2 unit {type(unit).__name__}, not a unit of"
-                    " its own: with this torch's FSDP2 that unit cannot keep it unsharded for the loss (no"
-                    " set_reshard_after_forward); update torch, or shard the (untied) head as a unit of its own"
-                )
-            unit.set_reshard_after_forward(False, recurse=False)
-            units.append((unit, model is self.teacher))
-        self._fsdp_head_units = units
+        """The step methods and each model's ``hidden_states`` registered with FSDP2, and the units that hold a
+        head (not a unit of its own) kept unsharded after forward (:func:`keep_heads_unsharded`; the student's
+        until its backward, the teacher's until the loss has run: :meth:`_reshard_head_units`). No-ops for
+        modules that are not sharded, and when called again."""
+        units = keep_heads_unsharded(self, (self.student, self.teacher))
+        self._fsdp_head_units = [(unit, model is self.teacher) for unit, model in units]
 
     def _reshard_head_units(self, *, teacher_only: bool) -> None:
         """Frees the unsharded parameters that :meth:`_prepare_fsdp2` kept for the loss, once it has run: the

@@ -26,8 +26,10 @@ from lightning_flce.models.distill import (
     TEACHER_TOP_K_KEYS,
     dtype_named,
     final_hidden_states,
+    keep_heads_unsharded,
     load_teacher_checkpoint,
     model_lm_head,
+    shard_models_fsdp2,
 )
 from lightning_flce.options import ImplName, LogitsPrecision
 from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_top_k
@@ -146,6 +148,8 @@ class TeacherTopKModule(pl.LightningModule):
         self.teacher = teacher if teacher is not None else load_teacher_checkpoint(str(teacher_checkpoint))
         self.teacher.requires_grad_(False)
         self.teacher.eval()
+        # FSDP2 units that hold the teacher's head (not a unit of its own), kept unsharded after forward
+        self._head_units: list[tuple[nn.Module, nn.Module]] = []
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> TopKOutput:
         hp = self.hparams
@@ -158,6 +162,17 @@ class TeacherTopKModule(pl.LightningModule):
             logits_precision=hp.logits_precision,
             chunk_size=hp.chunk_size,
         )
+
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy`` (FSDP2): the teacher sharded by its own ``configure_model``
+        (TinyGPT's: every block, an untied head, then the model) over the data-parallel ranks, this module the
+        root unit; each rank then gathers one unit's parameters at a time, and the head's for the top k. A no-op
+        without a device mesh."""
+        shard_models_fsdp2(self, (self.teacher,))
+        self._head_units = keep_heads_unsharded(self, (self.teacher,))
+
+    def on_predict_start(self) -> None:
+        self._head_units = keep_heads_unsharded(self, (self.teacher,))
 
     def setup(self, stage: str) -> None:
         head = self._sharded_head()
@@ -176,6 +191,8 @@ class TeacherTopKModule(pl.LightningModule):
         self, batch: dict[str, Tensor], batch_idx: int, dataloader_idx: int = 0
     ) -> Optional[dict[str, Tensor]]:
         top = self(batch["input_ids"], batch.get("attention_mask"))
+        for unit, _ in self._head_units:  # the head's unit, kept unsharded for the top k: freed again
+            unit.reshard()
         if not self.writes_predictions:
             return None  # the same record as the head group's first rank's: that one is kept
         record = {key: batch[key] for key in _KEPT_KEYS if key in batch}
