@@ -109,11 +109,13 @@ class TeacherTopKModule(pl.LightningModule):
     :class:`~lightning_flce.callbacks.TopKCacheWriter` writes and :class:`~lightning_flce.data.TopKCacheDataset`
     reads back for ``DistillationModule(cached_teacher=True)``.
 
-    A tensor-parallel teacher (its LM head a :class:`~lightning_flce.parallel.VocabParallelHead`): run one
-    single-device Trainer per rank of the head's group on the same data (or ``ModelParallelStrategy``); every
-    rank computes the top k on its rows, and only the group's first rank returns the record (the others ``None``:
-    :attr:`writes_predictions`), so the cache holds each batch once. Strategies that give each rank its own batches
-    (DDP, FSDP, DeepSpeed) are refused for such a teacher.
+    Sharded: under ``ModelParallelStrategy`` (FSDP2) :meth:`configure_model` shards the teacher (each rank holds
+    its share of the parameters and gathers one unit at a time). A tensor-parallel teacher (its LM head a
+    :class:`~lightning_flce.parallel.VocabParallelHead`): run one single-device Trainer per rank of the head's
+    group on the same data (or ``ModelParallelStrategy``); every rank computes the top k on its rows, and only the
+    group's first rank returns the record (the others ``None``: :attr:`writes_predictions`), so the cache holds
+    each batch once. Strategies that give each rank its own batches (DDP, FSDP, DeepSpeed) are refused for such a
+    teacher.
 
     Args:
         teacher: the teacher model (see :func:`teacher_top_k`), or None with ``teacher_checkpoint``.
