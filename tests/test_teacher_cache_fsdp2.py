@@ -112,10 +112,9 @@ def test_fsdp2_sharded_teacher_writes_the_unsharded_teachers_top_k(results, vari
         saved = rank[variant]
         assert saved["error"] is None, saved["error"]
         # 2 batches a rank, each on the whole head weight, which is sharded again after each
-        assert (
-            saved["op_weights"] == [("Tensor", (83, 16))] * 2
-            or saved["op_weights"] == [("Parameter", (83, 16))] * 2
-        ), saved["op_weights"]
+        assert len(saved["op_weights"]) == 2, saved["op_weights"]
+        for type_name, shape in saved["op_weights"]:  # the unsharded parameter's data, never a DTensor shard
+            assert type_name in ("Parameter", "Tensor") and shape == (83, 16), saved["op_weights"]
         assert saved["sharded_after"] == [True, True]
     dataset = TopKCacheDataset(str(out_dir / variant))
     teacher = tiny_gpt(tie_embeddings=VARIANTS[variant]).double().eval()
