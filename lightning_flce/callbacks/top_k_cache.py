@@ -19,8 +19,9 @@ __all__ = ["TopKCacheWriter"]
 
 class TopKCacheWriter(BasePredictionWriter):
     """Saves every prediction batch's dict of tensors to ``dirpath`` (``torch.save``, one file a batch and rank,
-    :func:`~lightning_flce.data.top_k_cache.cache_file_name`), as the batch ends: a cache larger than memory is never held (pass
-    ``return_predictions=False`` to ``trainer.predict`` so that Lightning does not hold it either).
+    :func:`~lightning_flce.data.top_k_cache.cache_file_name`), as the batch ends: a cache larger than memory is
+    never held (pass ``return_predictions=False`` to ``trainer.predict`` so that Lightning does not hold it
+    either).
 
     Under DDP each rank writes the batches of its share of the dataset; Lightning's distributed sampler pads the
     last share with repeated samples, so a cache of a dataset whose size the ranks do not divide holds a few

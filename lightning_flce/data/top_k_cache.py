@@ -112,9 +112,9 @@ class TopKCacheDataset(Dataset):
 
 class TopKCacheDataModule(pl.LightningDataModule):
     """Training batches from a top-k cache's prediction dataloader ``train_dataloader_idx`` (shuffled, the last
-    partial batch dropped; items of different lengths padded by :func:`collate_top_k`) and validation batches from ``val_dataloader_idx`` (None: no validation), for
-    ``DistillationModule(cached_teacher=True)``: the cache ``lightning-flce predict --config teacher_cache`` writes
-    (0: the training split, 1: the validation split)."""
+    partial batch dropped; items of different lengths padded by :func:`collate_top_k`) and validation batches from
+    ``val_dataloader_idx`` (None: no validation), for ``DistillationModule(cached_teacher=True)``: the cache
+    ``lightning-flce predict --config teacher_cache`` writes (0: the training split, 1: the validation split)."""
 
     def __init__(
         self,

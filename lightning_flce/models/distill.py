@@ -240,25 +240,30 @@ def _frozen(tensor: Tensor) -> Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
+def vocab_parallel_lm_head(model: nn.Module) -> Optional[VocabParallelHead]:
+    """``model``'s LM head (found as :func:`model_lm_head` finds it) where it is a
+    :class:`~lightning_flce.parallel.VocabParallelHead` (a tensor-parallel model's), else None."""
+    head = unwrap_head(model_lm_head(model).module)
+    return head if isinstance(head, VocabParallelHead) else None
+
+
 def _vocab_parallel_head(student: nn.Module, teacher: Optional[nn.Module]) -> Optional[VocabParallelHead]:
     """The student's LM head when it is a :class:`~lightning_flce.parallel.VocabParallelHead` (a teacher model's
     must then be one with the same group and rows; a cached teacher has none), else None (and the teacher's must
     not be one); a clear error otherwise."""
-    head = unwrap_head(model_lm_head(student).module)
-    teacher_head = None if teacher is None else unwrap_head(model_lm_head(teacher).module)
-    sharded = isinstance(head, VocabParallelHead)
+    head = vocab_parallel_lm_head(student)
     if teacher is None:
-        return head if sharded else None
-    if teacher_head is not None and isinstance(teacher_head, VocabParallelHead) != sharded:
-        which = "student's" if sharded else "teacher's"
+        return head
+    teacher_head = vocab_parallel_lm_head(teacher)
+    if (teacher_head is None) != (head is None):
+        which = "student's" if head is not None else "teacher's"
         raise ValueError(
             f"only the {which} LM head is a VocabParallelHead: shard both heads over the vocabulary alike (the same"
             " rows of the shared tokenizer on each rank, e.g. VocabParallelHead.from_linear(head, group=tp_group)"
             " on both models) or neither"
         )
-    if not sharded:
+    if head is None or teacher_head is None:
         return None
-    assert isinstance(head, VocabParallelHead) and isinstance(teacher_head, VocabParallelHead)
     layout = (head.vocab_size, head.vocab_start, head.weight.shape[0])
     teacher_layout = (teacher_head.vocab_size, teacher_head.vocab_start, teacher_head.weight.shape[0])
     if teacher_head.group is not head.group or layout != teacher_layout:

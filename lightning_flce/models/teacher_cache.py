@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_flce.distill.top_k import TopKOutput, fused_linear_top_k
-from lightning_flce.head import unwrap_head
 from lightning_flce.head_calls import run_in_head
 from lightning_flce.mixin_checks import whole_world_strategy
 from lightning_flce.models.distill import (
@@ -30,9 +29,10 @@ from lightning_flce.models.distill import (
     load_teacher_checkpoint,
     model_lm_head,
     shard_models_fsdp2,
+    vocab_parallel_lm_head,
 )
 from lightning_flce.options import ImplName, LogitsPrecision
-from lightning_flce.parallel import VocabParallelHead, vocab_parallel_fused_linear_top_k
+from lightning_flce.parallel import vocab_parallel_fused_linear_top_k
 
 __all__ = ["TeacherTopKModule", "teacher_top_k"]
 
@@ -66,8 +66,7 @@ def teacher_top_k(
     (:func:`~lightning_flce.parallel.vocab_parallel_fused_linear_top_k`) and every rank gets the whole vocabulary's
     top k. The ranks check that they hold the same tokens (the input ids' fingerprint) before any kernel."""
     resolved = model_lm_head(model)
-    head = unwrap_head(resolved.module)
-    sharded = head if isinstance(head, VocabParallelHead) else None
+    sharded = vocab_parallel_lm_head(model)
     target = None
     if sharded is not None:
         # in [0, V), so that the ranks' agreement compares the tokens they were given (as the targets it checks)
@@ -177,7 +176,7 @@ class TeacherTopKModule(pl.LightningModule):
         self._head_units = keep_heads_unsharded(self, (self.teacher,))
 
     def setup(self, stage: str) -> None:
-        head = self._sharded_head()
+        head = vocab_parallel_lm_head(self.teacher)
         if head is None or self._trainer is None or dist.get_world_size(head.group) == 1:
             return
         if whole_world_strategy(self.trainer) and self.trainer.world_size > 1:
@@ -206,13 +205,8 @@ class TeacherTopKModule(pl.LightningModule):
     def writes_predictions(self) -> bool:
         """False on the ranks of a tensor-parallel teacher's head group other than its first: their records
         repeat that rank's (:class:`~lightning_flce.callbacks.TopKCacheWriter` writes none there)."""
-        head = self._sharded_head()
+        head = vocab_parallel_lm_head(self.teacher)
         return head is None or dist.get_rank(head.group) == 0
-
-    def _sharded_head(self) -> Optional[VocabParallelHead]:
-        """The teacher's LM head where it is a VocabParallelHead (a tensor-parallel teacher), else None."""
-        head = unwrap_head(model_lm_head(self.teacher).module)
-        return head if isinstance(head, VocabParallelHead) else None
 
     def configure_optimizers(self) -> Any:
         return None
